@@ -1,0 +1,142 @@
+"""Configuration models of the packer.
+
+These pydantic models are the single source of truth for a pack: the CLI reads
+them from YAML, the operator embeds them in the `PackJob` CRD (camelCase keys,
+as Kubernetes users expect), and the manifest records them with a hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+
+class CamelModel(BaseModel):
+    """Base: camelCase in YAML/JSON (Kubernetes style), snake_case in Python; unknown keys are errors."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+    def dump(self) -> dict[str, Any]:
+        """The camelCase dict, as written in manifests and CRs."""
+        return self.model_dump(mode="json", by_alias=True)
+
+
+Format = Literal["auto", "sharegpt", "messages", "typed"]
+Family = Literal["qwen2-vl", "qwen2.5-vl"]
+Algorithm = Literal["bfd", "next_fit", "swift", "knapsack"]
+OverlongPolicy = Literal["drop", "truncate", "error"]
+LabelMode = Literal["all_assistant", "last_assistant", "all"]
+MediaStorage = Literal["original", "resized"]
+
+
+class FieldMap(CamelModel):
+    """Column and role names of the input records, replacing any interactive mapping step."""
+
+    conversations: str = Field("conversations", description="ShareGPT turn-list column.")
+    messages: str = Field("messages", description="role/content turn-list column.")
+    role_key: str = Field("from", description="ShareGPT key holding a turn's role.")
+    content_key: str = Field("value", description="ShareGPT key holding a turn's text.")
+    images: str = "images"
+    videos: str = "videos"
+    audios: str = "audios"
+    system: str = "system"
+    tools: str = "tools"
+    id: str = "id"
+    user_roles: list[str] = Field(default_factory=lambda: ["human", "user"])
+    assistant_roles: list[str] = Field(default_factory=lambda: ["gpt", "assistant"])
+    system_roles: list[str] = Field(default_factory=lambda: ["system"])
+    function_call_roles: list[str] = Field(default_factory=lambda: ["function_call"])
+    observation_roles: list[str] = Field(default_factory=lambda: ["observation", "tool"])
+    image_placeholder: str = "<image>"
+    video_placeholder: str = "<video>"
+
+
+class SourceConfig(CamelModel):
+    """Where the dataset is and how to read it."""
+
+    paths: list[str] = Field(..., min_length=1, description="Files or globs (JSON arrays or JSONL).")
+    format: Format = Field("auto", description="Record format; auto detects per record.")
+    field_map: FieldMap = Field(default_factory=FieldMap)
+    media_root: str | None = Field(
+        None, description="Folder relative media paths resolve against; default: each dataset file's folder."
+    )
+
+
+class ModelConfig(CamelModel):
+    """Model family and its processor settings: these decide the exact vision-token counts."""
+
+    family: Family = "qwen2-vl"
+    path: str = Field(..., description="Folder with tokenizer, chat template and preprocessor config.")
+    chat_template: str | None = Field(None, description="Path to a Jinja template overriding the folder's.")
+    min_pixels: int | None = Field(None, ge=1, description="Default: the folder's preprocessor config.")
+    max_pixels: int | None = Field(None, ge=1, description="Default: the folder's preprocessor config.")
+    video_min_pixels: int | None = Field(None, ge=1)
+    video_max_pixels: int | None = Field(None, ge=1)
+    fps: float = Field(2.0, gt=0, description="Video frame sampling rate.")
+    min_frames: int = Field(4, ge=1)
+    max_frames: int = Field(768, ge=1)
+
+    @model_validator(mode="after")
+    def _frames_order(self) -> ModelConfig:
+        if self.min_frames > self.max_frames:
+            raise ValueError(f"minFrames ({self.min_frames}) must not exceed maxFrames ({self.max_frames})")
+        return self
+
+
+class PackingConfig(CamelModel):
+    """How samples become fixed-length sequences."""
+
+    max_length: int = Field(4096, ge=16, description="Tokens per packed sequence.")
+    algorithm: Algorithm = Field("bfd", description="bfd (default), or a baseline: next_fit, swift, knapsack.")
+    overlong: OverlongPolicy = Field("drop", description="Samples longer than maxLength: drop, truncate, error.")
+    partial_threshold: int | None = Field(
+        None, ge=1, description="Samples at least this long get a sequence of their own."
+    )
+    seed: int = 0
+    label_mode: LabelMode = Field("all_assistant", description="Which turns are trained on.")
+    sequences_per_shard: int = Field(1024, ge=1)
+    media_storage: MediaStorage = Field(
+        "original", description="original bytes, or pre-resized images / sampled frames (less decode on GPUs)."
+    )
+
+
+class PackConfig(CamelModel):
+    """A whole pack job as the packer sees it (the `PackJob` spec minus cluster-only fields)."""
+
+    source: SourceConfig
+    model: ModelConfig
+    packing: PackingConfig = Field(default_factory=PackingConfig)
+
+    def config_hash(self) -> str:
+        """sha256 over the canonical JSON: same config, same hash."""
+        blob = json.dumps(self.dump(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+
+PACK_FIELDS = set(PackConfig.model_fields) | {to_camel(k) for k in PackConfig.model_fields}
+
+
+def spec_from_document(doc: dict[str, Any], kind: str) -> dict[str, Any]:
+    """Accept a whole manifest (apiVersion/kind/metadata/spec) or a bare spec."""
+    if "spec" in doc and ("kind" in doc or "apiVersion" in doc):
+        if doc.get("kind") not in (None, kind):
+            raise ValueError(f"expected a {kind} manifest, got kind {doc.get('kind')!r}")
+        return dict(doc["spec"])
+    return dict(doc)
+
+
+def load_pack_config(path: str | Path) -> PackConfig:
+    """Read a `PackJob` manifest or spec (the first PackJob of a multi-document YAML)."""
+    docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
+    if not docs:
+        raise ValueError(f"{path}: empty YAML; expected a PackJob manifest or spec")
+    chosen = next((d for d in docs if d.get("kind") == "PackJob"), docs[0])
+    spec = spec_from_document(chosen, "PackJob")
+    spec = {k: v for k, v in spec.items() if k in PACK_FIELDS}
+    return PackConfig.model_validate(spec)

@@ -1,0 +1,231 @@
+#!/usr/bin/env bash
+# Build the local Kubernetes control plane the cluster tests run against.
+#
+# Everything comes from the Go module proxy: kube-apiserver, kube-controller-manager,
+# kube-scheduler and kubectl from k8s.io/kubernetes, etcd from go.etcd.io/etcd/server/v3/embed,
+# helm from helm.sh/helm/v3, the Kubeflow training-operator from its module, and the Kubeflow
+# CRDs copied out of their modules. Results go to a cache keyed by the Kubernetes version, and
+# a component is rebuilt only when its inputs change, so a warm run takes well under a second.
+#
+# Usage: bash tests/cluster/build.sh [--print-bin-dir | --print-crd-dir | --update-gomod]
+#                                    [--no-training-operator]
+# The last line of stdout is the bin directory. Details go to <cache>/build.log.
+#
+# Environment:
+#   PACKTRAIN_CACHE_DIR    cache root (default: ${XDG_CACHE_HOME:-~/.cache}/packtrain)
+#   PACKTRAIN_GOTOOLCHAIN  passed as GOTOOLCHAIN (default "auto": when the installed Go is older
+#                          than a go.mod's `go` line, the go command fetches a newer toolchain
+#                          from the module proxy)
+#   PACKTRAIN_GOSUMDB      passed as GOSUMDB (default "off": the committed go.sum files and the
+#                          pinned sums below are the trust anchor, so runners that reach only a
+#                          module proxy work too)
+#   GOPROXY, GOFLAGS       honoured as usual; builds use at most 2 parallel jobs (-p 2)
+set -euo pipefail
+
+K8S_VERSION=v1.37.2
+HELM_VERSION=v3.22.0
+TRAINING_OPERATOR_VERSION=v1.9.3
+TRAINER_VERSION=v2.1.0
+# h1: sums of the modules we only copy CRDs from (verified after download).
+TRAINING_OPERATOR_SUM="h1:aaSHqskOtCY8Dn8sVd+l9p5XAczW6O0nYMPjVLAw/lc="
+TRAINER_SUM="h1:jRABD9ZYToamNH2atHze3L/VC/v6KCAqUEqsOQOjVTg="
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+GO_SRC="$HERE/go"
+CACHE_ROOT="${PACKTRAIN_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/packtrain}"
+CLUSTER_DIR="$CACHE_ROOT/cluster/$K8S_VERSION"
+BIN="$CLUSTER_DIR/bin"
+CRDS="$CLUSTER_DIR/crds"
+STAMPS="$CLUSTER_DIR/stamps"
+LOG="$CLUSTER_DIR/build.log"
+UNAVAILABLE="$CLUSTER_DIR/UNAVAILABLE"
+
+WITH_TRAINING_OPERATOR=1
+UPDATE_GOMOD=0
+for arg in "$@"; do
+  case "$arg" in
+    --print-bin-dir) echo "$BIN"; exit 0 ;;
+    --print-crd-dir) echo "$CRDS"; exit 0 ;;
+    --update-gomod) UPDATE_GOMOD=1 ;;
+    --no-training-operator) WITH_TRAINING_OPERATOR=0 ;;
+    -h|--help) sed -n '2,23p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "build.sh: unknown argument $arg (try --help)" >&2; exit 2 ;;
+  esac
+done
+
+mkdir -p "$BIN" "$CRDS" "$STAMPS"
+exec 9>"$CLUSTER_DIR/.lock"
+if ! flock -n 9; then
+  echo "build.sh: another build holds $CLUSTER_DIR/.lock; waiting for it" >&2
+  flock 9
+fi
+
+say() { echo "build.sh: $*" >&2; echo "[$(date -u +%FT%TZ)] $*" >>"$LOG"; }
+run() { echo "[$(date -u +%FT%TZ)] \$ $*" >>"$LOG"; "$@" >>"$LOG" 2>&1; }
+# Record why a build cannot happen on this machine, so the test fixture can skip loudly
+# rather than fail; anything else that goes wrong is a real error.
+impossible() {
+  printf '%s\n' "$*" >"$UNAVAILABLE"
+  say "CANNOT BUILD: $* (recorded in $UNAVAILABLE)"
+  exit 3
+}
+
+export PATH="$PATH:/usr/local/go/bin"
+command -v go >/dev/null || impossible "no 'go' command on PATH; install Go >= 1.26 (https://go.dev/dl) and rerun bash tests/cluster/build.sh"
+export GOMODCACHE="$CACHE_ROOT/go/mod"
+export GOCACHE="$CACHE_ROOT/go/build"
+export GOTOOLCHAIN="${PACKTRAIN_GOTOOLCHAIN:-auto}"
+export GOSUMDB="${PACKTRAIN_GOSUMDB:-off}"
+export GOFLAGS="${GOFLAGS:-} -mod=mod -buildvcs=false"
+export CGO_ENABLED=0
+GO_VERSION="$(cd "$GO_SRC/kube" && go env GOVERSION)" ||
+  impossible "the go command cannot provide the toolchain the build needs (GOTOOLCHAIN=$GOTOOLCHAIN); see $LOG"
+
+# download MODULE@VERSION: print the module's directory and check its sum when one is pinned.
+download() {
+  local json dir sum
+  json="$(go mod download -json "$1" 2>>"$LOG")" ||
+    impossible "cannot download $1 from the Go module proxy (GOPROXY=$(go env GOPROXY)); see $LOG"
+  dir="$(sed -n 's/^\t"Dir": "\(.*\)",$/\1/p' <<<"$json")"
+  sum="$(sed -n 's/^\t"Sum": "\(.*\)",$/\1/p' <<<"$json")"
+  if [[ -n "${2:-}" && "$2" != "$sum" ]]; then
+    say "checksum mismatch for $1: got $sum, build.sh pins $2"
+    exit 1
+  fi
+  echo "$dir"
+}
+
+# stamp NAME INPUT...: a digest of what a component was built from.
+stamp() {
+  local name="$1"; shift
+  { echo "$name $GO_VERSION"; printf '%s\n' "$@"; } | sha256sum | cut -d' ' -f1
+}
+fresh() { [[ -f "$STAMPS/$1" && "$(cat "$STAMPS/$1")" == "$2" ]]; }
+bins_present() { local b; for b in "$@"; do [[ -x "$BIN/$b" ]] || return 1; done; }
+module_files() { find "$1" -type f \( -name '*.go' -o -name go.mod -o -name go.sum \) -print0 | sort -z | xargs -0 cat; }
+
+# --- Kubernetes + etcd -------------------------------------------------------------------------
+# k8s.io/kubernetes replaces its staging modules (k8s.io/api, ...) with ./staging paths, which
+# only resolve inside its own repository. Our wrapper go.mod replaces each of them with the
+# published v0.Y.Z instead; the list is generated from the downloaded go.mod, never kept by hand.
+gen_kube_gomod() {
+  local gomod staging_version etcd_version modfile="$GO_SRC/kube/go.mod"
+  gomod="$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION" 2>>"$LOG" |
+    sed -n 's/^\t"GoMod": "\(.*\)",$/\1/p')"
+  [[ -f "$gomod" ]] || impossible "cannot download k8s.io/kubernetes@$K8S_VERSION from the Go module proxy; see $LOG"
+  staging_version="v0.${K8S_VERSION#v1.}"
+  etcd_version="$(awk '$1 == "go.etcd.io/etcd/server/v3" { print $2 }' "$gomod")"
+  say "generating $modfile for k8s.io/kubernetes $K8S_VERSION (staging $staging_version, etcd $etcd_version)"
+  {
+    echo "// Generated by tests/cluster/build.sh --update-gomod from k8s.io/kubernetes@$K8S_VERSION's go.mod."
+    echo "module packtrain.dev/tests/cluster/kube"
+    echo
+    awk '$1 == "go" { print; exit }' "$gomod"
+    echo
+    echo "require ("
+    echo "	go.etcd.io/etcd/server/v3 $etcd_version"
+    echo "	k8s.io/kubernetes $K8S_VERSION"
+    echo ")"
+    echo
+    echo "tool ("
+    for cmd in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+      echo "	k8s.io/kubernetes/cmd/$cmd"
+    done
+    echo ")"
+    echo
+    echo "replace ("
+    sed -n 's#^[[:space:]]*\(k8s\.io/[^[:space:]]*\) => \./staging/.*#\1#p' "$gomod" | sort -u |
+      while read -r mod; do echo "	$mod => $mod $staging_version"; done
+    echo ")"
+  } >"$modfile"
+  (cd "$GO_SRC/kube" && rm -f go.sum && run go mod tidy) ||
+    impossible "go mod tidy failed for the Kubernetes wrapper module (module proxy unreachable?); see $LOG"
+}
+
+if [[ $UPDATE_GOMOD == 1 ]] || ! head -1 "$GO_SRC/kube/go.mod" 2>/dev/null | grep -q "k8s.io/kubernetes@$K8S_VERSION's"; then
+  gen_kube_gomod
+fi
+
+kube_ldflags() {
+  local commit major minor
+  commit="$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION" 2>>"$LOG" |
+    sed -n 's/^\t\t"Hash": "\(.*\)",$/\1/p')"
+  major="${K8S_VERSION#v}"; major="${major%%.*}"
+  minor="${K8S_VERSION#v*.}"; minor="${minor%%.*}"
+  local flags="-s -w" pkg key val
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    for kv in "gitVersion=$K8S_VERSION" "gitMajor=$major" "gitMinor=$minor" "gitCommit=$commit" \
+              "gitTreeState=clean" "buildDate=$KUBE_BUILD_DATE"; do
+      key="${kv%%=*}"; val="${kv#*=}"
+      flags+=" -X $pkg.$key=$val"
+    done
+  done
+  echo "$flags"
+}
+
+KUBE_BINS=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd)
+KUBE_STAMP="$(stamp kube "$K8S_VERSION" "$(module_files "$GO_SRC/kube")")"
+if fresh kube "$KUBE_STAMP" && bins_present "${KUBE_BINS[@]}"; then
+  say "kubernetes $K8S_VERSION + etcd: up to date"
+else
+  say "building kube-apiserver, kube-controller-manager, kube-scheduler, kubectl $K8S_VERSION and etcd (cold: ~20 min on 2 cores)"
+  # The build date is the module's commit time, so rebuilds are reproducible.
+  KUBE_BUILD_DATE="$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION" 2>>"$LOG" |
+    sed -n 's/^\t"Time": "\(.*\)",$/\1/p' | sed 's/\.[0-9]*Z$/Z/')"
+  t0=$SECONDS
+  (cd "$GO_SRC/kube" && run go build -p 2 -trimpath -ldflags "$(kube_ldflags)" -o "$BIN/" \
+      k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
+      k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl ./etcd) ||
+    { say "Kubernetes build failed; see $LOG"; exit 1; }
+  echo "$KUBE_STAMP" >"$STAMPS/kube"
+  say "kubernetes + etcd built in $((SECONDS - t0)) s"
+fi
+
+# --- helm ----------------------------------------------------------------------------------------
+HELM_STAMP="$(stamp helm "$HELM_VERSION" "$(module_files "$GO_SRC/helm")")"
+if fresh helm "$HELM_STAMP" && [[ -x "$BIN/helm" ]]; then
+  say "helm $HELM_VERSION: up to date"
+else
+  say "building helm $HELM_VERSION"
+  t0=$SECONDS
+  (cd "$GO_SRC/helm" && run go build -p 2 -trimpath \
+      -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean" \
+      -o "$BIN/helm" helm.sh/helm/v3/cmd/helm) ||
+    { say "helm build failed; see $LOG"; exit 1; }
+  echo "$HELM_STAMP" >"$STAMPS/helm"
+  say "helm built in $((SECONDS - t0)) s"
+fi
+
+# --- Kubeflow training-operator (optional) -------------------------------------------------------
+if [[ $WITH_TRAINING_OPERATOR == 1 ]]; then
+  TO_STAMP="$(stamp training-operator "$TRAINING_OPERATOR_VERSION" "$(module_files "$GO_SRC/kubeflow")")"
+  if fresh training-operator "$TO_STAMP" && [[ -x "$BIN/training-operator" ]]; then
+    say "training-operator $TRAINING_OPERATOR_VERSION: up to date"
+  else
+    say "building training-operator $TRAINING_OPERATOR_VERSION"
+    t0=$SECONDS
+    (cd "$GO_SRC/kubeflow" && run go build -p 2 -trimpath -ldflags "-s -w" -o "$BIN/training-operator" \
+        github.com/kubeflow/training-operator/cmd/training-operator.v1) ||
+      { say "training-operator build failed; see $LOG"; exit 1; }
+    echo "$TO_STAMP" >"$STAMPS/training-operator"
+    say "training-operator built in $((SECONDS - t0)) s"
+  fi
+fi
+
+# --- CRDs, copied from their modules -------------------------------------------------------------
+CRD_STAMP="$(stamp crds "$TRAINING_OPERATOR_VERSION $TRAINING_OPERATOR_SUM" "$TRAINER_VERSION $TRAINER_SUM")"
+if fresh crds "$CRD_STAMP"; then
+  say "CRDs: up to date"
+else
+  to_dir="$(download "github.com/kubeflow/training-operator@$TRAINING_OPERATOR_VERSION" "$TRAINING_OPERATOR_SUM")"
+  trainer_dir="$(download "github.com/kubeflow/trainer/v2@$TRAINER_VERSION" "$TRAINER_SUM")"
+  rm -rf "$CRDS" && mkdir -p "$CRDS/training-operator" "$CRDS/trainer"
+  cp "$to_dir/manifests/base/crds/kubeflow.org_pytorchjobs.yaml" "$CRDS/training-operator/"
+  cp "$trainer_dir"/manifests/base/crds/trainer.kubeflow.org_*.yaml "$CRDS/trainer/"
+  chmod -R u+w "$CRDS"
+  echo "$CRD_STAMP" >"$STAMPS/crds"
+  say "CRDs copied to $CRDS"
+fi
+
+rm -f "$UNAVAILABLE"
+echo "$BIN"

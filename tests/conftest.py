@@ -1,0 +1,21 @@
+"""Shared test fixtures: where the real fixture data lives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Real tokenizers, configs and datasets live beside the checkout, read-only.
+SHARED = (REPO.parent / "shared").resolve()
+MODELS = SHARED / "models"
+DATASETS = SHARED / "datasets"
+DEMO = DATASETS / "llamafactory-mllm-demo"
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    if not SHARED.is_dir():
+        pytest.fail(f"fixture data not found at {SHARED}: tests need the shared folder beside the checkout")
+    return SHARED
