@@ -146,19 +146,21 @@ if [[ $UPDATE_GOMOD == 1 ]] || ! head -1 "$GO_SRC/kube/go.mod" 2>/dev/null | gre
   gen_kube_gomod
 fi
 
+# Version ldflags as hack/lib/version.sh sets them, so the server reports its real version.
+# The build date is the release's publication time (from the module's .info), so rebuilds are
+# reproducible; the commit is recorded when the proxy reports the module's origin.
 kube_ldflags() {
-  local commit major minor
-  commit="$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION" 2>>"$LOG" |
-    sed -n 's/^\t\t"Hash": "\(.*\)",$/\1/p')"
+  local info time commit major minor flags="-s -w" pkg kv
+  info="$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION" 2>>"$LOG" |
+    sed -n 's/^\t"Info": "\(.*\)",$/\1/p')"
+  time="$(sed -n 's/.*"Time": *"\([^"]*\)".*/\1/p' "$info" | sed 's/\.[0-9]*Z$/Z/')"
+  commit="$(sed -n 's/.*"Hash": *"\([0-9a-f]*\)".*/\1/p' "$info")"
   major="${K8S_VERSION#v}"; major="${major%%.*}"
   minor="${K8S_VERSION#v*.}"; minor="${minor%%.*}"
-  local flags="-s -w" pkg key val
+  local -a kvs=("gitVersion=$K8S_VERSION" "gitMajor=$major" "gitMinor=$minor" "gitTreeState=clean" "buildDate=$time")
+  [[ -n "$commit" ]] && kvs+=("gitCommit=$commit")
   for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-    for kv in "gitVersion=$K8S_VERSION" "gitMajor=$major" "gitMinor=$minor" "gitCommit=$commit" \
-              "gitTreeState=clean" "buildDate=$KUBE_BUILD_DATE"; do
-      key="${kv%%=*}"; val="${kv#*=}"
-      flags+=" -X $pkg.$key=$val"
-    done
+    for kv in "${kvs[@]}"; do flags+=" -X $pkg.$kv"; done
   done
   echo "$flags"
 }
@@ -169,9 +171,6 @@ if fresh kube "$KUBE_STAMP" && bins_present "${KUBE_BINS[@]}"; then
   say "kubernetes $K8S_VERSION + etcd: up to date"
 else
   say "building kube-apiserver, kube-controller-manager, kube-scheduler, kubectl $K8S_VERSION and etcd (cold: ~20 min on 2 cores)"
-  # The build date is the module's commit time, so rebuilds are reproducible.
-  KUBE_BUILD_DATE="$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION" 2>>"$LOG" |
-    sed -n 's/^\t"Time": "\(.*\)",$/\1/p' | sed 's/\.[0-9]*Z$/Z/')"
   t0=$SECONDS
   (cd "$GO_SRC/kube" && run go build -p 2 -trimpath -ldflags "$(kube_ldflags)" -o "$BIN/" \
       k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \

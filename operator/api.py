@@ -1,0 +1,351 @@
+"""The `packtrain.dev/v1alpha1` API: `PackJob` and `SFTJob`.
+
+These pydantic models are the single source of truth: the operator validates
+custom resources with them, and `packtrain crds` turns them into the CRDs in
+`crds/` (see `crdgen`). The packer's and trainer's own config models are embedded
+as the `source`/`model`/`packing` and `data`/`model`/`training` sections, so the
+YAML a user runs locally is the YAML they put in a custom resource.
+
+Storage layout. A PackJob mounts one PersistentVolumeClaim, `output.claimName`,
+at `output.mountPath` (default `/data`) in every pod; the pack is written to
+`<mountPath>/<subPath or the PackJob's name>`. Source files and the model folder
+are read from paths inside the pod: put them on the same claim (e.g.
+`/data/datasets/…`, `/data/models/…`) or mount more claims with `volumes`.
+An SFTJob that references a PackJob mounts that PackJob's claim read-only at the
+same path, so the pack is found where the PackJob wrote it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from packtrain.packer.config import CamelModel, ModelConfig, PackingConfig, SourceConfig
+from packtrain.trainer.config import DataSpec, ModelSpec, TrainingSpec
+
+GROUP = "packtrain.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+PackPhase = Literal["Pending", "Converting", "Planning", "Materializing", "Succeeded", "Failed"]
+SFTPhase = Literal["Pending", "WaitingForData", "Running", "Succeeded", "Failed", "Suspended"]
+Backend = Literal["pytorchjob", "trainjob"]
+
+_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+_ABS_PATH = r"^/"
+
+
+def immutable_rules(kind: str, fields: list[str], optional: frozenset[str] = frozenset()) -> list[dict[str, str]]:
+    """CEL transition rules that refuse spec changes after creation, one per field so the error names it.
+
+    A half-applied change (new packing for an existing pack, new node count for a
+    running PyTorchJob) would leave children that disagree with their parent, so
+    the API server rejects the update instead and says what to do.
+    """
+    rules = []
+    for f in fields:
+        if f in optional:
+            rule = f"has(self.{f}) == has(oldSelf.{f}) && (!has(self.{f}) || self.{f} == oldSelf.{f})"
+        else:
+            rule = f"self.{f} == oldSelf.{f}"
+        rules.append(
+            {
+                "rule": rule,
+                "message": f"spec.{f} is immutable: delete the {kind} and create it again to change it",
+                "fieldPath": f".{f}",
+                "reason": "FieldValueForbidden",
+            }
+        )
+    return rules
+
+
+# Kubernetes building blocks, typed so the API server validates them (and CEL can compare them).
+
+
+class ResourceRequirements(CamelModel):
+    """Container requests/limits, as in a Pod spec (quantities: `2`, `500m`, `8Gi`)."""
+
+    requests: dict[str, int | str] | None = None
+    limits: dict[str, int | str] | None = None
+
+
+class Toleration(CamelModel):
+    """A Pod toleration (see the Kubernetes Pod API)."""
+
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class Scheduling(CamelModel):
+    """Where pods go. Unset fields take the operator's pool defaults (the chart's `pools` values)."""
+
+    node_selector: dict[str, str] | None = Field(
+        None, description="Default: the operator's pool selector (packtrain.dev/pool: cpu or gpu)."
+    )
+    tolerations: list[Toleration] | None = Field(None, description="Default: the operator's pool tolerations.")
+    affinity: dict[str, Any] | None = Field(None, description="A Pod affinity, passed through unchanged.")
+
+
+class ClaimMount(CamelModel):
+    """An extra PersistentVolumeClaim mounted into every pod of the job."""
+
+    name: str = Field(..., pattern=_NAME, max_length=50, description="Volume name in the pod.")
+    claim_name: str = Field(..., min_length=1)
+    mount_path: str = Field(..., pattern=_ABS_PATH)
+    sub_path: str | None = None
+    read_only: bool = True
+
+
+# PackJob
+
+
+class PackOutput(CamelModel):
+    """Where the pack goes: a claim mounted at `mountPath`, the pack under `subPath`."""
+
+    claim_name: str = Field(..., min_length=1, description="PersistentVolumeClaim (ReadWriteMany for >1 worker).")
+    sub_path: str | None = Field(
+        None, pattern=r"^[^/]", description="Folder inside the claim; default: the PackJob's name."
+    )
+    mount_path: str = Field("/data", pattern=_ABS_PATH, description="Where the claim is mounted in the pods.")
+
+
+class PackWorkers(Scheduling):
+    """The CPU pods of the convert and materialize stages (plan runs as one pod with the same settings)."""
+
+    count: int = Field(1, ge=1, le=1000, description="Parallel pods per stage: one index of an Indexed Job each.")
+    resources: ResourceRequirements | None = None
+    image: str | None = Field(None, description="Default: the operator's packer image.")
+    service_account_name: str | None = None
+    backoff_limit_per_index: int = Field(1, ge=0, le=100, description="Retries of a failed index.")
+
+
+class PackJobSpec(CamelModel):
+    """A pack: the packer's `source`, `model` and `packing` plus where and how to run it."""
+
+    model_config = CamelModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": immutable_rules(
+                "PackJob", ["source", "model", "packing", "output", "workers", "volumes"]
+            )
+        }
+    }
+
+    source: SourceConfig
+    model: ModelConfig
+    packing: PackingConfig = Field(default_factory=PackingConfig)
+    output: PackOutput
+    workers: PackWorkers = Field(default_factory=PackWorkers)
+    volumes: list[ClaimMount] = Field(default_factory=list, max_length=16)
+
+    def pack_config(self) -> dict[str, Any]:
+        """The part the packer reads (what `packtrain pack … -c` validates)."""
+        return {"source": self.source.dump(), "model": self.model.dump(), "packing": self.packing.dump()}
+
+
+class Condition(CamelModel):
+    """metav1.Condition."""
+
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(..., pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+    message: str = ""
+    last_transition_time: str
+    observed_generation: int | None = None
+
+
+class PackStats(CamelModel):
+    """What the packer reported (termination messages of its pods)."""
+
+    samples_in: int | None = Field(None, description="Input records read by convert.")
+    samples_packed: int | None = None
+    samples_rejected: int | None = None
+    tokens: int | None = None
+    sequences: int | None = None
+    shards: int | None = None
+    fill_ratio: float | None = Field(None, description="Real tokens / (sequences x maxLength).")
+    padding_saved: float | None = Field(None, description="Padding avoided vs one sample per row.")
+
+
+class PackJobStatus(CamelModel):
+    phase: PackPhase | None = None
+    stage: str | None = Field(None, description="Human-readable progress, e.g. `convert 3/4`.")
+    observed_generation: int | None = None
+    start_time: str | None = None
+    completion_time: str | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    stats: PackStats | None = None
+    output_path: str | None = Field(None, description="The pack folder inside the output claim's mount.")
+    manifest_digest: str | None = Field(None, description="sha256 of the pack's manifest.json.")
+
+
+class PackJob(CamelModel):
+    KIND: ClassVar[str] = "PackJob"
+    PLURAL: ClassVar[str] = "packjobs"
+    SHORT_NAMES: ClassVar[list[str]] = ["pj"]
+    PRINTER_COLUMNS: ClassVar[list[dict[str, str]]] = [
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Stage", "type": "string", "jsonPath": ".status.stage"},
+        {"name": "Samples", "type": "integer", "jsonPath": ".status.stats.samplesPacked",
+         "description": "Samples packed"},
+        {"name": "Fill", "type": "number", "jsonPath": ".status.stats.fillRatio",
+         "description": "Fill ratio of the packed sequences"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+    spec: PackJobSpec
+    status: PackJobStatus | None = None
+
+
+# SFTJob
+
+
+class SFTResources(Scheduling):
+    """Nodes, GPUs and the GPU pool."""
+
+    nodes: int = Field(1, ge=1, le=1024, description="Pods (torchrun nodes): 1 Master + nodes-1 Workers.")
+    gpus_per_node: int = Field(1, ge=0, le=64, description="nvidia.com/gpu per pod = torchrun processes per node.")
+    cpu: int | str | None = Field(None, description="CPU request and limit per pod, e.g. 16 or 15500m.")
+    memory: str | None = Field(None, description="Memory request and limit per pod, e.g. 200Gi.")
+
+
+class VolumeClaim(CamelModel):
+    claim_name: str = Field(..., min_length=1)
+    sub_path: str | None = None
+
+
+class SFTVolumes(CamelModel):
+    """Claims of the training pods. Data defaults to the referenced PackJob's output claim."""
+
+    data: VolumeClaim | None = Field(
+        None, description="Claim holding data.path, mounted read-only at /data; default: the PackJob's claim."
+    )
+    model: VolumeClaim | None = Field(
+        None, description="Claim holding model.path, mounted read-only at /models; omit if it is on data."
+    )
+    checkpoints: VolumeClaim = Field(
+        ..., description="Writable claim mounted at /checkpoints; the run writes to <subPath or name>/."
+    )
+
+
+class Runtime(CamelModel):
+    """The Kubeflow Trainer v2 runtime a `trainjob` backend runs against."""
+
+    name: str = "torch-distributed"
+    kind: Literal["ClusterTrainingRuntime", "TrainingRuntime"] = "ClusterTrainingRuntime"
+
+
+class SFTJobSpec(CamelModel):
+    """A training run: the trainer's `data`, `model` and `training` plus where and how to run it."""
+
+    IMMUTABLE: ClassVar[list[str]] = [
+        "data", "model", "training", "resources", "image", "volumes", "backend", "runtime",
+        "queueName", "metricsPort", "backoffLimit", "cleanPodPolicy", "serviceAccountName",
+    ]
+    model_config = CamelModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.data.path) != has(self.data.packJobRef)",
+                    "message": "spec.data needs exactly one of path (a pack folder) or packJobRef (a PackJob name)",
+                    "fieldPath": ".data",
+                },
+                {
+                    "rule": "!has(self.training) || !has(self.training.metricsPort)",
+                    "message": "set spec.metricsPort, not spec.training.metricsPort: the operator sets it",
+                    "fieldPath": ".training",
+                },
+                {
+                    "rule": "has(self.data.packJobRef) || has(self.volumes.data)",
+                    "message": "spec.volumes.data is required with data.path: name the claim that holds the pack",
+                    "fieldPath": ".volumes",
+                },
+                *immutable_rules(
+                    "SFTJob",
+                    IMMUTABLE,
+                    optional=frozenset({"image", "runtime", "queueName", "serviceAccountName"}),
+                ),
+            ]
+        }
+    }
+
+    data: DataSpec
+    model: ModelSpec
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    resources: SFTResources = Field(default_factory=SFTResources)
+    image: str | None = Field(None, description="Default: the operator's trainer image.")
+    volumes: SFTVolumes
+    backend: Backend = Field("pytorchjob", description="pytorchjob (Kubeflow Training v1) or trainjob (Trainer v2).")
+    runtime: Runtime | None = Field(None, description="trainjob only; default: ClusterTrainingRuntime torch-distributed.")
+    suspend: bool = Field(False, description="Suspend the training job (the one mutable field).")
+    queue_name: str | None = Field(None, description="Kueue LocalQueue; set as kueue.x-k8s.io/queue-name.")
+    metrics_port: int = Field(9400, ge=1024, le=65535, description="Trainer /metrics on port + local rank.")
+    backoff_limit: int = Field(0, ge=0, le=100, description="Restarts of the whole job before it fails.")
+    clean_pod_policy: Literal["None", "Running", "All"] = Field("None", description="Pods kept after the end.")
+    service_account_name: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one_data(self) -> SFTJobSpec:
+        if (self.data.path is None) == (self.data.pack_job_ref is None):
+            raise ValueError("spec.data needs exactly one of path (a pack folder) or packJobRef (a PackJob name)")
+        if self.training.metrics_port is not None:
+            raise ValueError("set spec.metricsPort, not spec.training.metricsPort: the operator sets it")
+        if self.data.pack_job_ref is None and self.volumes.data is None:
+            raise ValueError("spec.volumes.data is required with data.path: name the claim that holds the pack")
+        return self
+
+    def train_config(self, data_path: str, metrics: bool = True) -> dict[str, Any]:
+        """What `packtrain train -c` reads: the trainer sections, data resolved to a folder."""
+        data = self.data.model_copy(update={"path": data_path, "pack_job_ref": None})
+        training = self.training.model_copy(update={"metrics_port": self.metrics_port if metrics else None})
+        return {"data": data.dump(), "model": self.model.dump(), "training": training.dump()}
+
+
+class TrainingJobRef(CamelModel):
+    api_version: str
+    kind: str
+    name: str
+
+
+class TrainProgress(CamelModel):
+    """Last progress the trainer reported (its JSON summary)."""
+
+    step: int | None = None
+    max_steps: int | None = None
+    loss: float | None = None
+    tokens_per_second: float | None = None
+    updated_at: str | None = None
+
+
+class SFTJobStatus(CamelModel):
+    phase: SFTPhase | None = None
+    observed_generation: int | None = None
+    start_time: str | None = None
+    completion_time: str | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    training_job: TrainingJobRef | None = None
+    data_path: str | None = Field(None, description="The pack folder the run reads.")
+    replica_statuses: dict[str, dict[str, Any]] | None = Field(None, description="Mirrored from the child job.")
+    progress: TrainProgress | None = None
+
+
+class SFTJob(CamelModel):
+    KIND: ClassVar[str] = "SFTJob"
+    PLURAL: ClassVar[str] = "sftjobs"
+    SHORT_NAMES: ClassVar[list[str]] = ["sft"]
+    PRINTER_COLUMNS: ClassVar[list[dict[str, str]]] = [
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Backend", "type": "string", "jsonPath": ".spec.backend"},
+        {"name": "Nodes", "type": "integer", "jsonPath": ".spec.resources.nodes"},
+        {"name": "GPUs", "type": "integer", "jsonPath": ".spec.resources.gpusPerNode", "description": "GPUs per node"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+    spec: SFTJobSpec
+    status: SFTJobStatus | None = None
+
+
+KINDS: tuple[type[PackJob] | type[SFTJob], ...] = (PackJob, SFTJob)

@@ -1,0 +1,147 @@
+"""`packtrain pack …`: the packer's command line.
+
+The stage commands (`convert`, `plan`, `materialize`) are what Kubernetes pods
+run; `run` chains them locally. Every stage accepts a whole `PackJob` manifest or
+just its spec, so one YAML serves both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from .config import PackConfig, load_pack_config
+from .records import ConfigError
+from .report import report
+
+EXIT_CONFIG = 2
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--config", help="PackJob manifest or spec (YAML)")
+    p.add_argument("-o", "--output", required=True, help="output folder of the pack")
+    p.add_argument("--input", action="append", help="dataset file or glob (repeatable); overrides the config")
+    p.add_argument("--media-root", help="folder that relative media paths resolve against")
+    p.add_argument("--format", choices=["auto", "sharegpt", "messages", "typed"])
+    p.add_argument("--model", help="model folder (tokenizer, chat template, preprocessor config)")
+    p.add_argument("--family", choices=["qwen2-vl", "qwen2.5-vl"])
+    p.add_argument("--max-length", type=int)
+    p.add_argument("--algorithm", choices=["bfd", "next_fit", "swift", "knapsack"])
+    p.add_argument("--overlong", choices=["drop", "truncate", "error"])
+    p.add_argument("--media-storage", choices=["original", "resized"])
+
+
+def _add_slice_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--index", type=int, help="this worker's index (default: $JOB_COMPLETION_INDEX, else 0)")
+    p.add_argument("--count", type=int, default=1, help="number of workers sharing the stage")
+
+
+def build_config(args: argparse.Namespace) -> PackConfig:
+    """Config file first, then flags on top, validated as one model."""
+    data: dict[str, Any] = load_pack_config(args.config).dump() if args.config else {}
+    source = data.setdefault("source", {})
+    model = data.setdefault("model", {})
+    packing = data.setdefault("packing", {})
+    if args.input:
+        source["paths"] = args.input
+    for key, value in (("mediaRoot", args.media_root), ("format", args.format)):
+        if value is not None:
+            source[key] = value
+    for key, value in (("path", args.model), ("family", args.family)):
+        if value is not None:
+            model[key] = value
+    for key, value in (
+        ("maxLength", args.max_length),
+        ("algorithm", args.algorithm),
+        ("overlong", args.overlong),
+        ("mediaStorage", args.media_storage),
+    ):
+        if value is not None:
+            packing[key] = value
+    if not source.get("paths") or not model.get("path"):
+        raise ConfigError("give a config (-c FILE) or at least --input PATH and --model MODEL_DIR")
+    return PackConfig.model_validate(data)
+
+
+def _index(args: argparse.Namespace) -> int:
+    if args.index is not None:
+        return args.index
+    return int(os.environ.get("JOB_COMPLETION_INDEX", "0"))
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="packtrain pack", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name, help_ in (
+        ("convert", "tokenize and measure a slice of the input"),
+        ("plan", "assign samples to sequences and shards (one process)"),
+        ("materialize", "write a slice of the shards; the last one writes the manifest"),
+        ("run", "all stages locally, with N worker processes"),
+    ):
+        p = sub.add_parser(name, help=help_)
+        _add_config_flags(p)
+        if name in ("convert", "materialize"):
+            _add_slice_flags(p)
+        if name == "run":
+            p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1)))
+            p.add_argument("--no-progress", action="store_true")
+    p = sub.add_parser("inspect", help="statistics of a pack")
+    p.add_argument("path")
+    p.add_argument("--plot", help="write a PNG with the length histogram and per-sequence fill")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("verify", help="checksums, lengths, and that every input sample is accounted for")
+    p.add_argument("path")
+    p = sub.add_parser("unpack", help="the original samples back, one JSON line each")
+    p.add_argument("path")
+    p.add_argument("--sample", action="append", help="only this sample id (repeatable)")
+    p.add_argument("--json", action="store_true", help="JSON lines (the only output format)")
+    return ap
+
+
+def _run(args: argparse.Namespace) -> int:
+    from . import stages, tools
+
+    if args.cmd == "inspect":
+        return tools.inspect_cmd(Path(args.path), args.plot, args.json)
+    if args.cmd == "verify":
+        return tools.verify_cmd(Path(args.path))
+    if args.cmd == "unpack":
+        return tools.unpack_cmd(Path(args.path), args.sample)
+
+    cfg = build_config(args)
+    out = Path(args.output)
+    if args.cmd == "convert":
+        report(stages.convert(cfg, out, _index(args), args.count))
+    elif args.cmd == "plan":
+        report(stages.plan(cfg, out))
+    elif args.cmd == "materialize":
+        report(stages.materialize(cfg, out, _index(args), args.count))
+    elif args.cmd == "run":
+        from .local import run_all
+
+        manifest = run_all(cfg, out, workers=args.workers, show_progress=not args.no_progress)
+        tools.print_stats(manifest, out)
+        print(json.dumps(tools.summary_line(manifest, out)), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (ConfigError, ValidationError, FileNotFoundError) as exc:
+        msg = str(exc)
+        print(f"packtrain pack {args.cmd}: configuration error: {msg}", file=sys.stderr)
+        if args.cmd in ("convert", "plan", "materialize"):
+            report({"stage": args.cmd, "error": msg[:3000]})
+        return EXIT_CONFIG
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Reporting a stage's outcome to whoever runs it.
+
+On Kubernetes the operator reads each pod's termination message, so workload
+pods need no API permissions to report their stats; locally the same JSON is
+printed to stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+TERMINATION_LOG = "/dev/termination-log"
+LIMIT = 4096  # the kubelet keeps at most 4 KiB of a termination message
+
+
+def termination_log_path() -> Path | None:
+    env = os.environ.get("PACKTRAIN_TERMINATION_LOG")
+    if env:
+        return Path(env)
+    default = Path(TERMINATION_LOG)
+    return default if default.exists() and os.access(default, os.W_OK) else None
+
+
+def compact(summary: dict[str, Any]) -> str:
+    """JSON under the kubelet's 4 KiB limit: drops the bulkiest optional keys first."""
+    text = json.dumps(summary, separators=(",", ":"), sort_keys=True)
+    if len(text.encode()) <= LIMIT:
+        return text
+    slim = {k: v for k, v in summary.items() if not isinstance(v, (dict, list))}
+    slim["truncated"] = True
+    return json.dumps(slim, separators=(",", ":"), sort_keys=True)[:LIMIT]
+
+
+def report(summary: dict[str, Any]) -> None:
+    text = compact(summary)
+    print(text, flush=True)
+    path = termination_log_path()
+    if path is not None:
+        path.write_text(text)

@@ -1,0 +1,204 @@
+"""`inspect`, `verify` and `unpack`: looking into a finished pack."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .records import iter_records
+from .shards import REJECTS, ShardFormatError, ShardReader, read_manifest
+
+
+def summary_line(manifest: dict[str, Any], out: Path) -> dict[str, Any]:
+    c = manifest["counts"]
+    return {
+        "output": str(out),
+        "samples": c["input"],
+        "packed": c["packed"],
+        "rejected": c["rejected"],
+        "sequences": manifest["sequences"],
+        "lowerBound": manifest["lower_bound"],
+        "tokens": manifest["tokens"],
+        "fillRatio": manifest["fill_ratio"],
+        "paddingSaved": manifest["padding_saved"],
+    }
+
+
+def print_stats(manifest: dict[str, Any], out: Path, console: Console | None = None) -> None:
+    console = console or Console(stderr=True)
+    c = manifest["counts"]
+    t = Table(title=f"pack {out}", show_header=False)
+    rows = [
+        ("samples read", c["input"]),
+        ("packed", c["packed"]),
+        ("rejected", c["rejected"]),
+        *((f"  rejected: {k}", v) for k, v in c["rejected_by_reason"].items()),
+        ("tokens", manifest["tokens"]),
+        ("label tokens", manifest.get("label_tokens", "")),
+        ("sequences", f"{manifest['sequences']} (lower bound {manifest['lower_bound']})"),
+        ("max length", manifest["max_length"]),
+        ("fill ratio", f"{manifest['fill_ratio']:.4f}"),
+        ("sequences saved vs 1 sample/seq", f"{manifest['padding_saved']:.2%}"),
+        ("shards", len(manifest["shards"])),
+        ("bytes", sum(s["bytes"] + s["media_bytes"] for s in manifest["shards"])),
+        ("media blobs (deduplicated per shard)", sum(s["media_rows"] for s in manifest["shards"])),
+        ("algorithm", manifest["algorithm"]),
+    ]
+    for k, v in rows:
+        t.add_row(k, str(v))
+    console.print(t)
+
+
+def inspect_cmd(path: Path, plot: str | None, as_json: bool) -> int:
+    manifest = read_manifest(path)
+    if as_json:
+        print(json.dumps(summary_line(manifest, path)))
+    else:
+        print_stats(manifest, path, Console())
+    if plot:
+        write_plot(path, Path(plot))
+    return 0
+
+
+def write_plot(path: Path, png: Path) -> None:
+    """Sample-length histogram and per-sequence fill, for a glance at packing quality."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    reader = ShardReader(path, verify_checksums=False)
+    seq_lens = reader.seq_lens()
+    max_length = reader.manifest["max_length"]
+    lengths = [x for row in seq_lens for x in row]
+    fills = sorted((sum(row) / max_length for row in seq_lens), reverse=True)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.hist(lengths, bins=min(100, max(10, len(lengths) // 5)))
+    a.set(title="sample lengths", xlabel="tokens", ylabel="samples")
+    b.plot(range(len(fills)), fills)
+    b.set(title="per-sequence fill (sorted)", xlabel="sequence", ylabel="fill", ylim=(0, 1.02))
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def _rejects(path: Path) -> list[dict[str, Any]]:
+    text = (path / REJECTS).read_text()
+    return [json.loads(line) for line in text.splitlines() if line]
+
+
+def verify(path: Path) -> list[str]:
+    """Every problem found, as messages; empty means the pack is sound."""
+    problems: list[str] = []
+    try:
+        reader = ShardReader(path, verify_checksums=True)
+    except ShardFormatError as exc:
+        return [str(exc)]
+    m = reader.manifest
+    max_length = m["max_length"]
+    seen: Counter[tuple[str, int]] = Counter()
+    tokens = 0
+    packed = 0
+    for i in range(reader.num_sequences):
+        row = reader.sequence(i)
+        n = len(row["input_ids"])
+        tokens += n
+        if n > max_length:
+            problems.append(f"sequence {i}: {n} tokens > max_length {max_length}")
+        if n != len(row["labels"]) or n != sum(row["seq_lens"]):
+            problems.append(f"sequence {i}: input_ids/labels/seq_lens lengths disagree")
+        packed += len(row["seq_lens"])
+        for src, idx in zip(row["sources"], row["indices"], strict=True):
+            seen[(src, idx)] += 1
+    rejects = _rejects(path)
+    for r in rejects:
+        seen[(r["source"], r["index"])] += 1
+    dupes = [k for k, v in seen.items() if v > 1]
+    if dupes:
+        problems.append(f"{len(dupes)} samples appear more than once, e.g. {dupes[:3]}")
+    c = m["counts"]
+    if packed != c["packed"] or len(rejects) != c["rejected"] or c["packed"] + c["rejected"] != c["input"]:
+        problems.append(
+            f"counts do not add up: manifest {c}, found packed={packed} rejected={len(rejects)}"
+        )
+    if tokens != m["tokens"]:
+        problems.append(f"manifest says {m['tokens']} tokens, shards hold {tokens}")
+    problems.extend(_check_inputs(m, seen))
+    return problems
+
+
+def _check_inputs(manifest: dict[str, Any], seen: Counter[tuple[str, int]]) -> list[str]:
+    """Re-read the inputs, when still reachable, to prove no sample went missing."""
+    from .shards import sha256_file
+
+    paths = [Path(i["path"]) for i in manifest["inputs"]]
+    if not all(p.is_file() for p in paths):
+        return []
+    problems = [
+        f"input {p} changed since packing (sha256 differs)"
+        for p, i in zip(paths, manifest["inputs"], strict=True)
+        if sha256_file(p) != i["sha256"]
+    ]
+    expected = {(raw.source.name, raw.index) for raw in iter_records([str(p) for p in paths])}
+    missing = expected - seen.keys()
+    extra = seen.keys() - expected
+    if missing:
+        problems.append(f"{len(missing)} input samples neither packed nor rejected, e.g. {sorted(missing)[:3]}")
+    if extra:
+        problems.append(f"{len(extra)} packed/rejected samples not in the inputs, e.g. {sorted(extra)[:3]}")
+    return problems
+
+
+def verify_cmd(path: Path) -> int:
+    problems = verify(path)
+    for p in problems:
+        print(f"FAIL {p}", file=sys.stderr)
+    if problems:
+        return 1
+    m = read_manifest(path)
+    c = m["counts"]
+    print(f"OK {path}: {m['sequences']} sequences, {c['packed']} packed + {c['rejected']} rejected = {c['input']}")
+    return 0
+
+
+def unpack(path: Path, only: set[str] | None = None) -> list[dict[str, Any]]:
+    """Split every sequence back into its samples, in input order."""
+    reader = ShardReader(path, verify_checksums=False)
+    order = {i["name"]: n for n, i in enumerate(reader.manifest["inputs"])}
+    samples = []
+    for i in range(reader.num_sequences):
+        row = reader.sequence(i)
+        start = 0
+        for sub, n in enumerate(row["seq_lens"]):
+            sid = row["sample_ids"][sub]
+            if only is None or sid in only:
+                samples.append(
+                    {
+                        "id": sid,
+                        "source": row["sources"][sub],
+                        "index": row["indices"][sub],
+                        "input_ids": row["input_ids"][start : start + n],
+                        "labels": row["labels"][start : start + n],
+                        "media": [
+                            {k: v for k, v in m.items() if k != "sample"}
+                            for m in row["media"]
+                            if m["sample"] == sub
+                        ],
+                    }
+                )
+            start += n
+    samples.sort(key=lambda s: (order.get(s["source"], len(order)), s["index"]))
+    return samples
+
+
+def unpack_cmd(path: Path, only: list[str] | None) -> int:
+    for s in unpack(path, set(only) if only else None):
+        print(json.dumps(s, separators=(",", ":")))
+    return 0
+

@@ -1,0 +1,477 @@
+"""A throwaway Kubernetes control plane made of real binaries, for tests.
+
+Like controller-runtime's envtest, but with the controllers and scheduler too: etcd,
+kube-apiserver, kube-controller-manager and kube-scheduler run as local processes on free
+loopback ports, and our node agent (``node_agent.py``) plays the kubelet for fake CPU and GPU
+nodes. The binaries come from ``tests/cluster/build.sh``.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient
+
+HERE = Path(__file__).resolve().parent
+BUILD_SCRIPT = HERE / "build.sh"
+REQUIRED_BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+SERVICE_CIDR = "10.0.0.0/24"
+# The API server's in-cluster address is the first IP of the service range.
+KUBERNETES_SERVICE_IP = "10.0.0.1"
+NODE_AGENT = HERE / "node_agent.py"
+
+
+class ClusterUnavailable(RuntimeError):
+    """The control-plane binaries are missing; ``impossible`` says whether they cannot be built here."""
+
+    def __init__(self, message: str, impossible: bool) -> None:
+        super().__init__(message)
+        self.impossible = impossible
+
+
+def locate_binaries() -> tuple[Path, Path]:
+    """Return (bin dir, CRD dir) of the build cache, or raise ClusterUnavailable saying what to do."""
+    override = os.environ.get("PACKTRAIN_CLUSTER_BIN")
+    if override:
+        bin_dir = Path(override)
+        crd_dir = Path(os.environ.get("PACKTRAIN_CLUSTER_CRDS", str(bin_dir.parent / "crds")))
+    else:
+        out = subprocess.run(
+            ["bash", str(BUILD_SCRIPT), "--print-bin-dir", "--print-crd-dir"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        bin_dir = Path(out.stdout.split()[0])
+        crd_dir = bin_dir.parent / "crds"
+    missing = [b for b in REQUIRED_BINARIES if not (bin_dir / b).is_file()]
+    if missing:
+        marker = bin_dir.parent / "UNAVAILABLE"
+        if marker.is_file():
+            raise ClusterUnavailable(
+                f"the local control plane cannot be built on this machine: {marker.read_text().strip()}",
+                impossible=True,
+            )
+        raise ClusterUnavailable(
+            f"control-plane binaries missing from {bin_dir} ({', '.join(missing)}): "
+            "run `bash tests/cluster/build.sh` (about 20 min cold on 2 cores, seconds when warm)",
+            impossible=False,
+        )
+    return bin_dir, crd_dir
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago (the components bind it right after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --- PKI -------------------------------------------------------------------------------------
+
+
+@dataclass
+class KeyPair:
+    cert_pem: bytes
+    key_pem: bytes
+
+
+def _key() -> ec.EllipticCurvePrivateKey:
+    # P-256 keys generate in microseconds; RSA would cost seconds for the five keys we need.
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def _name(cn: str, orgs: Sequence[str] = ()) -> x509.Name:
+    attrs = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, o) for o in orgs]
+    return x509.Name([*attrs, x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+class Pki:
+    """A throwaway CA that signs the serving certificate and the client certificates."""
+
+    def __init__(self) -> None:
+        self._ca_key = _key()
+        now = dt.datetime.now(dt.UTC)
+        self._not_before = now - dt.timedelta(minutes=5)
+        self._not_after = now + dt.timedelta(days=2)
+        name = _name("packtrain-test-ca")
+        self._ca_cert = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(self._ca_key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(self._not_before)
+            .not_valid_after(self._not_after)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True, content_commitment=False, key_encipherment=False,
+                    data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
+                    encipher_only=False, decipher_only=False,
+                ),
+                critical=True,
+            )
+            .sign(self._ca_key, hashes.SHA256())
+        )
+        self.ca_pem = self._ca_cert.public_bytes(serialization.Encoding.PEM)
+
+    def _issue(
+        self, subject: x509.Name, usage: x509.ObjectIdentifier, sans: Sequence[x509.GeneralName] = ()
+    ) -> KeyPair:
+        key = _key()
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(self._ca_cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(self._not_before)
+            .not_valid_after(self._not_after)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        )
+        if sans:
+            builder = builder.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
+        cert = builder.sign(self._ca_key, hashes.SHA256())
+        return KeyPair(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
+
+    def serving(self) -> KeyPair:
+        names = ["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
+                 "kubernetes.default.svc.cluster.local"]
+        ips = ["127.0.0.1", KUBERNETES_SERVICE_IP]
+        sans: list[x509.GeneralName] = [x509.DNSName(n) for n in names]
+        sans += [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
+        return self._issue(_name("kube-apiserver"), ExtendedKeyUsageOID.SERVER_AUTH, sans)
+
+    def client(self, user: str, groups: Sequence[str] = ()) -> KeyPair:
+        return self._issue(_name(user, groups), ExtendedKeyUsageOID.CLIENT_AUTH)
+
+
+def _write(path: Path, data: bytes, mode: int = 0o600) -> Path:
+    path.write_bytes(data)
+    path.chmod(mode)
+    return path
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def write_kubeconfig(path: Path, server: str, ca_pem: bytes, pair: KeyPair, user: str) -> Path:
+    """A kubeconfig with the certificates inlined, so it stays valid wherever it is copied."""
+    cfg = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "packtrain-test", "cluster": {
+            "server": server, "certificate-authority-data": _b64(ca_pem)}}],
+        "users": [{"name": user, "user": {
+            "client-certificate-data": _b64(pair.cert_pem), "client-key-data": _b64(pair.key_pem)}}],
+        "contexts": [{"name": "packtrain-test", "context": {"cluster": "packtrain-test", "user": user}}],
+        "current-context": "packtrain-test",
+    }
+    return _write(path, yaml.safe_dump(cfg).encode())
+
+
+# --- processes --------------------------------------------------------------------------------
+
+
+@dataclass
+class Component:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def check_alive(self) -> None:
+        code = self.proc.poll()
+        if code is not None:
+            raise RuntimeError(f"{self.name} exited with code {code}; last lines of {self.log}:\n{tail(self.log)}")
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _get(url: str, context: ssl.SSLContext, timeout: float = 2.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, context=context, timeout=timeout) as resp:  # noqa: S310
+            return int(resp.status), resp.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return int(e.code), e.read().decode(errors="replace")
+
+
+@dataclass
+class ControlPlane:
+    """Starts, describes and stops one local control plane.
+
+    ``start()`` leaves a working cluster: API server ready, controllers and scheduler healthy,
+    CRDs established, nodes ``cpu-0`` and ``gpu-0`` registered and Ready under the node agent.
+    """
+
+    bin: Path
+    crd_dir: Path
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="packtrain-cluster-")))
+    node_agent_args: Sequence[str] = ()
+    components: list[Component] = field(default_factory=list)
+    server_version: str = ""
+
+    def __post_init__(self) -> None:
+        self.logs_dir = self.root / "logs"
+        self.pki_dir = self.root / "pki"
+        self.kubeconfig = self.root / "kubeconfig"
+        for d in (self.logs_dir, self.pki_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self.api_port = free_port()
+        self.server = f"https://127.0.0.1:{self.api_port}"
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def api_client(self) -> ApiClient:
+        """A new kubernetes ApiClient authenticated as cluster admin."""
+        from kubernetes import config
+
+        return config.new_client_from_config(config_file=str(self.kubeconfig))
+
+    def env(self) -> dict[str, str]:
+        """Environment for tools run against this cluster: KUBECONFIG set, our binaries first on PATH."""
+        env = dict(os.environ)
+        env["KUBECONFIG"] = str(self.kubeconfig)
+        env["PATH"] = f"{self.bin}{os.pathsep}{env.get('PATH', '')}"
+        return env
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        """Run kubectl against this cluster; on failure the error carries kubectl's stderr."""
+        cmd = [str(self.bin / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args]
+        res = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout, env=self.env())
+        if check and res.returncode != 0:
+            raise RuntimeError(f"kubectl {' '.join(args)} failed ({res.returncode}):\n{res.stderr.strip()}")
+        return res
+
+    def start(self, timeout: float = 180) -> ControlPlane:
+        deadline = time.monotonic() + timeout
+        pki = Pki()
+        ca = _write(self.pki_dir / "ca.crt", pki.ca_pem, 0o644)
+        serving = pki.serving()
+        apiserver_crt = _write(self.pki_dir / "apiserver.crt", serving.cert_pem, 0o644)
+        apiserver_key = _write(self.pki_dir / "apiserver.key", serving.key_pem)
+        sa_key = _key()
+        sa_priv = _write(self.pki_dir / "sa.key", _key_pem(sa_key))
+        sa_pub = _write(
+            self.pki_dir / "sa.pub",
+            sa_key.public_key().public_bytes(
+                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            ),
+        )
+        write_kubeconfig(self.kubeconfig, self.server, pki.ca_pem, pki.client("admin", ["system:masters"]), "admin")
+        kcm_kubeconfig = write_kubeconfig(
+            self.pki_dir / "controller-manager.kubeconfig", self.server, pki.ca_pem,
+            pki.client("system:kube-controller-manager"), "system:kube-controller-manager",
+        )
+        sched_kubeconfig = write_kubeconfig(
+            self.pki_dir / "scheduler.kubeconfig", self.server, pki.ca_pem,
+            pki.client("system:kube-scheduler"), "system:kube-scheduler",
+        )
+
+        etcd_port, etcd_peer = free_port(), free_port()
+        self._spawn("etcd", [
+            "--data-dir", str(self.root / "etcd"),
+            "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
+            "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
+        ])
+        self._spawn("kube-apiserver", [
+            "--advertise-address=127.0.0.1",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={self.api_port}",
+            f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+            f"--cert-dir={self.pki_dir}",
+            f"--tls-cert-file={apiserver_crt}",
+            f"--tls-private-key-file={apiserver_key}",
+            f"--client-ca-file={ca}",
+            "--authorization-mode=RBAC",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            f"--service-account-issuer={self.server}",
+            f"--service-account-key-file={sa_pub}",
+            f"--service-account-signing-key-file={sa_priv}",
+            # Nothing mounts service-account tokens into pods here (envtest does the same).
+            "--disable-admission-plugins=ServiceAccount",
+            "--allow-privileged=true",
+            "--endpoint-reconciler-type=none",
+        ])
+        self._wait_ready(f"{self.server}/readyz", ca_file=ca, deadline=deadline, what="kube-apiserver")
+
+        kcm_port, sched_port = free_port(), free_port()
+        self._spawn("kube-controller-manager", [
+            f"--kubeconfig={kcm_kubeconfig}",
+            f"--authentication-kubeconfig={kcm_kubeconfig}",
+            f"--authorization-kubeconfig={kcm_kubeconfig}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={kcm_port}",
+            f"--cert-dir={self.root / 'kcm-certs'}",
+            "--leader-elect=false",
+            # Each controller gets its own service account and RBAC role, as on a real cluster.
+            "--use-service-account-credentials=true",
+            f"--service-account-private-key-file={sa_priv}",
+            f"--root-ca-file={ca}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--controllers=*",
+        ])
+        self._spawn("kube-scheduler", [
+            f"--kubeconfig={sched_kubeconfig}",
+            f"--authentication-kubeconfig={sched_kubeconfig}",
+            f"--authorization-kubeconfig={sched_kubeconfig}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={sched_port}",
+            f"--cert-dir={self.root / 'scheduler-certs'}",
+            "--leader-elect=false",
+        ])
+        self._wait_ready(f"https://127.0.0.1:{kcm_port}/healthz", None, deadline, "kube-controller-manager")
+        self._wait_ready(f"https://127.0.0.1:{sched_port}/healthz", None, deadline, "kube-scheduler")
+
+        version = json.loads(_get(f"{self.server}/version", self._ssl(ca))[1])
+        self.server_version = str(version["gitVersion"])
+        self._install_crds()
+        self._spawn(
+            "node-agent",
+            [
+                "--kubeconfig", str(self.kubeconfig),
+                "--work-dir", str(self.root / "node-agent"),
+                *self.node_agent_args,
+            ],
+            exe=[sys.executable, str(NODE_AGENT)],
+        )
+        self._wait_nodes_ready(deadline)
+        return self
+
+    def stop(self, keep_logs: bool) -> None:
+        """Stop all components (newest first) and delete the state; keep the logs when asked."""
+        for comp in reversed(self.components):
+            if comp.proc.poll() is None:
+                os.killpg(comp.proc.pid, signal.SIGTERM)
+        for comp in reversed(self.components):
+            try:
+                comp.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(comp.proc.pid, signal.SIGKILL)
+                comp.proc.wait()
+        self.components.clear()
+        if keep_logs:
+            for child in self.root.iterdir():
+                if child != self.logs_dir:
+                    shutil.rmtree(child) if child.is_dir() else child.unlink()
+        else:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _spawn(self, name: str, args: Sequence[str], exe: Sequence[str] | None = None) -> Component:
+        log = self.logs_dir / f"{name}.log"
+        cmd = [*(exe or [str(self.bin / name)]), *args]
+        with log.open("ab") as fh:
+            fh.write(f"$ {' '.join(cmd)}\n".encode())
+            fh.flush()
+            # A session of its own, so stop() can signal the component without touching pytest.
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        comp = Component(name, proc, log)
+        self.components.append(comp)
+        return comp
+
+    def _check_components(self) -> None:
+        for comp in self.components:
+            comp.check_alive()
+
+    @staticmethod
+    def _ssl(ca_file: Path | None, client: bool = True) -> ssl.SSLContext:
+        if ca_file is None:
+            # Controller-manager and scheduler serve self-signed certificates on loopback.
+            ctx = ssl.create_default_context()
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+            return ctx
+        ctx = ssl.create_default_context(cafile=str(ca_file))
+        return ctx
+
+    def _wait_ready(self, url: str, ca_file: Path | None, deadline: float, what: str) -> None:
+        ctx = self._ssl(ca_file)
+        if ca_file is not None:
+            # /readyz is open to anonymous users, but the admin certificate keeps the check honest.
+            cfg = yaml.safe_load(self.kubeconfig.read_text())["users"][0]["user"]
+            cert = _write(self.pki_dir / "admin.crt", base64.b64decode(cfg["client-certificate-data"]))
+            key = _write(self.pki_dir / "admin.key", base64.b64decode(cfg["client-key-data"]))
+            ctx.load_cert_chain(str(cert), str(key))
+        last = ""
+        while time.monotonic() < deadline:
+            self._check_components()
+            try:
+                code, body = _get(url, ctx)
+                if code == 200:
+                    return
+                last = f"HTTP {code}: {body.strip()[-500:]}"
+            except (OSError, ssl.SSLError) as e:
+                last = str(e)
+            time.sleep(0.3)
+        raise TimeoutError(f"{what} not ready at {url}: {last}; logs in {self.logs_dir}")
+
+    def _install_crds(self) -> None:
+        files = sorted(self.crd_dir.rglob("*.yaml"))
+        if not files:
+            raise RuntimeError(f"no CRDs under {self.crd_dir}: run `bash tests/cluster/build.sh`")
+        args: list[str] = ["apply", "--server-side"]
+        for f in files:
+            args += ["-f", str(f)]
+        self.kubectl(*args)
+        self.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+
+    def _wait_nodes_ready(self, deadline: float) -> None:
+        last: Any = None
+        while time.monotonic() < deadline:
+            self._check_components()
+            res = self.kubectl("get", "nodes", "-o", "json", check=False)
+            if res.returncode == 0:
+                items = json.loads(res.stdout)["items"]
+                ready = {
+                    n["metadata"]["name"]
+                    for n in items
+                    for c in n.get("status", {}).get("conditions", [])
+                    if c["type"] == "Ready" and c["status"] == "True"
+                }
+                last = sorted(ready)
+                if {"cpu-0", "gpu-0"} <= ready:
+                    return
+            time.sleep(0.5)
+        raise TimeoutError(f"nodes not Ready (ready: {last}); see {self.logs_dir / 'node-agent.log'}")

@@ -1,0 +1,110 @@
+"""Configuration models of the trainer.
+
+The same YAML runs locally (`packtrain train -c job.yaml`) and on a cluster: the
+operator embeds `SFTSpecCore`'s sections in the `SFTJob` CRD, so every field is
+camelCase, documented and defaulted, and unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, model_validator
+from pydantic.alias_generators import to_camel
+
+from packtrain.packer.config import CamelModel, Family, spec_from_document
+
+Init = Literal["auto", "pretrained", "random"]
+Attention = Literal["auto", "flash", "sdpa", "flex"]
+Mode = Literal["packed", "padded"]
+Strategy = Literal["ddp", "fsdp"]
+DType = Literal["auto", "bf16", "fp32"]
+
+
+class DataSpec(CamelModel):
+    """Which pack to train on: a folder written by `packtrain pack run`, or a PackJob by name."""
+
+    path: str | None = Field(None, description="Pack output folder (holds manifest.json and shards/).")
+    pack_job_ref: str | None = Field(
+        None, description="Name of a PackJob in the same namespace; the operator mounts its output as `path`."
+    )
+    num_workers: int = Field(2, ge=0, description="Dataloader worker processes per rank (media decoding).")
+    prefetch_factor: int = Field(2, ge=1, description="Micro-batches each worker decodes ahead.")
+    verify_checksums: bool = Field(True, description="Check shard sha256 against the manifest on open.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataSpec:
+        if self.path is None and self.pack_job_ref is None:
+            raise ValueError("data needs `path` (a pack folder) or `packJobRef` (a PackJob name)")
+        return self
+
+
+class ModelSpec(CamelModel):
+    """The model: a Hugging Face folder with config.json (+ weights when pretrained)."""
+
+    path: str = Field(..., description="Folder with config.json, tokenizer and preprocessor config.")
+    family: Family | None = Field(None, description="qwen2-vl or qwen2.5-vl; default: from config.json model_type.")
+    init: Init = Field(
+        "auto", description="pretrained: load weights; random: init from config.json; auto: weights if present."
+    )
+    config_overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keys merged into config.json before building (nested dicts for textConfig/visionConfig keys "
+        "use the config's own snake_case names), e.g. to shrink a model for tests.",
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+
+
+class TrainingSpec(CamelModel):
+    """The optimisation: steps, batch shape, attention backend, parallelism, checkpoints, metrics."""
+
+    max_steps: int = Field(100, ge=1, description="Optimizer steps.")
+    micro_batch_sequences: int = Field(1, ge=1, description="Packed sequences per rank per micro step.")
+    grad_accum: int = Field(1, ge=1, description="Micro steps per optimizer step.")
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate (AdamW).")
+    warmup: int = Field(0, ge=0, description="Linear warmup steps, then cosine decay to 10% of lr.")
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping; null disables it.")
+    seed: int = Field(0, description="Seeds data order and random init.")
+    attention: Attention = Field(
+        "auto", description="flash (varlen, needs flash-attn), sdpa or flex (block-diagonal mask); auto picks."
+    )
+    mode: Mode = Field("packed", description="packed, or the padded baseline (one sample per row).")
+    padded_batch_size: int = Field(8, ge=1, description="Samples per rank per micro step in padded mode.")
+    checkpoint_every: int = Field(0, ge=0, description="Save a resumable checkpoint every N steps (0: only at end).")
+    keep_checkpoints: int = Field(2, ge=1, description="Resumable checkpoints kept on disk.")
+    resume: bool = Field(True, description="Continue from the newest checkpoint in the output folder.")
+    strategy: Strategy = Field("ddp", description="ddp (replicated), or fsdp (FSDP2, sharded) for large models.")
+    dtype: DType = Field("auto", description="auto: bf16 on GPU, fp32 on CPU.")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="Serve Prometheus /metrics on this port + local rank; null: off."
+    )
+    peak_tflops: float | None = Field(
+        None, gt=0, description="Device peak for MFU; default: known GPUs' dense bf16 peak, none on CPU."
+    )
+    log_every: int = Field(1, ge=1, description="Print a JSON line every N steps (rank 0).")
+    output_dir: str = Field("runs/sft", description="Checkpoints, final model and summary go here.")
+    save_final: bool = Field(True, description="Save the final model in Hugging Face format.")
+
+
+class SFTSpecCore(CamelModel):
+    """What `packtrain train` needs from an SFTJob spec (cluster-only keys are ignored)."""
+
+    data: DataSpec
+    model: ModelSpec
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+
+
+SFT_FIELDS = set(SFTSpecCore.model_fields) | {to_camel(k) for k in SFTSpecCore.model_fields}
+
+
+def load_train_config(path: str | Path) -> SFTSpecCore:
+    """Read an `SFTJob` manifest or bare spec (the first SFTJob of a multi-document YAML)."""
+    docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
+    if not docs:
+        raise ValueError(f"{path}: empty YAML; expected an SFTJob manifest or spec")
+    chosen = next((d for d in docs if d.get("kind") == "SFTJob"), docs[0])
+    spec = spec_from_document(chosen, "SFTJob")
+    return SFTSpecCore.model_validate({k: v for k, v in spec.items() if k in SFT_FIELDS})

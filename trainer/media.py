@@ -1,0 +1,160 @@
+"""Pixel decoding: media blobs → the exact patch tensors the Hugging Face processor produces.
+
+The packer counted vision tokens from a resized size and, for video, a set of
+sampled frame indices; both are stored in each media ref. Here the trainer
+decodes to *that* size and *those* frames, so the token count always matches,
+then repeats the steps of the `transformers` Qwen2-VL image / video processors
+(RGB conversion onto white, torchvision bicubic antialiased resize of uint8
+pixels, fused rescale+normalize in float32, patchify grouped by 2x2 merge
+windows). Runs in dataloader workers.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import av
+import numpy as np
+import torch
+from PIL import Image
+from torchvision.transforms.v2 import functional as tvF
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(frozen=True)
+class PixelSpec:
+    """Normalization and patch geometry from the model folder's preprocessor_config.json."""
+
+    image_mean: tuple[float, ...] = CLIP_MEAN
+    image_std: tuple[float, ...] = CLIP_STD
+    rescale_factor: float = 1 / 255
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> PixelSpec:
+        path = Path(folder) / "preprocessor_config.json"
+        if not path.is_file():
+            return cls()
+        cfg = json.loads(path.read_text())
+        return cls(
+            image_mean=tuple(cfg.get("image_mean", CLIP_MEAN)),
+            image_std=tuple(cfg.get("image_std", CLIP_STD)),
+            rescale_factor=float(cfg.get("rescale_factor", 1 / 255)),
+            patch_size=int(cfg.get("patch_size", 14)),
+            temporal_patch_size=int(cfg.get("temporal_patch_size", 2)),
+            merge_size=int(cfg.get("merge_size", 2)),
+        )
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB with transparency composited onto white, as `transformers.image_transforms.convert_to_rgb`."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def _resize(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """uint8 (..., C, H, W) → (..., C, height, width), the call the HF torchvision backend makes."""
+    if tuple(frames.shape[-2:]) == (height, width):
+        return frames
+    return tvF.resize(frames, [height, width], interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
+
+
+def _normalize(frames: torch.Tensor, spec: PixelSpec) -> torch.Tensor:
+    # Fused rescale + normalize, with the same float32 constants as the HF backend.
+    mean = torch.tensor(spec.image_mean) * (1.0 / spec.rescale_factor)
+    std = torch.tensor(spec.image_std) * (1.0 / spec.rescale_factor)
+    return tvF.normalize(frames.to(torch.float32), mean.tolist(), std.tolist())
+
+
+def patchify_image(image: torch.Tensor, spec: PixelSpec) -> torch.Tensor:
+    """(C, H, W) normalized → (grid_h*grid_w, C*tp*p*p), the frame repeated over the temporal patch."""
+    c, height, width = image.shape
+    p, m, tp = spec.patch_size, spec.merge_size, spec.temporal_patch_size
+    gh, gw = height // p, width // p
+    patches = image.reshape(c, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+    patches = patches.unsqueeze(5).expand(-1, -1, -1, -1, -1, tp, -1, -1)
+    return patches.reshape(gh * gw, c * tp * p * p)
+
+
+def patchify_video(video: torch.Tensor, spec: PixelSpec) -> torch.Tensor:
+    """(T, C, H, W) normalized → (grid_t*grid_h*grid_w, C*tp*p*p); the last frame pads T to the temporal patch."""
+    p, m, tp = spec.patch_size, spec.merge_size, spec.temporal_patch_size
+    if pad := -video.shape[0] % tp:
+        video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])
+    t, c, height, width = video.shape
+    gt, gh, gw = t // tp, height // p, width // p
+    patches = video.reshape(gt, tp, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return patches.reshape(gt * gh * gw, c * tp * p * p)
+
+
+def image_pixels(data: bytes, height: int, width: int, spec: PixelSpec) -> torch.Tensor:
+    """Encoded image bytes → patches at exactly height x width."""
+    with Image.open(io.BytesIO(data)) as img:
+        rgb = np.asarray(to_rgb(img))
+    frame = torch.from_numpy(rgb.copy()).permute(2, 0, 1)
+    return patchify_image(_normalize(_resize(frame, height, width), spec), spec)
+
+
+def decode_video_frames(data: bytes, indices: Sequence[int]) -> np.ndarray:
+    """Decode the given frame indices (decode order, as the packer counted them) → (T, H, W, 3) uint8."""
+    wanted = sorted(set(indices))
+    if not wanted:
+        raise ValueError("a video media ref has no sampled frame indices")
+    got: dict[int, np.ndarray] = {}
+    with av.open(io.BytesIO(data)) as container:
+        for i, frame in enumerate(container.decode(video=0)):
+            if i in wanted:
+                got[i] = frame.to_ndarray(format="rgb24")
+            if i >= wanted[-1]:
+                break
+    missing = [i for i in wanted if i not in got]
+    if missing:
+        raise ValueError(f"video has no frames {missing[:5]} (decoded {len(got)} of {len(wanted)} wanted)")
+    return np.stack([got[i] for i in indices])
+
+
+def video_pixels_from_frames(frames: np.ndarray, height: int, width: int, spec: PixelSpec) -> torch.Tensor:
+    """(T, H, W, 3) uint8 frames → patches at exactly height x width."""
+    video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
+    return patchify_video(_normalize(_resize(video, height, width), spec), spec)
+
+
+def media_pixels(blob: dict[str, Any], ref: dict[str, Any], spec: PixelSpec) -> torch.Tensor:
+    """A MEDIA_SCHEMA blob + its MEDIA_REF → patch tensor, checked against the ref's grid."""
+    height, width = int(ref["height"]), int(ref["width"])
+    if ref["kind"] == "image":
+        pixels = image_pixels(blob["data"], height, width, spec)
+    elif ref["kind"] == "video":
+        if blob["encoding"] == "resized":
+            frames = []
+            for png in blob["frames"]:
+                with Image.open(io.BytesIO(png)) as img:
+                    frames.append(np.asarray(to_rgb(img)))
+            pixels = video_pixels_from_frames(np.stack(frames), height, width, spec)
+        else:
+            pixels = video_pixels_from_frames(decode_video_frames(blob["data"], ref["frames"]), height, width, spec)
+    else:
+        raise ValueError(f"unknown media kind {ref['kind']!r}")
+    want = int(ref["grid_t"]) * int(ref["grid_h"]) * int(ref["grid_w"])
+    if pixels.shape[0] != want:
+        raise ValueError(
+            f"media {ref['key'][:12]}: decoded {pixels.shape[0]} patches but the pack counted {want} "
+            f"(grid {ref['grid_t']}x{ref['grid_h']}x{ref['grid_w']})"
+        )
+    return pixels
