@@ -19,10 +19,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
-
 from packtrain.packer.config import CamelModel, ModelConfig, PackingConfig, SourceConfig
 from packtrain.trainer.config import DataSpec, ModelSpec, TrainingSpec
+from pydantic import Field, model_validator
 
 GROUP = "packtrain.dev"
 VERSION = "v1alpha1"
@@ -33,10 +32,20 @@ SFTPhase = Literal["Pending", "WaitingForData", "Running", "Succeeded", "Failed"
 Backend = Literal["pytorchjob", "trainjob"]
 
 _NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# Longest custom resource name: "<name>-materialize-<index>" must stay a valid 63-character
+# hostname and "<name>-worker-<n>" a valid Service name.
+MAX_NAME_LENGTH = 45
+NAME_RULE = {
+    "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
+    "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters: it prefixes the names of "
+    "the Jobs, pods and Services the operator creates",
+}
 _ABS_PATH = r"^/"
 
 
-def immutable_rules(kind: str, fields: list[str], optional: frozenset[str] = frozenset()) -> list[dict[str, str]]:
+def immutable_rules(
+    kind: str, fields: list[str], optional: frozenset[str] = frozenset()
+) -> list[dict[str, str]]:
     """CEL transition rules that refuse spec changes after creation, one per field so the error names it.
 
     A half-applied change (new packing for an existing pack, new node count for a
@@ -81,12 +90,18 @@ class Toleration(CamelModel):
 
 
 class Scheduling(CamelModel):
-    """Where pods go. Unset fields take the operator's pool defaults (the chart's `pools` values)."""
+    """Where pods go, and what they carry. Unset fields take the operator's pool defaults (the chart's values)."""
+
+    pod_annotations: dict[str, str] | None = Field(
+        None, description="Added to every pod (e.g. cluster-autoscaler or service-mesh opt-outs)."
+    )
 
     node_selector: dict[str, str] | None = Field(
         None, description="Default: the operator's pool selector (packtrain.dev/pool: cpu or gpu)."
     )
-    tolerations: list[Toleration] | None = Field(None, description="Default: the operator's pool tolerations.")
+    tolerations: list[Toleration] | None = Field(
+        None, description="Default: the operator's pool tolerations."
+    )
     affinity: dict[str, Any] | None = Field(None, description="A Pod affinity, passed through unchanged.")
 
 
@@ -106,7 +121,9 @@ class ClaimMount(CamelModel):
 class PackOutput(CamelModel):
     """Where the pack goes: a claim mounted at `mountPath`, the pack under `subPath`."""
 
-    claim_name: str = Field(..., min_length=1, description="PersistentVolumeClaim (ReadWriteMany for >1 worker).")
+    claim_name: str = Field(
+        ..., min_length=1, description="PersistentVolumeClaim (ReadWriteMany for >1 worker)."
+    )
     sub_path: str | None = Field(
         None, pattern=r"^[^/]", description="Folder inside the claim; default: the PackJob's name."
     )
@@ -116,7 +133,9 @@ class PackOutput(CamelModel):
 class PackWorkers(Scheduling):
     """The CPU pods of the convert and materialize stages (plan runs as one pod with the same settings)."""
 
-    count: int = Field(1, ge=1, le=1000, description="Parallel pods per stage: one index of an Indexed Job each.")
+    count: int = Field(
+        1, ge=1, le=1000, description="Parallel pods per stage: one index of an Indexed Job each."
+    )
     resources: ResourceRequirements | None = None
     image: str | None = Field(None, description="Default: the operator's packer image.")
     service_account_name: str | None = None
@@ -171,6 +190,8 @@ class PackStats(CamelModel):
 
 
 class PackJobStatus(CamelModel):
+    """Written by the operator only."""
+
     phase: PackPhase | None = None
     stage: str | None = Field(None, description="Human-readable progress, e.g. `convert 3/4`.")
     observed_generation: int | None = None
@@ -183,16 +204,26 @@ class PackJobStatus(CamelModel):
 
 
 class PackJob(CamelModel):
+    """Packs a vision-language dataset into fixed-length sequences on the CPU pool (convert, plan, materialize)."""
+
     KIND: ClassVar[str] = "PackJob"
     PLURAL: ClassVar[str] = "packjobs"
     SHORT_NAMES: ClassVar[list[str]] = ["pj"]
     PRINTER_COLUMNS: ClassVar[list[dict[str, str]]] = [
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Stage", "type": "string", "jsonPath": ".status.stage"},
-        {"name": "Samples", "type": "integer", "jsonPath": ".status.stats.samplesPacked",
-         "description": "Samples packed"},
-        {"name": "Fill", "type": "number", "jsonPath": ".status.stats.fillRatio",
-         "description": "Fill ratio of the packed sequences"},
+        {
+            "name": "Samples",
+            "type": "integer",
+            "jsonPath": ".status.stats.samplesPacked",
+            "description": "Samples packed",
+        },
+        {
+            "name": "Fill",
+            "type": "number",
+            "jsonPath": ".status.stats.fillRatio",
+            "description": "Fill ratio of the packed sequences",
+        },
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
 
@@ -207,12 +238,16 @@ class SFTResources(Scheduling):
     """Nodes, GPUs and the GPU pool."""
 
     nodes: int = Field(1, ge=1, le=1024, description="Pods (torchrun nodes): 1 Master + nodes-1 Workers.")
-    gpus_per_node: int = Field(1, ge=0, le=64, description="nvidia.com/gpu per pod = torchrun processes per node.")
+    gpus_per_node: int = Field(
+        1, ge=0, le=64, description="nvidia.com/gpu per pod = torchrun processes per node."
+    )
     cpu: int | str | None = Field(None, description="CPU request and limit per pod, e.g. 16 or 15500m.")
     memory: str | None = Field(None, description="Memory request and limit per pod, e.g. 200Gi.")
 
 
 class VolumeClaim(CamelModel):
+    """A PersistentVolumeClaim and the folder of it to use."""
+
     claim_name: str = Field(..., min_length=1)
     sub_path: str | None = None
 
@@ -242,8 +277,19 @@ class SFTJobSpec(CamelModel):
     """A training run: the trainer's `data`, `model` and `training` plus where and how to run it."""
 
     IMMUTABLE: ClassVar[list[str]] = [
-        "data", "model", "training", "resources", "image", "volumes", "backend", "runtime",
-        "queueName", "metricsPort", "backoffLimit", "cleanPodPolicy", "serviceAccountName",
+        "data",
+        "model",
+        "training",
+        "resources",
+        "image",
+        "volumes",
+        "backend",
+        "runtime",
+        "queueName",
+        "metricsPort",
+        "backoffLimit",
+        "cleanPodPolicy",
+        "serviceAccountName",
     ]
     model_config = CamelModel.model_config | {
         "json_schema_extra": {
@@ -278,23 +324,33 @@ class SFTJobSpec(CamelModel):
     resources: SFTResources = Field(default_factory=SFTResources)
     image: str | None = Field(None, description="Default: the operator's trainer image.")
     volumes: SFTVolumes
-    backend: Backend = Field("pytorchjob", description="pytorchjob (Kubeflow Training v1) or trainjob (Trainer v2).")
-    runtime: Runtime | None = Field(None, description="trainjob only; default: ClusterTrainingRuntime torch-distributed.")
+    backend: Backend = Field(
+        "pytorchjob", description="pytorchjob (Kubeflow Training v1) or trainjob (Trainer v2)."
+    )
+    runtime: Runtime | None = Field(
+        None, description="trainjob only; default: ClusterTrainingRuntime torch-distributed."
+    )
     suspend: bool = Field(False, description="Suspend the training job (the one mutable field).")
     queue_name: str | None = Field(None, description="Kueue LocalQueue; set as kueue.x-k8s.io/queue-name.")
     metrics_port: int = Field(9400, ge=1024, le=65535, description="Trainer /metrics on port + local rank.")
     backoff_limit: int = Field(0, ge=0, le=100, description="Restarts of the whole job before it fails.")
-    clean_pod_policy: Literal["None", "Running", "All"] = Field("None", description="Pods kept after the end.")
+    clean_pod_policy: Literal["None", "Running", "All"] = Field(
+        "None", description="Pods kept after the end."
+    )
     service_account_name: str | None = None
 
     @model_validator(mode="after")
     def _exactly_one_data(self) -> SFTJobSpec:
         if (self.data.path is None) == (self.data.pack_job_ref is None):
-            raise ValueError("spec.data needs exactly one of path (a pack folder) or packJobRef (a PackJob name)")
+            raise ValueError(
+                "spec.data needs exactly one of path (a pack folder) or packJobRef (a PackJob name)"
+            )
         if self.training.metrics_port is not None:
             raise ValueError("set spec.metricsPort, not spec.training.metricsPort: the operator sets it")
         if self.data.pack_job_ref is None and self.volumes.data is None:
-            raise ValueError("spec.volumes.data is required with data.path: name the claim that holds the pack")
+            raise ValueError(
+                "spec.volumes.data is required with data.path: name the claim that holds the pack"
+            )
         return self
 
     def train_config(self, data_path: str, metrics: bool = True) -> dict[str, Any]:
@@ -305,6 +361,8 @@ class SFTJobSpec(CamelModel):
 
 
 class TrainingJobRef(CamelModel):
+    """The child PyTorchJob or TrainJob."""
+
     api_version: str
     kind: str
     name: str
@@ -321,6 +379,8 @@ class TrainProgress(CamelModel):
 
 
 class SFTJobStatus(CamelModel):
+    """Written by the operator only."""
+
     phase: SFTPhase | None = None
     observed_generation: int | None = None
     start_time: str | None = None
@@ -328,11 +388,15 @@ class SFTJobStatus(CamelModel):
     conditions: list[Condition] = Field(default_factory=list)
     training_job: TrainingJobRef | None = None
     data_path: str | None = Field(None, description="The pack folder the run reads.")
-    replica_statuses: dict[str, dict[str, Any]] | None = Field(None, description="Mirrored from the child job.")
+    replica_statuses: dict[str, dict[str, Any]] | None = Field(
+        None, description="Mirrored from the child job."
+    )
     progress: TrainProgress | None = None
 
 
 class SFTJob(CamelModel):
+    """Fine-tunes a vision-language model on a pack, as a Kubeflow PyTorchJob or TrainJob on the GPU pool."""
+
     KIND: ClassVar[str] = "SFTJob"
     PLURAL: ClassVar[str] = "sftjobs"
     SHORT_NAMES: ClassVar[list[str]] = ["sft"]
@@ -340,7 +404,12 @@ class SFTJob(CamelModel):
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Backend", "type": "string", "jsonPath": ".spec.backend"},
         {"name": "Nodes", "type": "integer", "jsonPath": ".spec.resources.nodes"},
-        {"name": "GPUs", "type": "integer", "jsonPath": ".spec.resources.gpusPerNode", "description": "GPUs per node"},
+        {
+            "name": "GPUs",
+            "type": "integer",
+            "jsonPath": ".spec.resources.gpusPerNode",
+            "description": "GPUs per node",
+        },
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
 

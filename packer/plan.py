@@ -28,7 +28,6 @@ from typing import get_args
 
 import numpy as np
 import numpy.typing as npt
-
 from packtrain.packer.config import Algorithm
 
 ALGORITHMS: tuple[str, ...] = get_args(Algorithm)
@@ -46,6 +45,34 @@ def lower_bound(lengths: LengthsLike, max_length: int) -> int:
     """ceil(total tokens / max_length): no packing can use fewer sequences."""
     total = int(np.asarray(lengths).sum(dtype=np.int64))
     return -(-total // max_length)
+
+
+def lower_bound_l2(lengths: LengthsLike, max_length: int) -> int:
+    """Martello-Toth L2 bound: also counts samples that cannot share a sequence.
+
+    `lower_bound` is loose when many samples exceed max_length / 2 (each needs
+    its own sequence); L2 tightens it, which tells planner waste from waste no
+    packing can avoid. For every K <= max_length / 2: samples longer than
+    max_length - K sit alone, those in (max_length/2, max_length - K] each open a
+    sequence, and those in [K, max_length/2] must fit in what the latter leave.
+    """
+    arr = np.asarray(lengths, dtype=np.int64)
+    if arr.size == 0:
+        return 0
+    hist = np.bincount(arr, minlength=max_length + 1)
+    count_at_most = np.cumsum(hist)
+    sum_at_most = np.cumsum(hist * np.arange(max_length + 1))
+    half = max_length // 2
+    k = np.arange(0, half + 1)
+    big = count_at_most[-1] - count_at_most[max_length - k]  # length > max_length - K
+    mid_n = count_at_most[max_length - k] - count_at_most[half]  # half < length <= max_length - K
+    mid_sum = sum_at_most[max_length - k] - sum_at_most[half]
+    small_sum = sum_at_most[half] - np.where(
+        k > 0, sum_at_most[np.maximum(k - 1, 0)], 0
+    )  # K <= length <= half
+    spill = small_sum - (mid_n * max_length - mid_sum)
+    extra = np.where(spill > 0, -(-spill // max_length), 0)
+    return max(int((big + mid_n + extra).max()), lower_bound(arr, max_length))
 
 
 def fill_ratio(lengths: LengthsLike, n_bins: int, max_length: int) -> float:
@@ -141,7 +168,9 @@ def _empty() -> Plan:
     return np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64)
 
 
-def _sort_decreasing(arr: npt.NDArray[np.integer], max_length: int, seed: int | None) -> npt.NDArray[np.int64]:
+def _sort_decreasing(
+    arr: npt.NDArray[np.integer], max_length: int, seed: int | None
+) -> npt.NDArray[np.int64]:
     """Indices by decreasing length; ties in index order, or shuffled by `seed`.
 
     The key `max_length - length` fits 16 bits for every practical max_length,
@@ -257,7 +286,9 @@ def _materialise(sorted_idx: npt.NDArray[np.int64], ops: _Ops, n_bins: int) -> P
     op_per_bin = np.asarray(ops.per_bin, dtype=np.int64)
     # One entry per (op, bin): the bin id and how many consecutive sorted samples it takes.
     entry_op = np.repeat(np.arange(op_start.size), op_count)
-    entry_bin = op_start[entry_op] + (np.arange(entry_op.size) - np.repeat(_exclusive_cumsum(op_count), op_count))
+    entry_bin = op_start[entry_op] + (
+        np.arange(entry_op.size) - np.repeat(_exclusive_cumsum(op_count), op_count)
+    )
     entry_take = op_per_bin[entry_op]
     del entry_op
     entry_src = _exclusive_cumsum(entry_take)
@@ -369,7 +400,10 @@ def _knapsack(arr: npt.NDArray[np.integer], max_length: int) -> Plan:
         by_length: dict[int, list[int]] = {}
         for offset, length in enumerate(chunk):
             by_length.setdefault(length, []).append(base + offset)
-        bins.extend([by_length[length].pop() for length in knapsack] for knapsack in _greedy_knapsack(chunk, max_length))
+        bins.extend(
+            [by_length[length].pop() for length in knapsack]
+            for knapsack in _greedy_knapsack(chunk, max_length)
+        )
     return _from_lists(bins, n)
 
 

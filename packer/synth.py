@@ -53,7 +53,9 @@ def synthetic_lengths(
 ) -> npt.NDArray[np.int32]:
     """`n` token lengths in [1, max_length] from a heavy-tailed text/image/video mix.
 
-    Generated in chunks of 2^20 so 10^8 lengths cost 400 MB (int32) and little else.
+    Generated in chunks of 2^20 so 10^8 lengths cost 400 MB (int32) and little else;
+    a smaller `n` gives a prefix of a larger one (same seed and max_length), so a
+    benchmark can time a slow baseline on a prefix of the same data.
     """
     _check_fracs(image_frac, video_frac)
     if n < 0 or max_length < 1:
@@ -75,7 +77,9 @@ def _check_fracs(image_frac: float, video_frac: float) -> None:
         raise ValueError(f"need image_frac, video_frac >= 0 with sum <= 1, got {image_frac}, {video_frac}")
 
 
-def _draw_lengths(rng: np.random.Generator, size: int, image_frac: float, video_frac: float) -> npt.NDArray[np.int64]:
+def _draw_lengths(
+    rng: np.random.Generator, size: int, image_frac: float, video_frac: float
+) -> npt.NDArray[np.int64]:
     # Draw only the values a sample uses (turns, images, videos) and sum them per sample with bincount.
     turns = np.minimum(rng.geometric(0.45, size), MAX_TURNS)
     owner = np.repeat(np.arange(size), turns)
@@ -95,7 +99,7 @@ def _draw_lengths(rng: np.random.Generator, size: int, image_frac: float, video_
     return tokens
 
 
-def _smart_resize(
+def smart_resize(
     height: npt.NDArray[np.float64], width: npt.NDArray[np.float64], min_pixels: float, max_pixels: float
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """Qwen2-VL `smart_resize`: round sides to 28 px, then scale into [min_pixels, max_pixels]."""
@@ -113,10 +117,18 @@ def _smart_resize(
     return h.astype(np.int64), w.astype(np.int64)
 
 
+def image_tokens(height: int, width: int) -> int:
+    """LLM tokens of one image under the Qwen2-VL processor defaults, vision start/end included."""
+    h, w = smart_resize(
+        np.array([float(height)]), np.array([float(width)]), IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS
+    )
+    return int((h[0] // PATCH) * (w[0] // PATCH)) + VISION_WRAP
+
+
 def _image_tokens(rng: np.random.Generator, size: int) -> npt.NDArray[np.int64]:
     width = np.clip(rng.lognormal(math.log(800), 0.6, size), 32, 8000)
     height = np.clip(width / np.exp(rng.normal(0.25, 0.3, size)), 32, 8000)
-    h, w = _smart_resize(height, width, IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS)
+    h, w = smart_resize(height, width, IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS)
     return (h // PATCH) * (w // PATCH) + VISION_WRAP
 
 
@@ -127,8 +139,10 @@ def _video_tokens(rng: np.random.Generator, size: int) -> npt.NDArray[np.int64]:
     seconds = np.clip(rng.lognormal(math.log(12), 0.8, size), 1, 600)
     frames = np.clip(np.round(seconds * FPS / 2) * 2, MIN_FRAMES, MAX_FRAMES)
     sides = _VIDEO_SIDES[rng.choice(len(_VIDEO_SIDES), size, p=[0.1, 0.3, 0.3, 0.2, 0.1])]
-    max_pixels = np.maximum(np.minimum(VIDEO_MAX_PIXELS, VIDEO_TOTAL_PIXELS / frames * 2), VIDEO_MIN_PIXELS * 1.05)
-    h, w = _smart_resize(sides[:, 0], sides[:, 1], VIDEO_MIN_PIXELS, max_pixels)
+    max_pixels = np.maximum(
+        np.minimum(VIDEO_MAX_PIXELS, VIDEO_TOTAL_PIXELS / frames * 2), VIDEO_MIN_PIXELS * 1.05
+    )
+    h, w = smart_resize(sides[:, 0], sides[:, 1], VIDEO_MIN_PIXELS, max_pixels)
     return (frames.astype(np.int64) // 2) * (h // PATCH) * (w // PATCH) + VISION_WRAP
 
 
@@ -172,7 +186,9 @@ def _vocabulary(rng: np.random.Generator) -> tuple[list[str], npt.NDArray[np.flo
     return words, weights / weights.sum()
 
 
-def _sentence_text(rng: np.random.Generator, vocabulary: tuple[list[str], npt.NDArray[np.float64]], n_words: int) -> str:
+def _sentence_text(
+    rng: np.random.Generator, vocabulary: tuple[list[str], npt.NDArray[np.float64]], n_words: int
+) -> str:
     words, p = vocabulary
     chosen = [words[i] for i in rng.choice(len(words), n_words, p=p).tolist()]
     parts: list[str] = []
@@ -210,7 +226,9 @@ def _record(
             user = marks + user if rng.random() < 0.8 else user + marks
         assistant_words = max(1, int(rng.lognormal(math.log(110), 1.0)))
         messages.append({"role": "user", "content": user})
-        messages.append({"role": "assistant", "content": _sentence_text(rng, vocabulary, min(assistant_words, 8000))})
+        messages.append(
+            {"role": "assistant", "content": _sentence_text(rng, vocabulary, min(assistant_words, 8000))}
+        )
     record: dict[str, object] = {"id": f"synth-{index:06d}", "messages": messages}
     if n_images:
         record["images"] = [_write_image(rng, out, index, slot) for slot in range(n_images)]
@@ -269,7 +287,9 @@ def _write_video(rng: np.random.Generator, out: Path, index: int) -> str:
         for t in range(frames):
             frame = base.copy()
             x = (t * width // frames) % max(1, width - box)
-            frame[height // 3 : height // 3 + box, x : x + box] = 255 - frame[height // 3 : height // 3 + box, x : x + box]
+            frame[height // 3 : height // 3 + box, x : x + box] = (
+                255 - frame[height // 3 : height // 3 + box, x : x + box]
+            )
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
@@ -278,7 +298,9 @@ def _write_video(rng: np.random.Generator, out: Path, index: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Write a synthetic multimodal SFT dataset (messages JSONL + media).")
+    parser = argparse.ArgumentParser(
+        description="Write a synthetic multimodal SFT dataset (messages JSONL + media)."
+    )
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--samples", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)

@@ -6,6 +6,9 @@ from pathlib import Path
 
 import pytest
 
+# The session-scoped `kube_cluster` fixture (a real local control plane), for any test folder.
+pytest_plugins = ["cluster.fixture"]
+
 REPO = Path(__file__).resolve().parents[1]
 # Real tokenizers, configs and datasets live beside the checkout, read-only.
 SHARED = (REPO.parent / "shared").resolve()

@@ -10,6 +10,7 @@ frame by `transformers` itself from `grid_thw`.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Any
 
@@ -17,7 +18,8 @@ import torch
 
 from .config import Attention
 
-HF_IMPLEMENTATION = {"flash": "flash_attention_2", "sdpa": "sdpa", "flex": "flex_attention", "eager": "eager"}
+FLEX_NAME = "packtrain_flex"
+HF_IMPLEMENTATION = {"flash": "flash_attention_2", "sdpa": "sdpa", "flex": FLEX_NAME, "eager": "eager"}
 
 
 def flash_available() -> bool:
@@ -31,12 +33,55 @@ def resolve_attention(requested: Attention | str, device: torch.device) -> str:
         return "flash" if device.type == "cuda" and flash_available() else "sdpa"
     if requested == "flash":
         if not flash_available():
-            raise RuntimeError("attention: flash needs the `flash-attn` package (pip install 'packtrain[flash]')")
+            raise RuntimeError(
+                "attention: flash needs the `flash-attn` package (pip install 'packtrain[flash]')"
+            )
         if device.type != "cuda":
             raise RuntimeError("attention: flash runs on CUDA only; use sdpa or flex on this device")
     if requested not in HF_IMPLEMENTATION:
         raise ValueError(f"unknown attention backend {requested!r}")
     return str(requested)
+
+
+def _flex_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """flex_attention with our BlockMask for the language model; the vision tower calls this per
+    image chunk without a mask (bidirectional), which SDPA serves."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    if isinstance(attention_mask, BlockMask):
+        # Eager flex is a slow reference; compiled it becomes a fused kernel (CUDA).
+        fn = _compiled_flex() if query.is_cuda else flex_attention
+        out = fn(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=True)
+    else:
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=False
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _compiled_flex() -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def register_flex() -> None:
+    """transformers does not offer flex attention for Qwen2-VL, so register our own function."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(FLEX_NAME, _flex_attention)
 
 
 def document_ids(cu_seq_lens: torch.Tensor, total: int) -> torch.Tensor:

@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from packtrain.packer.config import CamelModel, Family, spec_from_document
 from pydantic import Field, model_validator
 from pydantic.alias_generators import to_camel
-
-from packtrain.packer.config import CamelModel, Family, spec_from_document
 
 Init = Literal["auto", "pretrained", "random"]
 Attention = Literal["auto", "flash", "sdpa", "flex"]
@@ -45,16 +44,21 @@ class ModelSpec(CamelModel):
     """The model: a Hugging Face folder with config.json (+ weights when pretrained)."""
 
     path: str = Field(..., description="Folder with config.json, tokenizer and preprocessor config.")
-    family: Family | None = Field(None, description="qwen2-vl or qwen2.5-vl; default: from config.json model_type.")
+    family: Family | None = Field(
+        None, description="qwen2-vl or qwen2.5-vl; default: from config.json model_type."
+    )
     init: Init = Field(
-        "auto", description="pretrained: load weights; random: init from config.json; auto: weights if present."
+        "auto",
+        description="pretrained: load weights; random: init from config.json; auto: weights if present.",
     )
     config_overrides: dict[str, Any] = Field(
         default_factory=dict,
         description="Keys merged into config.json before building (nested dicts for textConfig/visionConfig keys "
         "use the config's own snake_case names), e.g. to shrink a model for tests.",
     )
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward to save memory."
+    )
 
 
 class TrainingSpec(CamelModel):
@@ -69,14 +73,19 @@ class TrainingSpec(CamelModel):
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping; null disables it.")
     seed: int = Field(0, description="Seeds data order and random init.")
     attention: Attention = Field(
-        "auto", description="flash (varlen, needs flash-attn), sdpa or flex (block-diagonal mask); auto picks."
+        "auto",
+        description="flash (varlen, needs flash-attn), sdpa or flex (block-diagonal mask); auto picks.",
     )
     mode: Mode = Field("packed", description="packed, or the padded baseline (one sample per row).")
     padded_batch_size: int = Field(8, ge=1, description="Samples per rank per micro step in padded mode.")
-    checkpoint_every: int = Field(0, ge=0, description="Save a resumable checkpoint every N steps (0: only at end).")
+    checkpoint_every: int = Field(
+        0, ge=0, description="Save a resumable checkpoint every N steps (0: only at end)."
+    )
     keep_checkpoints: int = Field(2, ge=1, description="Resumable checkpoints kept on disk.")
     resume: bool = Field(True, description="Continue from the newest checkpoint in the output folder.")
-    strategy: Strategy = Field("ddp", description="ddp (replicated), or fsdp (FSDP2, sharded) for large models.")
+    strategy: Strategy = Field(
+        "ddp", description="ddp (replicated), or fsdp (FSDP2, sharded) for large models."
+    )
     dtype: DType = Field("auto", description="auto: bf16 on GPU, fp32 on CPU.")
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="Serve Prometheus /metrics on this port + local rank; null: off."

@@ -148,7 +148,9 @@ def media_pixels(blob: dict[str, Any], ref: dict[str, Any], spec: PixelSpec) -> 
                     frames.append(np.asarray(to_rgb(img)))
             pixels = video_pixels_from_frames(np.stack(frames), height, width, spec)
         else:
-            pixels = video_pixels_from_frames(decode_video_frames(blob["data"], ref["frames"]), height, width, spec)
+            pixels = video_pixels_from_frames(
+                decode_video_frames(blob["data"], ref["frames"]), height, width, spec
+            )
     else:
         raise ValueError(f"unknown media kind {ref['kind']!r}")
     want = int(ref["grid_t"]) * int(ref["grid_h"]) * int(ref["grid_w"])

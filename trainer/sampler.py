@@ -68,11 +68,16 @@ def imbalance(plan: Plan, costs: Sequence[int]) -> dict[str, float]:
     return {"max": max(ratios), "mean": sum(ratios) / len(ratios)}
 
 
-def contiguous_plan(costs: Sequence[int], world_size: int, units_per_rank: int, seed: int, epoch: int) -> Plan:
+def contiguous_plan(
+    costs: Sequence[int], world_size: int, units_per_rank: int, seed: int, epoch: int
+) -> Plan:
     """The unbalanced baseline (consecutive units per rank), to report what balancing saves."""
     order = epoch_order(len(costs), seed, epoch)
     per_step = world_size * units_per_rank
     return [
-        [order[s * per_step + r * units_per_rank : s * per_step + (r + 1) * units_per_rank] for r in range(world_size)]
+        [
+            order[s * per_step + r * units_per_rank : s * per_step + (r + 1) * units_per_rank]
+            for r in range(world_size)
+        ]
         for s in range(len(order) // per_step)
     ]

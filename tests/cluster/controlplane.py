@@ -62,12 +62,12 @@ def locate_binaries() -> tuple[Path, Path]:
         crd_dir = Path(os.environ.get("PACKTRAIN_CLUSTER_CRDS", str(bin_dir.parent / "crds")))
     else:
         out = subprocess.run(
-            ["bash", str(BUILD_SCRIPT), "--print-bin-dir", "--print-crd-dir"],
+            ["bash", str(BUILD_SCRIPT), "--print-bin-dir"],
             check=True,
             capture_output=True,
             text=True,
         )
-        bin_dir = Path(out.stdout.split()[0])
+        bin_dir = Path(out.stdout.strip())
         crd_dir = bin_dir.parent / "crds"
     missing = [b for b in REQUIRED_BINARIES if not (bin_dir / b).is_file()]
     if missing:
@@ -228,7 +228,7 @@ def tail(path: Path, lines: int = 30) -> str:
 
 def _get(url: str, context: ssl.SSLContext, timeout: float = 2.0) -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(url, context=context, timeout=timeout) as resp:  # noqa: S310
+        with urllib.request.urlopen(url, context=context, timeout=timeout) as resp:
             return int(resp.status), resp.read().decode(errors="replace")
     except urllib.error.HTTPError as e:
         return int(e.code), e.read().decode(errors="replace")
@@ -277,10 +277,23 @@ class ControlPlane:
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120
     ) -> subprocess.CompletedProcess[str]:
         """Run kubectl against this cluster; on failure the error carries kubectl's stderr."""
-        cmd = [str(self.bin / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args]
+        return self._tool("kubectl", args, input, check, timeout)
+
+    def helm(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 300
+    ) -> subprocess.CompletedProcess[str]:
+        """Run helm (built by build.sh) against this cluster."""
+        if not (self.bin / "helm").is_file():
+            raise RuntimeError(f"no helm in {self.bin}: run `bash tests/cluster/build.sh`")
+        return self._tool("helm", args, input, check, timeout)
+
+    def _tool(
+        self, tool: str, args: Sequence[str], input: str | None, check: bool, timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        cmd = [str(self.bin / tool), "--kubeconfig", str(self.kubeconfig), *args]
         res = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout, env=self.env())
         if check and res.returncode != 0:
-            raise RuntimeError(f"kubectl {' '.join(args)} failed ({res.returncode}):\n{res.stderr.strip()}")
+            raise RuntimeError(f"{tool} {' '.join(args)} failed ({res.returncode}):\n{res.stderr.strip()}")
         return res
 
     def start(self, timeout: float = 180) -> ControlPlane:

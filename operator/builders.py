@@ -1,0 +1,521 @@
+"""Pure builders: custom resource in, child manifests out.
+
+Everything the operator creates is decided here, from the validated spec and the
+operator's defaults, without any API call, so each manifest is unit-tested (golden
+files under `tests/operator/golden/`) and the kopf handlers stay thin. Names are
+deterministic, which is what makes "create if absent" idempotent across restarts.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from .api import API_VERSION, ClaimMount, PackJobSpec, SFTJobSpec
+from .commands import EXIT_CONFIG, INDEXED_STAGES, PackStage, pack_stage_command, train_command
+
+PACK_CONTAINER = "packer"
+TRAIN_CONTAINER = "pytorch"  # the name the Kubeflow training-operator requires
+TRAINJOB_CONTAINER = "node"  # the trainer container of the torch-distributed runtime
+TRAINJOB_TARGET = "node"  # its replicated job
+CONFIG_DIR = "/etc/packtrain"
+PACK_CONFIG_FILE = "packjob.yaml"
+TRAIN_CONFIG_FILE = "sftjob.yaml"
+SFT_DATA_MOUNT = "/data"
+SFT_MODEL_MOUNT = "/models"
+SFT_CHECKPOINT_MOUNT = "/checkpoints"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+PACKJOB_LABEL = "packtrain.dev/packjob"
+SFTJOB_LABEL = "packtrain.dev/sftjob"
+STAGE_LABEL = "packtrain.dev/stage"
+PYTORCHJOB_API = "kubeflow.org/v1"
+TRAINJOB_API = "trainer.kubeflow.org/v1alpha1"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("packtrain")
+    except PackageNotFoundError:
+        return "latest"
+
+
+def _json_env(env: Mapping[str, str], key: str, default: Any) -> Any:
+    raw = env.get(key)
+    if not raw:
+        return default
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"environment variable {key} must be JSON, got {raw!r}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class OperatorDefaults:
+    """What a spec may leave out: images and the CPU/GPU pools, set by the Helm chart through env."""
+
+    packer_image: str = f"ghcr.io/packtrain/packer:{_version()}"
+    trainer_image: str = f"ghcr.io/packtrain/trainer:{_version()}"
+    cpu_node_selector: dict[str, str] = field(default_factory=lambda: {"packtrain.dev/pool": "cpu"})
+    cpu_tolerations: list[dict[str, Any]] = field(default_factory=list)
+    gpu_node_selector: dict[str, str] = field(default_factory=lambda: {"packtrain.dev/pool": "gpu"})
+    gpu_tolerations: list[dict[str, Any]] = field(
+        default_factory=lambda: [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorDefaults:
+        """`PACKTRAIN_PACKER_IMAGE`, `PACKTRAIN_TRAINER_IMAGE`, and JSON `PACKTRAIN_{CPU,GPU}_{NODE_SELECTOR,TOLERATIONS}`."""
+        env = os.environ if env is None else env
+        base = cls()
+        return cls(
+            packer_image=env.get("PACKTRAIN_PACKER_IMAGE") or base.packer_image,
+            trainer_image=env.get("PACKTRAIN_TRAINER_IMAGE") or base.trainer_image,
+            cpu_node_selector=_json_env(env, "PACKTRAIN_CPU_NODE_SELECTOR", base.cpu_node_selector),
+            cpu_tolerations=_json_env(env, "PACKTRAIN_CPU_TOLERATIONS", base.cpu_tolerations),
+            gpu_node_selector=_json_env(env, "PACKTRAIN_GPU_NODE_SELECTOR", base.gpu_node_selector),
+            gpu_tolerations=_json_env(env, "PACKTRAIN_GPU_TOLERATIONS", base.gpu_tolerations),
+        )
+
+
+# Names and labels
+
+
+def pack_config_name(name: str) -> str:
+    return f"{name}-pack-config"
+
+
+def train_config_name(name: str) -> str:
+    return f"{name}-train-config"
+
+
+def pack_job_name(name: str, stage: PackStage) -> str:
+    return f"{name}-{stage}"
+
+
+def training_job_name(name: str) -> str:
+    """The PyTorchJob/TrainJob carries the SFTJob's name: what users look for."""
+    return name
+
+
+def _labels(component: str, parent_label: str, parent: str, **extra: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "packtrain",
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": "packtrain-operator",
+        parent_label: parent,
+        **extra,
+    }
+
+
+def pack_output_dir(name: str, spec: PackJobSpec) -> str:
+    """The pack folder as pods see it: `<mountPath>/<subPath or name>`."""
+    return f"{spec.output.mount_path.rstrip('/')}/{(spec.output.sub_path or name).strip('/')}"
+
+
+# Pod pieces
+
+
+def _scheduling(
+    node_selector: dict[str, str] | None,
+    tolerations: list[Any] | None,
+    affinity: dict[str, Any] | None,
+    default_selector: dict[str, str],
+    default_tolerations: list[dict[str, Any]],
+) -> dict[str, Any]:
+    pod: dict[str, Any] = {}
+    selector = default_selector if node_selector is None else node_selector
+    if selector:
+        pod["nodeSelector"] = dict(selector)
+    tols = (
+        [dict(t) for t in default_tolerations]
+        if tolerations is None
+        else [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in tolerations]
+    )
+    if tols:
+        pod["tolerations"] = tols
+    if affinity:
+        pod["affinity"] = affinity
+    return pod
+
+
+def _pod_metadata(labels: dict[str, str], annotations: dict[str, str] | None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"labels": dict(labels)}
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    return meta
+
+
+def _claim_volume(name: str, claim: str, read_only: bool = False) -> dict[str, Any]:
+    source: dict[str, Any] = {"claimName": claim}
+    if read_only:
+        source["readOnly"] = True
+    return {"name": name, "persistentVolumeClaim": source}
+
+
+def _mount(name: str, path: str, read_only: bool = False, sub_path: str | None = None) -> dict[str, Any]:
+    mount: dict[str, Any] = {"name": name, "mountPath": path}
+    if sub_path:
+        mount["subPath"] = sub_path
+    if read_only:
+        mount["readOnly"] = True
+    return mount
+
+
+def _extra_volumes(extra: list[ClaimMount]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes = [_claim_volume(v.name, v.claim_name, v.read_only) for v in extra]
+    mounts = [_mount(v.name, v.mount_path, v.read_only, v.sub_path) for v in extra]
+    return volumes, mounts
+
+
+def _config_map(
+    name: str, namespace: str, labels: dict[str, str], filename: str, doc: dict[str, Any]
+) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "data": {filename: yaml.safe_dump(doc, sort_keys=False)},
+    }
+
+
+# PackJob
+
+
+def pack_config_map(name: str, namespace: str, spec: PackJobSpec) -> dict[str, Any]:
+    """The packer's config, mounted at /etc/packtrain/packjob.yaml (only the packer's sections)."""
+    doc = {
+        "apiVersion": API_VERSION,
+        "kind": "PackJob",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec.pack_config(),
+    }
+    labels = _labels("pack-config", PACKJOB_LABEL, name)
+    return _config_map(pack_config_name(name), namespace, labels, PACK_CONFIG_FILE, doc)
+
+
+def pack_job(
+    name: str, namespace: str, spec: PackJobSpec, stage: PackStage, defaults: OperatorDefaults
+) -> dict:
+    """One stage as a batch/v1 Job: Indexed (one index per worker) for convert and materialize.
+
+    A configuration error (exit 2) fails the whole Job at once, since every retry
+    would fail the same way; a disruption (preemption, node drain) is not counted
+    against the retries.
+    """
+    workers = spec.workers
+    indexed = stage in INDEXED_STAGES
+    count = workers.count if indexed else 1
+    labels = _labels(f"pack-{stage}", PACKJOB_LABEL, name, **{STAGE_LABEL: stage})
+    job_name = pack_job_name(name, stage)
+    config_path = f"{CONFIG_DIR}/{PACK_CONFIG_FILE}"
+    extra_volumes, extra_mounts = _extra_volumes(spec.volumes)
+    container: dict[str, Any] = {
+        "name": PACK_CONTAINER,
+        "image": workers.image or defaults.packer_image,
+        "command": pack_stage_command(
+            stage, config_path, pack_output_dir(name, spec), count=count if indexed else None
+        ),
+        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        # The packer's JSON summary comes back through the termination message; a crash
+        # leaves the log tail there instead, which is what the user needs to see.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [
+            _mount("output", spec.output.mount_path),
+            _mount("config", CONFIG_DIR, read_only=True),
+            *extra_mounts,
+        ],
+    }
+    if workers.resources is not None:
+        container["resources"] = workers.resources.model_dump(mode="json", by_alias=True, exclude_none=True)
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        # Packer pods never call the API: stats travel in the termination message.
+        "automountServiceAccountToken": False,
+        **_scheduling(
+            workers.node_selector,
+            workers.tolerations,
+            workers.affinity,
+            defaults.cpu_node_selector,
+            defaults.cpu_tolerations,
+        ),
+        "containers": [container],
+        "volumes": [
+            _claim_volume("output", spec.output.claim_name),
+            {"name": "config", "configMap": {"name": pack_config_name(name)}},
+            *extra_volumes,
+        ],
+    }
+    if workers.service_account_name:
+        pod_spec["serviceAccountName"] = workers.service_account_name
+    job_spec: dict[str, Any] = {
+        "completions": count,
+        "parallelism": count,
+        "podFailurePolicy": {
+            "rules": [
+                {
+                    "action": "FailJob",
+                    "onExitCodes": {
+                        "containerName": PACK_CONTAINER,
+                        "operator": "In",
+                        "values": [EXIT_CONFIG],
+                    },
+                },
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+            ]
+        },
+        "template": {"metadata": _pod_metadata(labels, workers.pod_annotations), "spec": pod_spec},
+    }
+    if indexed:
+        job_spec["completionMode"] = "Indexed"
+        job_spec["backoffLimitPerIndex"] = workers.backoff_limit_per_index
+        job_spec["maxFailedIndexes"] = 0
+    else:
+        job_spec["completionMode"] = "NonIndexed"
+        job_spec["backoffLimit"] = workers.backoff_limit_per_index
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": job_name, "namespace": namespace, "labels": labels},
+        "spec": job_spec,
+    }
+
+
+# SFTJob
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """Where the pack is for an SFTJob: resolved from `data.path` or from the referenced PackJob."""
+
+    claim_name: str
+    mount_path: str
+    path: str
+    sub_path: str | None = None
+
+
+def data_source(
+    spec: SFTJobSpec, pack_spec: PackJobSpec | None, pack_status: Mapping[str, Any] | None
+) -> DataSource:
+    """The data volume and folder. With a PackJob reference, its claim at its mount path (read-only)."""
+    override = spec.volumes.data
+    if spec.data.pack_job_ref is None:
+        if override is None or spec.data.path is None:
+            raise ValueError(
+                "spec.volumes.data is required with data.path: name the claim that holds the pack"
+            )
+        return DataSource(override.claim_name, SFT_DATA_MOUNT, spec.data.path, override.sub_path)
+    if pack_spec is None:
+        raise ValueError(f"PackJob {spec.data.pack_job_ref} is needed to resolve spec.data.packJobRef")
+    path = (pack_status or {}).get("outputPath") or pack_output_dir(spec.data.pack_job_ref, pack_spec)
+    claim = override.claim_name if override else pack_spec.output.claim_name
+    return DataSource(claim, pack_spec.output.mount_path, path, override.sub_path if override else None)
+
+
+def sft_output_dir(name: str) -> str:
+    return f"{SFT_CHECKPOINT_MOUNT}/{name}"
+
+
+def train_config_map(name: str, namespace: str, spec: SFTJobSpec, data: DataSource) -> dict[str, Any]:
+    """The trainer's config, mounted at /etc/packtrain/sftjob.yaml, with the data folder resolved."""
+    doc = {
+        "apiVersion": API_VERSION,
+        "kind": "SFTJob",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec.train_config(data.path),
+    }
+    return _config_map(
+        train_config_name(name),
+        namespace,
+        _labels("train-config", SFTJOB_LABEL, name),
+        TRAIN_CONFIG_FILE,
+        doc,
+    )
+
+
+def _train_resources(spec: SFTJobSpec) -> dict[str, Any]:
+    res = spec.resources
+    limits: dict[str, Any] = {}
+    if res.gpus_per_node:
+        limits["nvidia.com/gpu"] = res.gpus_per_node
+    if res.cpu is not None:
+        limits["cpu"] = res.cpu
+    if res.memory is not None:
+        limits["memory"] = res.memory
+    requests = dict(limits)
+    return {"limits": limits, "requests": requests} if limits else {}
+
+
+def _train_volumes(name: str, spec: SFTJobSpec, data: DataSource) -> tuple[list[dict], list[dict]]:
+    volumes = [
+        _claim_volume("data", data.claim_name, read_only=True),
+        _claim_volume("checkpoints", spec.volumes.checkpoints.claim_name),
+        {"name": "config", "configMap": {"name": train_config_name(name)}},
+        # NCCL and dataloader workers share tensors through /dev/shm; the default 64 MiB is too small.
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+    ]
+    mounts = [
+        _mount("data", data.mount_path, read_only=True, sub_path=data.sub_path),
+        _mount("checkpoints", SFT_CHECKPOINT_MOUNT, sub_path=spec.volumes.checkpoints.sub_path),
+        _mount("config", CONFIG_DIR, read_only=True),
+        _mount("dshm", "/dev/shm"),
+    ]
+    if spec.volumes.model is not None:
+        volumes.append(_claim_volume("model", spec.volumes.model.claim_name, read_only=True))
+        mounts.append(_mount("model", SFT_MODEL_MOUNT, read_only=True, sub_path=spec.volumes.model.sub_path))
+    return volumes, mounts
+
+
+def _train_metadata(name: str, namespace: str, spec: SFTJobSpec) -> dict[str, Any]:
+    labels = _labels("training", SFTJOB_LABEL, name)
+    if spec.queue_name:
+        labels[QUEUE_LABEL] = spec.queue_name
+    return {"name": training_job_name(name), "namespace": namespace, "labels": labels}
+
+
+def _train_command(name: str, spec: SFTJobSpec, data: DataSource) -> list[str]:
+    return train_command(
+        f"{CONFIG_DIR}/{TRAIN_CONFIG_FILE}",
+        data.path,
+        sft_output_dir(name),
+        nproc_per_node=spec.resources.gpus_per_node,
+        nnodes=spec.resources.nodes,
+    )
+
+
+def pytorch_job(
+    name: str, namespace: str, spec: SFTJobSpec, data: DataSource, defaults: OperatorDefaults
+) -> dict:
+    """A `kubeflow.org/v1` PyTorchJob: one Master plus `nodes - 1` Workers, one container `pytorch` each.
+
+    `restartPolicy: ExitCode` lets the training-operator restart pods killed by a
+    signal (exit ≥ 128: preemption, OOM) but not ones that failed on their own
+    (exit 1–127, including the config error 2), within `backoffLimit`.
+    """
+    volumes, mounts = _train_volumes(name, spec, data)
+    container: dict[str, Any] = {
+        "name": TRAIN_CONTAINER,
+        "image": spec.image or defaults.trainer_image,
+        "command": _train_command(name, spec, data),
+        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "ports": [{"name": "metrics", "containerPort": spec.metrics_port, "protocol": "TCP"}],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": mounts,
+    }
+    resources = _train_resources(spec)
+    if resources:
+        container["resources"] = resources
+    res = spec.resources
+    pod_spec: dict[str, Any] = {
+        **_scheduling(
+            res.node_selector,
+            res.tolerations,
+            res.affinity,
+            defaults.gpu_node_selector,
+            defaults.gpu_tolerations,
+        ),
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if spec.service_account_name:
+        pod_spec["serviceAccountName"] = spec.service_account_name
+    pod_labels = _labels("training", SFTJOB_LABEL, name)
+
+    def replica(replicas: int) -> dict[str, Any]:
+        return {
+            "replicas": replicas,
+            "restartPolicy": "ExitCode",
+            "template": {
+                "metadata": _pod_metadata(pod_labels, res.pod_annotations),
+                "spec": copy.deepcopy(pod_spec),
+            },
+        }
+
+    replicas = {"Master": replica(1)}
+    if res.nodes > 1:
+        replicas["Worker"] = replica(res.nodes - 1)
+    return {
+        "apiVersion": PYTORCHJOB_API,
+        "kind": "PyTorchJob",
+        "metadata": _train_metadata(name, namespace, spec),
+        "spec": {
+            "nprocPerNode": str(max(res.gpus_per_node, 1)),
+            "runPolicy": {
+                "backoffLimit": spec.backoff_limit,
+                "cleanPodPolicy": spec.clean_pod_policy,
+                "suspend": spec.suspend,
+            },
+            "pytorchReplicaSpecs": replicas,
+        },
+    }
+
+
+def train_job(
+    name: str, namespace: str, spec: SFTJobSpec, data: DataSource, defaults: OperatorDefaults
+) -> dict:
+    """A `trainer.kubeflow.org/v1alpha1` TrainJob against a (Cluster)TrainingRuntime, default torch-distributed.
+
+    The runtime owns the pod template; volumes and scheduling go in as
+    `podTemplateOverrides` on its `node` job.
+    """
+    runtime = spec.runtime
+    runtime_name = runtime.name if runtime else "torch-distributed"
+    runtime_kind = runtime.kind if runtime else "ClusterTrainingRuntime"
+    volumes, mounts = _train_volumes(name, spec, data)
+    res = spec.resources
+    override_spec: dict[str, Any] = {
+        **_scheduling(
+            res.node_selector,
+            res.tolerations,
+            res.affinity,
+            defaults.gpu_node_selector,
+            defaults.gpu_tolerations,
+        ),
+        "volumes": volumes,
+        "containers": [{"name": TRAINJOB_CONTAINER, "volumeMounts": mounts}],
+    }
+    if spec.service_account_name:
+        override_spec["serviceAccountName"] = spec.service_account_name
+    trainer: dict[str, Any] = {
+        "image": spec.image or defaults.trainer_image,
+        "command": _train_command(name, spec, data),
+        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "numNodes": res.nodes,
+        "numProcPerNode": max(res.gpus_per_node, 1),
+    }
+    resources = _train_resources(spec)
+    if resources:
+        trainer["resourcesPerNode"] = resources
+    return {
+        "apiVersion": TRAINJOB_API,
+        "kind": "TrainJob",
+        "metadata": _train_metadata(name, namespace, spec),
+        "spec": {
+            "runtimeRef": {"apiGroup": "trainer.kubeflow.org", "kind": runtime_kind, "name": runtime_name},
+            "suspend": spec.suspend,
+            "trainer": trainer,
+            "podTemplateOverrides": [
+                {
+                    "targetJobs": [{"name": TRAINJOB_TARGET}],
+                    "metadata": _pod_metadata(_labels("training", SFTJOB_LABEL, name), res.pod_annotations),
+                    "spec": override_spec,
+                }
+            ],
+        },
+    }
+
+
+def training_job(
+    name: str, namespace: str, spec: SFTJobSpec, data: DataSource, defaults: OperatorDefaults
+) -> dict:
+    """The child training job of the SFTJob's backend."""
+    build = train_job if spec.backend == "trainjob" else pytorch_job
+    return build(name, namespace, spec, data, defaults)

@@ -1,0 +1,121 @@
+"""`packtrain`: one command for every part of the product.
+
+    packtrain pack …       the packer (convert, plan, materialize, run, inspect, …)
+    packtrain train …      the trainer (run under torchrun for several processes)
+    packtrain run …        a PackJob/SFTJob YAML on this machine, same commands as the operator
+    packtrain operator …   the Kubernetes operator (kopf)
+    packtrain crds …       write the CustomResourceDefinitions generated from the API models
+
+Subcommands are imported only when chosen, so `packtrain pack` never loads kopf
+or torch, and `packtrain operator` never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# subcommand -> (module with main(argv) -> int, one-line help)
+DELEGATES: dict[str, tuple[str, str]] = {
+    "pack": (
+        "packtrain.packer.cli",
+        "pack a dataset (convert, plan, materialize, run, inspect, verify, unpack)",
+    ),
+    "train": ("packtrain.trainer.cli", "train on a pack (packtrain train -c SFTJOB.yaml)"),
+    "run": ("packtrain.operator.local_run", "run a PackJob/SFTJob YAML locally with the operator's commands"),
+}
+
+
+def _operator_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "operator", help="run the Kubernetes operator", description="Run the packtrain operator."
+    )
+    p.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch this namespace (repeatable; globs allowed); default: all namespaces",
+    )
+    p.add_argument(
+        "--liveness",
+        default="http://0.0.0.0:8080/healthz",
+        metavar="URL",
+        help="kopf liveness probe endpoint (default: %(default)s; empty: off)",
+    )
+    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0: off)")
+    p.add_argument(
+        "--peering",
+        metavar="NAME",
+        help="coordinate with other operator replicas through this KopfPeering (default: standalone)",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _crds_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("crds", help="write the CRDs generated from the API models")
+    p.add_argument("--out", default="crds", help="folder to write to (default: %(default)s)")
+    p.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 when the folder is out of date"
+    )
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="packtrain", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (_, help_) in DELEGATES.items():
+        sub.add_parser(name, help=help_, add_help=False)
+    _operator_parser(sub)
+    _crds_parser(sub)
+    return ap
+
+
+def run_operator(args: argparse.Namespace) -> int:
+    import kopf
+
+    from . import handlers  # noqa: F401  (registers the handlers)
+
+    kopf.configure(verbose=args.verbose)
+    kopf.run(
+        standalone=args.peering is None,
+        peering_name=args.peering,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        liveness_endpoint=args.liveness or None,
+        memo=kopf.Memo(metrics_port=args.metrics_port),
+    )
+    return 0
+
+
+def run_crds(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from . import crdgen
+
+    if args.check:
+        stale = crdgen.stale(Path(args.out))
+        for path in stale:
+            print(f"{path} is out of date: run `packtrain crds --out {args.out}`", file=sys.stderr)
+        return 1 if stale else 0
+    for path in crdgen.write_all(args.out):
+        print(path)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATES:
+        module, _ = DELEGATES[argv[0]]
+        return int(importlib.import_module(module).main(argv[1:]) or 0)
+    args = parser().parse_args(argv)
+    if args.command == "operator":
+        return run_operator(args)
+    return run_crds(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""Measuring images and videos: sizes, frame sampling and patch grids, without decoding pixels.
+
+The token count of a media item depends only on its (oriented) size and, for
+videos, on which frames are sampled. Both are read from file headers here, so
+converting a dataset costs about as much as hashing its files. The rules are
+copies of the Hugging Face Qwen2-VL processors (transformers 5.x:
+`smart_resize`, `Qwen2VLVideoProcessor.sample_frames`, PyAV `read_video_pyav`);
+`tests/packer/test_tokenize_parity.py` proves they agree.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import av
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+MAX_ASPECT_RATIO = 200
+_ORIENTATION_TAG = 0x0112
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+class MediaError(Exception):
+    """A media file that cannot be used; `reason` is a stable reject code."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """Processor settings that decide vision-token counts."""
+
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    video_min_pixels: int = 56 * 56
+    video_max_pixels: int = 28 * 28 * 1280
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    """Upright size (EXIF orientation applied) and container format of an image."""
+
+    width: int
+    height: int
+    format: str
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    """What frame sampling needs: the header frame count and rate, and the decoded frame size."""
+
+    width: int
+    height: int
+    total_frames: int
+    fps: float
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Resized size and patch grid of one media item."""
+
+    height: int
+    width: int
+    grid_t: int
+    grid_h: int
+    grid_w: int
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """The Qwen2-VL resize rule: sides divisible by `factor`, area within bounds, aspect ratio kept.
+
+    Raises MediaError("aspect_ratio") where the HF processor raises ValueError.
+    """
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise MediaError(
+            "aspect_ratio",
+            f"{width}x{height}: aspect ratio {max(height, width) / min(height, width):.1f} exceeds "
+            f"{MAX_ASPECT_RATIO}, which the Qwen2-VL processor refuses",
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def image_grid(info: ImageInfo, spec: VisionSpec) -> Grid:
+    """Patch grid of an image: one temporal step (the processor repeats the frame to fill it)."""
+    h, w = smart_resize(info.height, info.width, spec.factor, spec.min_pixels, spec.max_pixels)
+    return Grid(h, w, 1, h // spec.patch_size, w // spec.patch_size)
+
+
+def video_grid(info: VideoInfo, num_frames: int, spec: VisionSpec) -> Grid:
+    """Patch grid of a video; an odd frame count is padded by repeating the last frame."""
+    h, w = smart_resize(info.height, info.width, spec.factor, spec.video_min_pixels, spec.video_max_pixels)
+    grid_t = -(-num_frames // spec.temporal_patch_size)
+    return Grid(h, w, grid_t, h // spec.patch_size, w // spec.patch_size)
+
+
+def sample_frame_indices(total_frames: int, video_fps: float, spec: VisionSpec) -> list[int]:
+    """Indices of the decoded frames the processor keeps (`Qwen2VLVideoProcessor.sample_frames` with fps).
+
+    The reference computes `torch.arange(0, total, total / n).int()` in float32; the
+    float32 rounding is reproduced so indices match bit for bit.
+    """
+    tp = spec.temporal_patch_size
+    max_frames = math.floor(min(spec.max_frames, total_frames) / tp) * tp
+    wanted = total_frames / video_fps * spec.fps
+    wanted = min(max(wanted, spec.min_frames), max_frames, total_frames)
+    n = math.floor(wanted / tp) * tp
+    if n <= 0:
+        raise MediaError(
+            "corrupt_media", f"video has {total_frames} frame(s); at least {tp} are needed to sample it"
+        )
+    step = total_frames / n
+    count = math.ceil(total_frames / step)
+    values = (np.arange(count, dtype=np.float64) * step).astype(np.float32)
+    return values.astype(np.int32).tolist()
+
+
+def second_per_grid(indices: list[int], total_frames: int, video_fps: float, spec: VisionSpec) -> float:
+    """Seconds per temporal grid step (Qwen2.5-VL mRoPE): temporal patch over the sampled frame rate."""
+    sampled_fps = len(indices) / total_frames * video_fps
+    return spec.temporal_patch_size / sampled_fps
+
+
+def probe_image(data: bytes) -> ImageInfo:
+    """Upright size of an encoded image, read from its header, after a cheap integrity check.
+
+    Orientation: the HF processor decodes paths with EXIF orientation applied
+    (torchvision `decode_image(apply_exif_orientation=True)`, or PIL
+    `exif_transpose`), so orientations 5-8 swap width and height here too. Only the
+    EXIF block counts (XMP-only orientation is ignored, as torchvision does).
+    The file's content decides its type, not its extension.
+    """
+    try:
+        img = Image.open(io.BytesIO(data))
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        raise MediaError("corrupt_media", f"not a readable image: {exc}") from exc
+    with img:
+        fmt = img.format or "?"
+        width, height = img.size
+        exif = img.info.get("exif")
+        if fmt == "PNG":
+            _check_png(data)
+        elif fmt in ("JPEG", "MPO"):
+            _check_jpeg(data)
+        else:
+            try:
+                img.load()
+            except (OSError, SyntaxError, ValueError) as exc:
+                raise MediaError("corrupt_media", f"{fmt} image does not decode: {exc}") from exc
+    if width < 1 or height < 1:
+        raise MediaError("corrupt_media", f"image has no pixels ({width}x{height})")
+    if exif and _orientation(exif) in (5, 6, 7, 8):
+        width, height = height, width
+    return ImageInfo(width, height, fmt)
+
+
+def _orientation(exif: bytes) -> int:
+    parsed = Image.Exif()
+    try:
+        parsed.load(exif)
+    except (OSError, SyntaxError, ValueError, struct.error):
+        return 1
+    value = parsed.get(_ORIENTATION_TAG, 1)
+    return value if isinstance(value, int) else 1
+
+
+def _check_jpeg(data: bytes) -> None:
+    """A JPEG is complete when an EOI marker follows its first scan.
+
+    Entropy-coded data escapes 0xFF bytes, so 0xFFD9 after the first SOS can only
+    be a real end marker; walking the marker segments skips EXIF thumbnails,
+    which carry their own SOS/EOI.
+    """
+    pos, size = 2, len(data)
+    sos = -1
+    while pos + 4 <= size:
+        if data[pos] != 0xFF:
+            break
+        marker = data[pos + 1]
+        if marker == 0xFF:
+            pos += 1
+            continue
+        if marker == 0xDA:
+            sos = pos
+            break
+        if marker in (0x01, *range(0xD0, 0xD8)):
+            pos += 2
+            continue
+        pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+    if sos < 0:
+        raise MediaError("corrupt_media", "JPEG has no image data (no start-of-scan marker)")
+    if data.rfind(b"\xff\xd9") < sos:
+        raise MediaError("corrupt_media", "JPEG is truncated (no end-of-image marker after the image data)")
+
+
+def _check_png(data: bytes) -> None:
+    """Walk the PNG chunks: critical chunks must pass their CRC and IEND must be present."""
+    pos, size = len(_PNG_SIGNATURE), len(data)
+    while pos + 12 <= size:
+        length = int.from_bytes(data[pos : pos + 4], "big")
+        ctype = data[pos + 4 : pos + 8]
+        end = pos + 12 + length
+        if end > size:
+            break
+        if ctype[:1].isupper():
+            crc = int.from_bytes(data[end - 4 : end], "big")
+            if zlib.crc32(data[pos + 4 : end - 4]) != crc:
+                raise MediaError("corrupt_media", f"PNG chunk {ctype.decode('latin-1')} fails its CRC check")
+        if ctype == b"IEND":
+            return
+        pos = end
+    raise MediaError("corrupt_media", "PNG is truncated (no IEND chunk)")
+
+
+def probe_video(path: Path) -> VideoInfo:
+    """Frame count and rate as `read_video_pyav` reads them, checked against the packets present.
+
+    Only the first frame is decoded (for the frame size the processor sees); the
+    packets are demuxed, not decoded, so a truncated file is caught cheaply. A
+    container without a frame count in its header (e.g. some MKV/WebM) falls back
+    to the packet count, where the reference would fail.
+    """
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise MediaError("media_type_mismatch", "file has no video stream")
+            stream = container.streams.video[0]
+            header_frames = int(stream.frames or 0)
+            rate = stream.average_rate
+            first = next(container.decode(video=0), None)
+            if first is None:
+                raise MediaError("corrupt_media", "video has no decodable frame")
+            width, height = first.width, first.height
+            container.seek(0)
+            packets = sum(1 for p in container.demux(video=0) if p.size > 0)
+    except MediaError:
+        raise
+    except (av.FFmpegError, OSError, ValueError, StopIteration) as exc:
+        raise MediaError("corrupt_media", f"video does not open: {exc}") from exc
+    if not rate:
+        raise MediaError("corrupt_media", "video has no frame rate in its header")
+    if header_frames and packets < header_frames:
+        raise MediaError(
+            "corrupt_media", f"video is truncated: the header lists {header_frames} frames, {packets} are present"
+        )
+    total = header_frames or packets
+    return VideoInfo(width, height, total, float(rate))

@@ -1,0 +1,1 @@
+"""The local Kubernetes control plane for tests (see README, "Local control plane for tests")."""

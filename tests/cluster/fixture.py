@@ -1,0 +1,61 @@
+"""Pytest plugin with the session-scoped ``kube_cluster`` fixture.
+
+Loaded for the whole suite from ``tests/conftest.py`` (``pytest_plugins = ["cluster.fixture"]``),
+so any test folder can ask for a real control plane: it starts once per session, on first use.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from .controlplane import ClusterUnavailable, ControlPlane, locate_binaries
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+
+def _shout(config: pytest.Config, message: str) -> None:
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        tr.write_line("")
+        tr.write_line(f"!!! {message}", red=True, bold=True)
+
+
+@pytest.fixture(scope="session")
+def kube_cluster(request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
+    """A running control plane: etcd, kube-apiserver, controller-manager, scheduler, node agent.
+
+    Yields a ControlPlane: ``.kubeconfig``, ``.api_client()``, ``.kubectl(*args)``, ``.helm(*args)``,
+    ``.env()``, ``.bin``, ``.server_version``, ``.logs_dir``. Logs are kept when a test failed
+    (or with PACKTRAIN_KEEP_CLUSTER_LOGS=1); everything else is removed at the end.
+    """
+    config = request.config
+    if os.environ.get("PACKTRAIN_SKIP_CLUSTER") == "1":
+        msg = "cluster tests skipped because PACKTRAIN_SKIP_CLUSTER=1"
+        if _in_ci():
+            pytest.fail(f"{msg}, but CI must run them: unset PACKTRAIN_SKIP_CLUSTER")
+        _shout(config, msg.upper())
+        pytest.skip(msg)
+    try:
+        bin_dir, crd_dir = locate_binaries()
+    except ClusterUnavailable as e:
+        if e.impossible and not _in_ci():
+            _shout(config, f"CLUSTER TESTS SKIPPED: {e}")
+            pytest.skip(str(e))
+        pytest.fail(str(e))
+
+    cp = ControlPlane(bin_dir, crd_dir)
+    try:
+        cp.start()
+    except Exception as e:
+        cp.stop(keep_logs=True)
+        pytest.fail(f"the local control plane did not start: {e}\ncomponent logs: {cp.logs_dir}")
+    yield cp
+    keep = request.session.testsfailed > 0 or os.environ.get("PACKTRAIN_KEEP_CLUSTER_LOGS") == "1"
+    cp.stop(keep_logs=keep)
+    if keep:
+        _shout(config, f"control-plane component logs kept in {cp.logs_dir}")

@@ -1,0 +1,224 @@
+"""Reconcilers against an in-memory API: what gets created, when, and only once."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+from kubernetes.client.rest import ApiException
+from packtrain.operator import builders, handlers, rbac
+from packtrain.operator.api import GROUP, VERSION
+
+DEFAULTS = builders.OperatorDefaults(packer_image="packer:test", trainer_image="trainer:test")
+RESOURCES = {
+    "Job": ("batch", "jobs"),
+    "ConfigMap": ("", "configmaps"),
+    "PyTorchJob": ("kubeflow.org", "pytorchjobs"),
+    "TrainJob": ("trainer.kubeflow.org", "trainjobs"),
+}
+
+
+class FakeKube:
+    """The `handlers.Kube` surface over dicts; records creates and refuses what RBAC would refuse."""
+
+    def __init__(self, missing_apis: frozenset[str] = frozenset()) -> None:
+        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.created: list[str] = []
+        self.pod_list: dict[str, list[dict[str, Any]]] = {}
+        self.missing_apis = missing_apis
+
+    def get(self, group: str, version: str, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
+        assert rbac.allows(rbac.RULES, group, plural, "get"), f"RBAC lacks get {group}/{plural}"
+        return copy.deepcopy(self.objects.get((plural, namespace, name)))
+
+    def list(self, group: str, version: str, plural: str, namespace: str) -> list[dict[str, Any]]:
+        return [copy.deepcopy(v) for (p, ns, _), v in self.objects.items() if p == plural and ns == namespace]
+
+    def create(self, body: dict[str, Any]) -> bool:
+        group, plural = RESOURCES[body["kind"]]
+        assert rbac.allows(rbac.RULES, group, plural, "create"), f"RBAC lacks create {group}/{plural}"
+        if plural in self.missing_apis:
+            raise ApiException(status=404, reason="Not Found")
+        key = (plural, body["metadata"]["namespace"], body["metadata"]["name"])
+        if key in self.objects:
+            return False
+        self.objects[key] = copy.deepcopy(body)
+        self.created.append(f"{body['kind']}/{body['metadata']['name']}")
+        return True
+
+    def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        return self.pod_list.get(selector, [])
+
+    def put(self, plural: str, body: dict[str, Any]) -> None:
+        self.objects[(plural, body["metadata"]["namespace"], body["metadata"]["name"])] = copy.deepcopy(body)
+
+
+def complete(kube: FakeKube, name: str, succeeded: int = 1) -> None:
+    job = kube.objects[("jobs", "ml", name)]
+    job["status"] = {"succeeded": succeeded, "conditions": [{"type": "Complete", "status": "True"}]}
+
+
+def step(kube: FakeKube, body: dict[str, Any]) -> dict[str, Any]:
+    body["status"] = handlers.reconcile_packjob(kube, body, DEFAULTS)  # type: ignore[arg-type]
+    return body["status"]
+
+
+def test_packjob_walks_its_stages_creating_each_job_once(packjob: dict[str, Any]) -> None:
+    kube = FakeKube()
+    assert step(kube, packjob)["phase"] == "Converting"
+    assert kube.created == ["ConfigMap/demo-pack-config", "Job/demo-convert"]
+    job = kube.objects[("jobs", "ml", "demo-convert")]
+    owner = job["metadata"]["ownerReferences"][0]
+    assert (
+        owner["kind"] == "PackJob"
+        and owner["uid"] == packjob["metadata"]["uid"]
+        and owner["controller"] is True
+    )
+    assert step(kube, packjob)["phase"] == "Converting"  # a second event (or a restart) creates nothing
+    assert kube.created == ["ConfigMap/demo-pack-config", "Job/demo-convert"]
+    complete(kube, "demo-convert", 4)
+    assert step(kube, packjob)["phase"] == "Planning"
+    complete(kube, "demo-plan")
+    kube.pod_list[f"{builders.JOB_NAME_LABEL}=demo-plan"] = [
+        {
+            "status": {
+                "containerStatuses": [
+                    {
+                        "name": "packer",
+                        "state": {
+                            "terminated": {
+                                "exitCode": 0,
+                                "message": json.dumps({"stage": "plan", "packed": 7, "fillRatio": 0.9}),
+                            }
+                        },
+                    }
+                ]
+            }
+        }
+    ]
+    assert step(kube, packjob)["phase"] == "Materializing"
+    complete(kube, "demo-materialize", 4)
+    status = step(kube, packjob)
+    assert status["phase"] == "Succeeded" and status["stats"] == {"samplesPacked": 7, "fillRatio": 0.9}
+    assert kube.created == [
+        "ConfigMap/demo-pack-config",
+        "Job/demo-convert",
+        "Job/demo-plan",
+        "Job/demo-materialize",
+    ]
+
+
+def test_spec_the_models_reject_fails_without_creating(packjob: dict[str, Any]) -> None:
+    packjob["spec"]["model"].update(minFrames=10, maxFrames=2)
+    kube = FakeKube()
+    status = step(kube, packjob)
+    assert status["phase"] == "Failed" and kube.created == []
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert (
+        failed["reason"] == "InvalidSpec"
+        and "minFrames (10) must not exceed maxFrames (2)" in failed["message"]
+    )
+
+
+def sft_step(kube: FakeKube, body: dict[str, Any]) -> dict[str, Any]:
+    body["status"] = handlers.reconcile_sftjob(kube, body, DEFAULTS)  # type: ignore[arg-type]
+    return body["status"]
+
+
+def test_sftjob_waits_for_its_packjob_then_creates_one_pytorchjob(
+    sftjob: dict[str, Any], packjob: dict[str, Any]
+) -> None:
+    kube = FakeKube()
+    status = sft_step(kube, sftjob)
+    assert status["phase"] == "WaitingForData" and kube.created == []
+    assert next(c for c in status["conditions"] if c["type"] == "DataReady")["reason"] == "PackJobNotFound"
+    packjob["status"] = {"phase": "Materializing"}
+    kube.put("packjobs", packjob)
+    status = sft_step(kube, sftjob)
+    assert status["phase"] == "WaitingForData" and "Materializing" in status["conditions"][0]["message"]
+    packjob["status"] = {"phase": "Succeeded", "outputPath": "/data/packs/demo"}
+    kube.put("packjobs", packjob)
+    status = sft_step(kube, sftjob)
+    assert kube.created == ["ConfigMap/demo-sft-train-config", "PyTorchJob/demo-sft"]
+    assert status["phase"] == "Pending" and status["dataPath"] == "/data/packs/demo"
+    ptj = kube.objects[("pytorchjobs", "ml", "demo-sft")]
+    assert ptj["metadata"]["ownerReferences"][0]["kind"] == "SFTJob"
+    ptj["status"] = {"conditions": [{"type": "Running", "status": "True", "reason": "PyTorchJobRunning"}]}
+    assert sft_step(kube, sftjob)["phase"] == "Running"
+    assert kube.created == ["ConfigMap/demo-sft-train-config", "PyTorchJob/demo-sft"]
+    ptj["status"]["conditions"].append(
+        {"type": "Succeeded", "status": "True", "reason": "PyTorchJobSucceeded"}
+    )
+    kube.pod_list[f"{builders.SFTJOB_LABEL}=demo-sft"] = [
+        {
+            "status": {
+                "containerStatuses": [
+                    {
+                        "name": "pytorch",
+                        "state": {
+                            "terminated": {"exitCode": 0, "message": json.dumps({"step": 1000, "loss": 0.5})}
+                        },
+                    }
+                ]
+            }
+        }
+    ]
+    status = sft_step(kube, sftjob)
+    assert status["phase"] == "Succeeded" and status["progress"]["step"] == 1000
+
+
+def test_missing_kubeflow_api_is_a_retryable_error_with_advice(sftjob: dict[str, Any]) -> None:
+    import kopf
+
+    sftjob["spec"]["data"] = {"path": "/data/packs/x"}
+    sftjob["spec"]["volumes"]["data"] = {"claimName": "packs"}
+    kube = FakeKube(missing_apis=frozenset({"pytorchjobs"}))
+    with pytest.raises(kopf.TemporaryError, match="install the Kubeflow training-operator CRDs"):
+        sft_step(kube, sftjob)
+
+
+def test_trainjob_backend(sftjob: dict[str, Any]) -> None:
+    sftjob["spec"].update(backend="trainjob", data={"path": "/data/packs/x"})
+    sftjob["spec"]["volumes"]["data"] = {"claimName": "packs"}
+    kube = FakeKube()
+    sft_step(kube, sftjob)
+    assert kube.created == ["ConfigMap/demo-sft-train-config", "TrainJob/demo-sft"]
+
+
+def test_handlers_register_with_kopf() -> None:
+    import kopf
+
+    registry = kopf.get_default_registry()
+    resources = {h.selector.plural or h.selector.any_name for h in registry._changing.get_all_handlers()}
+    assert {"packjobs", "sftjobs"} <= resources
+    watched = {h.selector.plural or h.selector.any_name for h in registry._watching.get_all_handlers()}
+    assert {"jobs", "pytorchjobs", "trainjobs", "packjobs"} <= watched
+    assert not registry._spawning.get_all_handlers(), "timers/daemons would put finalizers on every resource"
+    assert (GROUP, VERSION) == ("packtrain.dev", "v1alpha1")
+
+
+def test_write_status_retries_on_conflict_and_posts_no_event_for_the_lost_write(
+    packjob: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kopf
+
+    kube = FakeKube()
+    packjob["metadata"]["resourceVersion"] = "1"
+    fresh = copy.deepcopy(packjob)
+    fresh["metadata"]["resourceVersion"] = "2"
+    kube.put("packjobs", fresh)
+    writes: list[str] = []
+
+    def patch_status(plural: str, ns: str, name: str, status: dict[str, Any], rv: str) -> None:
+        writes.append(rv)
+        if rv != "2":
+            raise ApiException(status=409, reason="Conflict")
+
+    posted: list[str] = []
+    monkeypatch.setattr(kube, "patch_status", patch_status, raising=False)
+    monkeypatch.setattr(kopf, "event", lambda body, type, reason, message: posted.append(reason))
+    handlers.write_status(kopf.Memo(kube=kube, defaults=DEFAULTS), "packjobs", packjob)
+    assert writes == ["1", "2"] and posted == ["Converting"]
+    assert kube.created == ["ConfigMap/demo-pack-config", "Job/demo-convert"]  # the retry created nothing new

@@ -1,0 +1,600 @@
+"""The operator against the real local control plane (tests/cluster).
+
+The operator runs as a subprocess (`packtrain operator`, exactly what the chart's
+Deployment runs) with a ServiceAccount token bound to `packtrain.operator.rbac.RULES`,
+so a missing permission fails here. The controllers are real: the Job controller
+creates pods, the scheduler puts them on the CPU/GPU pool, the node agent plays the
+kubelet (simulating exits, or really running the packer with
+`packtrain.dev/node-agent: run`). No training-operator runs, so the test moves the
+PyTorchJob along by writing its status, as the training-operator would.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+from operator_fixtures import PACKJOB, SFTJOB
+from packtrain.operator import rbac
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[2]
+GROUP, VERSION = "packtrain.dev", "v1alpha1"
+OPERATOR_NS, OPERATOR_SA = "packtrain-system", "packtrain-operator"
+DURATION = "packtrain.dev/node-agent-duration"
+EXIT_CODE = "packtrain.dev/node-agent-exit-code"
+CLAIM = "packtrain-data"
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = 90, every: float = 0.25) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# Fixtures
+
+
+@pytest.fixture(scope="module")
+def api(kube_cluster: Any) -> Iterator[client.ApiClient]:
+    with kube_cluster.api_client() as api_client:
+        yield api_client
+
+
+@pytest.fixture(scope="module")
+def crds(kube_cluster: Any) -> None:
+    kube_cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+    kube_cluster.kubectl(
+        "wait",
+        "--for=condition=Established",
+        "--timeout=60s",
+        "crd/packjobs.packtrain.dev",
+        "crd/sftjobs.packtrain.dev",
+    )
+
+
+@pytest.fixture(scope="module")
+def operator_kubeconfig(kube_cluster: Any, crds: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A kubeconfig holding a token of a ServiceAccount bound to exactly rbac.RULES (not admin)."""
+    rbac_docs = [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NS}},
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": OPERATOR_SA, "namespace": OPERATOR_NS},
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": OPERATOR_SA},
+            "rules": rbac.RULES,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": OPERATOR_SA},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": OPERATOR_SA},
+            "subjects": [{"kind": "ServiceAccount", "name": OPERATOR_SA, "namespace": OPERATOR_NS}],
+        },
+    ]
+    kube_cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(rbac_docs))
+    token = kube_cluster.kubectl(
+        "create", "token", OPERATOR_SA, "-n", OPERATOR_NS, "--duration=10h"
+    ).stdout.strip()
+    admin = yaml.safe_load(Path(kube_cluster.kubeconfig).read_text())
+    cluster = admin["clusters"][0]
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [cluster],
+        "users": [{"name": OPERATOR_SA, "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": cluster["name"], "user": OPERATOR_SA}}],
+        "current-context": "operator",
+    }
+    path = tmp_path_factory.mktemp("operator") / "kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+class Operator:
+    """`packtrain operator` in a subprocess; restartable."""
+
+    def __init__(self, kubeconfig: Path, log: Path) -> None:
+        self.kubeconfig, self.log = kubeconfig, log
+        self.metrics_port, self.health_port = _free_port(), _free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "PYTHONUNBUFFERED": "1",
+            "PACKTRAIN_PACKER_IMAGE": "ghcr.io/packtrain/packer:test",
+            "PACKTRAIN_TRAINER_IMAGE": "ghcr.io/packtrain/trainer:test",
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "packtrain.operator.cli",
+            "operator",
+            "--verbose",
+            "--metrics-port",
+            str(self.metrics_port),
+            "--liveness",
+            f"http://127.0.0.1:{self.health_port}/healthz",
+        ]
+        with self.log.open("ab") as fh:
+            self.proc = subprocess.Popen(
+                cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        wait_for("the operator's liveness endpoint", self.healthy, timeout=60)
+
+    def healthy(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"operator exited with {self.proc.returncode}:\n{self.tail()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/healthz", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.proc = None
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+@pytest.fixture(scope="module")
+def operator(operator_kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
+    op = Operator(operator_kubeconfig, tmp_path_factory.mktemp("operator-log") / "operator.log")
+    op.start()
+    yield op
+    op.stop()
+    print(f"operator log: {op.log}\n{op.tail(40)}")
+
+
+@pytest.fixture
+def namespace(api: client.ApiClient, crds: None) -> Iterator[str]:
+    """A namespace with a bound ReadWriteMany claim `packtrain-data` (a hostPath PersistentVolume)."""
+    name = f"pt-{uuid.uuid4().hex[:8]}"
+    core = client.CoreV1Api(api)
+    core.create_namespace({"metadata": {"name": name}})
+    core.create_persistent_volume(
+        {
+            "metadata": {"name": name},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "packtrain-test",
+                "hostPath": {"path": f"/tmp/{name}"},
+                "claimRef": {"namespace": name, "name": CLAIM},
+            },
+        }
+    )
+    core.create_namespaced_persistent_volume_claim(
+        name,
+        {
+            "metadata": {"name": CLAIM},
+            "spec": {
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "packtrain-test",
+                "volumeName": name,
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        },
+    )
+    wait_for(
+        "the claim to bind",
+        lambda: core.read_namespaced_persistent_volume_claim(CLAIM, name).status.phase == "Bound",
+        timeout=60,
+    )
+    yield name
+    core.delete_namespace(name)
+    core.delete_persistent_volume(name)
+
+
+def custom(api: client.ApiClient) -> client.CustomObjectsApi:
+    return client.CustomObjectsApi(api)
+
+
+def packjob(name: str, count: int = 2, annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    body = copy.deepcopy(PACKJOB)
+    body["metadata"] = {"name": name}
+    body["spec"]["output"] = {"claimName": CLAIM, "subPath": f"packs/{name}"}
+    body["spec"]["workers"] = {"count": count, "podAnnotations": {DURATION: "1", **(annotations or {})}}
+    return body
+
+
+def sftjob(name: str, pack: str) -> dict[str, Any]:
+    body = copy.deepcopy(SFTJOB)
+    body["metadata"] = {"name": name}
+    body["spec"]["data"] = {"packJobRef": pack}
+    return body
+
+
+def create(api: client.ApiClient, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+    plural = body["kind"].lower() + "s"
+    return dict(custom(api).create_namespaced_custom_object(GROUP, VERSION, ns, plural, body))
+
+
+def get(api: client.ApiClient, ns: str, plural: str, name: str) -> dict[str, Any]:
+    return dict(custom(api).get_namespaced_custom_object(GROUP, VERSION, ns, plural, name))
+
+
+def phase(api: client.ApiClient, ns: str, plural: str, name: str) -> str | None:
+    return (get(api, ns, plural, name).get("status") or {}).get("phase")
+
+
+def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next(c for c in obj["status"]["conditions"] if c["type"] == type_)
+
+
+def jobs(api: client.ApiClient, ns: str, pack: str) -> list[Any]:
+    return list(
+        client.BatchV1Api(api).list_namespaced_job(ns, label_selector=f"packtrain.dev/packjob={pack}").items
+    )
+
+
+def events(api: client.ApiClient, ns: str, name: str) -> list[Any]:
+    return list(
+        client.CoreV1Api(api).list_namespaced_event(ns, field_selector=f"involvedObject.name={name}").items
+    )
+
+
+def rejected(api: client.ApiClient, ns: str, body: dict[str, Any]) -> str:
+    with pytest.raises(ApiException) as err:
+        create(api, ns, body)
+    assert err.value.status == 422, err.value.body
+    return str(json.loads(err.value.body)["message"])
+
+
+# Tests: the API server and the CRDs (no operator needed)
+
+
+def test_crds_are_served_with_printer_columns(
+    kube_cluster: Any, api: client.ApiClient, namespace: str
+) -> None:
+    create(api, namespace, packjob("cols"))
+    header = kube_cluster.kubectl("get", "pj", "-n", namespace).stdout.splitlines()[0].split()
+    assert header == ["NAME", "PHASE", "STAGE", "SAMPLES", "FILL", "AGE"]
+    body = sftjob("cols-sft", "cols")
+    create(api, namespace, body)
+    out = kube_cluster.kubectl("get", "sft", "-n", namespace).stdout.splitlines()
+    assert out[0].split() == ["NAME", "PHASE", "BACKEND", "NODES", "GPUS", "AGE"]
+    assert out[1].split()[:4] == ["cols-sft", "pytorchjob", "2", "8"]  # no phase yet: no operator here
+    assert "cols" in kube_cluster.kubectl("get", "packtrain", "-n", namespace).stdout  # the category
+
+
+def test_invalid_specs_are_rejected_with_clear_messages(api: client.ApiClient, namespace: str) -> None:
+    body = packjob("bad")
+    del body["spec"]["output"]
+    assert "spec.output: Required value" in rejected(api, namespace, body)
+    body = packjob("bad")
+    body["spec"]["workers"]["count"] = 0
+    assert "spec.workers.count: Invalid value: 0" in rejected(api, namespace, body)
+    body = packjob("bad")
+    body["spec"]["packing"]["algorithm"] = "best"
+    assert 'spec.packing.algorithm: Unsupported value: "best"' in rejected(api, namespace, body)
+    body = packjob("x" * 46)
+    assert "metadata.name must be at most 45 characters" in rejected(api, namespace, body)
+    body = sftjob("bad-sft", "p")
+    body["spec"]["data"]["path"] = "/data/p"
+    assert "spec.data needs exactly one of path" in rejected(api, namespace, body)
+    body = sftjob("bad-sft", "p")
+    body["spec"]["training"]["metricsPort"] = 9000
+    assert "set spec.metricsPort, not spec.training.metricsPort" in rejected(api, namespace, body)
+    body = sftjob("bad-sft", "p")
+    body["spec"]["backend"] = "mpijob"
+    assert 'spec.backend: Unsupported value: "mpijob"' in rejected(api, namespace, body)
+
+
+def test_spec_changes_are_refused_except_suspend(api: client.ApiClient, namespace: str) -> None:
+    create(api, namespace, packjob("frozen"))
+    with pytest.raises(ApiException) as err:
+        custom(api).patch_namespaced_custom_object(
+            GROUP, VERSION, namespace, "packjobs", "frozen", {"spec": {"packing": {"maxLength": 8192}}}
+        )
+    assert err.value.status == 422
+    assert "spec.packing is immutable: delete the PackJob and create it again" in err.value.body
+    create(api, namespace, sftjob("frozen-sft", "frozen"))
+    with pytest.raises(ApiException) as err:
+        custom(api).patch_namespaced_custom_object(
+            GROUP, VERSION, namespace, "sftjobs", "frozen-sft", {"spec": {"resources": {"nodes": 4}}}
+        )
+    assert "spec.resources is immutable" in err.value.body
+    patched = custom(api).patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, "sftjobs", "frozen-sft", {"spec": {"suspend": True}}
+    )
+    assert patched["spec"]["suspend"] is True
+
+
+def test_server_applies_the_model_defaults(api: client.ApiClient, namespace: str) -> None:
+    created = create(api, namespace, packjob("defaults"))
+    assert created["spec"]["packing"]["algorithm"] == "bfd"
+    assert created["spec"]["output"]["mountPath"] == "/data"
+    assert created["spec"]["source"]["fieldMap"]["images"] == "images"
+    sft = create(api, namespace, sftjob("defaults-sft", "defaults"))
+    assert sft["spec"]["backend"] == "pytorchjob" and sft["spec"]["training"]["maxGradNorm"] == 1.0
+
+
+# Tests: the operator
+
+
+def test_packjob_walks_its_stages(
+    kube_cluster: Any, api: client.ApiClient, namespace: str, operator: Operator
+) -> None:
+    create(api, namespace, packjob("walk", count=2))
+    seen: list[str] = []
+
+    def done() -> bool:
+        p = phase(api, namespace, "packjobs", "walk")
+        if p and (not seen or seen[-1] != p):
+            seen.append(p)
+        return p in ("Succeeded", "Failed")
+
+    wait_for("PackJob walk to finish", done, timeout=120, every=0.1)
+    assert seen[-1] == "Succeeded", (seen, get(api, namespace, "packjobs", "walk")["status"])
+    order = ["Converting", "Planning", "Materializing", "Succeeded"]
+    assert [p for p in order if p in seen] == order, seen
+    pj = get(api, namespace, "packjobs", "walk")
+    assert pj["status"]["stage"] == "done" and pj["status"]["outputPath"] == "/data/packs/walk"
+    assert condition(pj, "Ready")["status"] == "True"
+    assert not pj["metadata"].get("finalizers"), "deleting a PackJob must not wait for the operator"
+    children = {j.metadata.name: j for j in jobs(api, namespace, "walk")}
+    assert sorted(children) == ["walk-convert", "walk-materialize", "walk-plan"]
+    for job in children.values():
+        owner = job.metadata.owner_references[0]
+        assert (owner.kind, owner.name, owner.uid, owner.controller) == (
+            "PackJob",
+            "walk",
+            pj["metadata"]["uid"],
+            True,
+        )
+    assert children["walk-convert"].spec.completion_mode == "Indexed"
+    pods = (
+        client.CoreV1Api(api)
+        .list_namespaced_pod(namespace, label_selector="packtrain.dev/packjob=walk")
+        .items
+    )
+    assert len(pods) == 5 and {p.spec.node_name for p in pods} == {"cpu-0"}
+    reasons = [e.reason for e in events(api, namespace, "walk")]
+    assert {"Converting", "Planning", "Materializing", "PackReady"} <= set(reasons), reasons
+    text = operator.metrics()
+    assert 'packtrain_operator_reconciles_total{kind="PackJob"}' in text
+    assert 'packtrain_operator_stage_duration_seconds_count{stage="convert"}' in text
+
+
+def test_config_error_fails_fast_with_a_warning(
+    api: client.ApiClient, namespace: str, operator: Operator
+) -> None:
+    create(api, namespace, packjob("broken", count=2, annotations={EXIT_CODE: "2"}))
+    wait_for(
+        "PackJob broken to fail", lambda: phase(api, namespace, "packjobs", "broken") == "Failed", timeout=90
+    )
+    pj = get(api, namespace, "packjobs", "broken")
+    failed = condition(pj, "Failed")
+    assert failed["status"] == "True" and failed["reason"] == "InvalidConfiguration"
+    assert "Fix the spec" in failed["message"]
+    job = client.BatchV1Api(api).read_namespaced_job("broken-convert", namespace)
+    assert any(c.reason == "PodFailurePolicy" for c in job.status.conditions or [] if c.type == "Failed")
+    assert (job.status.failed or 0) <= 2, "a config error must not be retried"
+    warnings = [e for e in events(api, namespace, "broken") if e.type == "Warning"]
+    assert any(e.reason == "InvalidConfiguration" for e in warnings)
+    assert [j.metadata.name for j in jobs(api, namespace, "broken")] == ["broken-convert"]
+
+
+def test_sftjob_waits_for_its_packjob_then_creates_a_pytorchjob(
+    kube_cluster: Any, api: client.ApiClient, namespace: str, operator: Operator
+) -> None:
+    create(api, namespace, sftjob("train", "later"))
+    wait_for("SFTJob to wait for data", lambda: phase(api, namespace, "sftjobs", "train") == "WaitingForData")
+    assert condition(get(api, namespace, "sftjobs", "train"), "DataReady")["reason"] == "PackJobNotFound"
+    create(api, namespace, packjob("later", count=1))
+    kf = client.CustomObjectsApi(api)
+
+    def pytorchjob() -> dict[str, Any] | None:
+        try:
+            return dict(
+                kf.get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", "train")
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    ptj = wait_for("the PyTorchJob", pytorchjob, timeout=120)
+    assert phase(api, namespace, "packjobs", "later") == "Succeeded"
+    sft = get(api, namespace, "sftjobs", "train")
+    assert ptj["metadata"]["ownerReferences"][0]["uid"] == sft["metadata"]["uid"]
+    assert ptj["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+    replicas = ptj["spec"]["pytorchReplicaSpecs"]
+    assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 1
+    container = replicas["Master"]["template"]["spec"]["containers"][0]
+    assert container["name"] == "pytorch" and container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert ptj["spec"]["nprocPerNode"] == "8"
+    cm = client.CoreV1Api(api).read_namespaced_config_map("train-train-config", namespace)
+    assert yaml.safe_load(cm.data["sftjob.yaml"])["spec"]["data"]["path"] == "/data/packs/later"
+
+    # What the training-operator would report, mirrored into the SFTJob.
+    def report(*conds: tuple[str, str]) -> None:
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        status = {
+            "conditions": [
+                {
+                    "type": t,
+                    "status": "True",
+                    "reason": r,
+                    "message": f"{t} now",
+                    "lastTransitionTime": now,
+                    "lastUpdateTime": now,
+                }
+                for t, r in conds
+            ],
+            "replicaStatuses": {"Master": {"active": 1}, "Worker": {"active": 1}},
+        }
+        kf.patch_namespaced_custom_object_status(
+            "kubeflow.org", "v1", namespace, "pytorchjobs", "train", {"status": status}
+        )
+
+    report(("Created", "PyTorchJobCreated"), ("Running", "PyTorchJobRunning"))
+    wait_for("SFTJob Running", lambda: phase(api, namespace, "sftjobs", "train") == "Running")
+    sft = get(api, namespace, "sftjobs", "train")
+    assert sft["status"]["replicaStatuses"]["Master"] == {"active": 1}
+    assert sft["status"]["trainingJob"] == {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "name": "train",
+    }
+    custom(api).patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, "sftjobs", "train", {"spec": {"suspend": True}}
+    )
+    wait_for(
+        "suspend to reach the PyTorchJob",
+        lambda: (pytorchjob() or {})["spec"]["runPolicy"]["suspend"] is True,
+    )
+    report(("Created", "PyTorchJobCreated"), ("Succeeded", "PyTorchJobSucceeded"))
+    wait_for("SFTJob Succeeded", lambda: phase(api, namespace, "sftjobs", "train") == "Succeeded")
+    row = kube_cluster.kubectl("get", "sft", "train", "-n", namespace).stdout.splitlines()[1].split()
+    assert row[:5] == ["train", "Succeeded", "pytorchjob", "2", "8"]
+
+
+def test_restart_mid_run_creates_no_duplicates(
+    api: client.ApiClient, namespace: str, operator: Operator
+) -> None:
+    body = packjob("restart", count=2)
+    body["spec"]["workers"]["podAnnotations"][DURATION] = "6"
+    create(api, namespace, body)
+    wait_for("convert to start", lambda: jobs(api, namespace, "restart"))
+    uid = jobs(api, namespace, "restart")[0].metadata.uid
+    operator.stop()
+    try:
+        time.sleep(8)  # convert finishes while no operator runs
+    finally:
+        operator.start()
+    wait_for(
+        "PackJob restart to succeed",
+        lambda: phase(api, namespace, "packjobs", "restart") == "Succeeded",
+        timeout=120,
+    )
+    children = {j.metadata.name: j for j in jobs(api, namespace, "restart")}
+    assert sorted(children) == ["restart-convert", "restart-materialize", "restart-plan"]
+    assert children["restart-convert"].metadata.uid == uid
+    pods = (
+        client.CoreV1Api(api)
+        .list_namespaced_pod(namespace, label_selector="packtrain.dev/packjob=restart")
+        .items
+    )
+    assert len(pods) == 5
+    cms = client.CoreV1Api(api).list_namespaced_config_map(
+        namespace, label_selector="packtrain.dev/packjob=restart"
+    )
+    assert [c.metadata.name for c in cms.items] == ["restart-pack-config"]
+
+
+def test_deleting_a_packjob_deletes_its_children(
+    api: client.ApiClient, namespace: str, operator: Operator
+) -> None:
+    create(api, namespace, packjob("gone", count=1))
+    wait_for("the convert Job", lambda: jobs(api, namespace, "gone"))
+    custom(api).delete_namespaced_custom_object(GROUP, VERSION, namespace, "packjobs", "gone")
+    wait_for("the children to be garbage-collected", lambda: not jobs(api, namespace, "gone"), timeout=60)
+    core = client.CoreV1Api(api)
+    wait_for(
+        "the ConfigMap to go",
+        lambda: (
+            not core.list_namespaced_config_map(namespace, label_selector="packtrain.dev/packjob=gone").items
+        ),
+        timeout=60,
+    )
+
+
+def test_operator_service_account_is_not_admin(kube_cluster: Any, operator: Operator) -> None:
+    who = f"--as=system:serviceaccount:{OPERATOR_NS}:{OPERATOR_SA}"
+    assert (
+        kube_cluster.kubectl("auth", "can-i", "create", "jobs.batch", who, check=False).stdout.strip()
+        == "yes"
+    )
+    for verb, resource in (
+        ("delete", "jobs.batch"),
+        ("get", "secrets"),
+        ("create", "pods"),
+        ("delete", "packjobs"),
+    ):
+        out = kube_cluster.kubectl("auth", "can-i", verb, resource, who, check=False).stdout.strip()
+        assert out == "no", f"{verb} {resource}: {out}"
+
+
+@pytest.mark.slow
+def test_packjob_runs_the_real_packer(
+    kube_cluster: Any, api: client.ApiClient, namespace: str, operator: Operator, shared_dir: Path
+) -> None:
+    """The node agent runs the pods' real commands: stats and digest come from the packer's termination messages."""
+    body = packjob("real", count=2, annotations={"packtrain.dev/node-agent": "run"})
+    body["spec"]["source"] = {"paths": [str(shared_dir / "datasets/llamafactory-mllm-demo/mllm_demo.json")]}
+    body["spec"]["model"] = {"path": str(shared_dir / "models/qwen2-vl")}
+    create(api, namespace, body)
+    wait_for(
+        "the real pack",
+        lambda: phase(api, namespace, "packjobs", "real") in ("Succeeded", "Failed"),
+        timeout=300,
+        every=1,
+    )
+    pj = get(api, namespace, "packjobs", "real")
+    assert pj["status"]["phase"] == "Succeeded", pj["status"]
+    stats = pj["status"]["stats"]
+    assert stats["samplesIn"] == stats["samplesPacked"] > 0 and 0 < stats["fillRatio"] <= 1
+    assert stats["sequences"] >= 1 and stats["tokens"] > 0
+    manifest = (
+        Path(kube_cluster.root)
+        / "node-agent"
+        / "pvc"
+        / namespace
+        / CLAIM
+        / "packs"
+        / "real"
+        / "manifest.json"
+    )
+    digest = hashlib.sha256(manifest.read_bytes()).hexdigest()
+    assert pj["status"]["manifestDigest"] == f"sha256:{digest}"

@@ -1,0 +1,141 @@
+"""Media measuring: the resize and frame-sampling rules against transformers, header probing, integrity checks."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import media_factory as mf
+import pytest
+from PIL import Image, ImageOps
+
+from packtrain.packer.vision import (
+    MediaError,
+    VisionSpec,
+    probe_image,
+    probe_video,
+    sample_frame_indices,
+    second_per_grid,
+    smart_resize,
+)
+
+DEMO_MEDIA = Path(__file__).resolve().parents[2].parent / "shared" / "datasets" / "llamafactory-mllm-demo" / "mllm_demo_data"
+
+
+def test_smart_resize_equals_transformers() -> None:
+    hf = pytest.importorskip("transformers.models.qwen2_vl.image_processing_qwen2_vl")
+    sides = [1, 2, 13, 14, 27, 28, 29, 55, 56, 57, 100, 224, 333, 448, 1000, 1023, 2048, 3000, 4001, 8000]
+    bounds = [(3136, 12845056), (56 * 56, 28 * 28 * 1280), (256 * 28 * 28, 1003520)]
+    for (h, w), (lo, hi) in itertools.product(itertools.product(sides, sides), bounds):
+        if max(h, w) / min(h, w) > 200:
+            with pytest.raises(MediaError):
+                smart_resize(h, w, 28, lo, hi)
+            with pytest.raises(ValueError):
+                hf.smart_resize(h, w, 28, lo, hi)
+        else:
+            assert smart_resize(h, w, 28, lo, hi) == hf.smart_resize(h, w, 28, lo, hi), (h, w, lo, hi)
+
+
+def test_frame_sampling_equals_transformers() -> None:
+    video_processing = pytest.importorskip("transformers.models.qwen2_vl.video_processing_qwen2_vl")
+    from transformers.video_utils import VideoMetadata
+
+    processor = video_processing.Qwen2VLVideoProcessor()
+    cases = itertools.product([2, 3, 7, 50, 243, 270, 1001, 5000], [24.0, 25.0, 29.916666, 30.0, 59.94], [0.5, 1.0, 2.0])
+    for total, video_fps, fps in cases:
+        for min_frames, max_frames in ((4, 768), (2, 16), (1, 6)):
+            spec = VisionSpec(fps=fps, min_frames=min_frames, max_frames=max_frames)
+            metadata = VideoMetadata(total_num_frames=total, fps=video_fps)
+            kwargs = {"temporal_patch_size": 2, "fps": fps, "min_frames": min_frames, "max_frames": max_frames}
+            try:
+                ref = processor.sample_frames(metadata, **kwargs).tolist()
+            except ZeroDivisionError:  # fewer frames than one temporal patch after rounding
+                with pytest.raises(MediaError):
+                    sample_frame_indices(total, video_fps, spec)
+                continue
+            assert sample_frame_indices(total, video_fps, spec) == ref, (total, video_fps, kwargs)
+
+
+def test_second_per_grid_is_temporal_patch_over_sampled_rate() -> None:
+    spec = VisionSpec(fps=2.0)
+    indices = sample_frame_indices(250, 25.0, spec)
+    assert len(indices) == 20
+    assert second_per_grid(indices, 250, 25.0, spec) == pytest.approx(1.0)
+
+
+def test_single_frame_video_cannot_be_sampled() -> None:
+    with pytest.raises(MediaError) as err:
+        sample_frame_indices(1, 25.0, VisionSpec())
+    assert err.value.reason == "corrupt_media"
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_matches_exif_transpose(tmp_path: Path, orientation: int) -> None:
+    path = mf.image(tmp_path / "o.jpg", 120, 40, exif_orientation=orientation)
+    info = probe_image(path.read_bytes())
+    with Image.open(path) as img:
+        upright = ImageOps.exif_transpose(img)
+    assert (info.width, info.height) == upright.size
+    assert (info.width, info.height) == ((40, 120) if orientation >= 5 else (120, 40))
+
+
+def test_png_content_under_jpg_name_is_measured_by_content(tmp_path: Path) -> None:
+    info = probe_image(mf.png_named_jpg(tmp_path / "x.jpg", 30, 20).read_bytes())
+    assert (info.width, info.height, info.format) == (30, 20, "PNG")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: mf.random_bytes(d / "r.jpg"),
+        lambda d: mf.truncated_copy(mf.noisy_jpeg(d / "a.jpg", 200, 100), d / "t.jpg", 0.7),
+        lambda d: mf.truncated_copy(mf.image(d / "a.png", 300, 300, "RGBA"), d / "t.png", 0.9),
+        lambda d: mf.truncated_copy(mf.image(d / "a.gif", 50, 50, "P"), d / "t.gif", 0.5),
+    ],
+    ids=["random-bytes", "truncated-jpeg", "truncated-png", "truncated-gif"],
+)
+def test_broken_images_are_corrupt(tmp_path: Path, make: object) -> None:
+    path = make(tmp_path)  # type: ignore[operator]
+    with pytest.raises(MediaError) as err:
+        probe_image(path.read_bytes())
+    assert err.value.reason == "corrupt_media"
+
+
+def test_png_crc_error_is_corrupt(tmp_path: Path) -> None:
+    png = tmp_path / "a.png"
+    Image.new("RGB", (40, 40), (9, 9, 9)).save(png)
+    data = bytearray(png.read_bytes())
+    idat = data.index(b"IDAT")
+    data[idat + 6] ^= 0xFF
+    with pytest.raises(MediaError, match="CRC"):
+        probe_image(bytes(data))
+
+
+def test_progressive_jpeg_passes_the_end_marker_check(tmp_path: Path) -> None:
+    path = tmp_path / "p.jpg"
+    Image.new("RGB", (64, 48), (5, 6, 7)).save(path, progressive=True)
+    assert probe_image(path.read_bytes()).width == 64
+
+
+def test_probe_video_reads_the_pyav_header() -> None:
+    import av
+
+    for name in ("1.mp4", "2.avi"):
+        info = probe_video(DEMO_MEDIA / name)
+        with av.open(str(DEMO_MEDIA / name)) as c:
+            stream = c.streams.video[0]
+            assert info.total_frames == stream.frames
+            assert info.fps == pytest.approx(float(stream.average_rate))
+            assert (info.width, info.height) == (stream.codec_context.width, stream.codec_context.height)
+
+
+def test_truncated_video_is_corrupt(tmp_path: Path) -> None:
+    path = mf.truncated_copy(DEMO_MEDIA / "1.mp4", tmp_path / "t.mp4", 0.5)
+    with pytest.raises(MediaError) as err:
+        probe_video(path)
+    assert err.value.reason == "corrupt_media"
+
+
+def test_generated_video_is_measured(tmp_path: Path) -> None:
+    info = probe_video(mf.video(tmp_path / "v.mp4", frames=21, fps=10))
+    assert (info.width, info.height, info.total_frames, info.fps) == (64, 48, 21, 10.0)

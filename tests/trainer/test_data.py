@@ -1,0 +1,130 @@
+"""PackedDataset over a real pack, and the cost-balancing sampler."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from packtrain.packer.shards import ShardFormatError
+from packtrain.trainer.data import PackedDataset
+from packtrain.trainer.media import PixelSpec
+from packtrain.trainer.sampler import attention_cost, contiguous_plan, imbalance, plan_epoch
+from torch.utils.data import DataLoader
+from vlm_fixtures import FOLDER
+
+
+def _dataset(pack, **kw):
+    return PackedDataset(pack, "qwen2-vl", PixelSpec.from_folder(FOLDER["qwen2-vl"]), **kw)
+
+
+def test_ranks_split_an_epoch_without_overlap_and_deterministically(pack_dir):
+    world, mb, accum = 2, 2, 2
+    ranks = [
+        _dataset(pack_dir, rank=r, world_size=world, units_per_micro_batch=mb, grad_accum=accum)
+        for r in range(world)
+    ]
+    seen = [u for d in ranks for batch in d.micro_batches() for u in batch]
+    assert len(seen) == len(set(seen))
+    steps = ranks[0].steps_per_epoch()
+    assert steps == len(ranks[0].units) // (world * mb * accum)
+    assert len(seen) == steps * world * mb * accum
+    again = _dataset(pack_dir, rank=1, world_size=world, units_per_micro_batch=mb, grad_accum=accum)
+    assert again.micro_batches() == ranks[1].micro_batches()
+    assert again.micro_batches(epoch=1) != again.micro_batches(epoch=0)
+    other_seed = _dataset(
+        pack_dir, rank=1, world_size=world, units_per_micro_batch=mb, grad_accum=accum, seed=7
+    )
+    assert other_seed.micro_batches() != ranks[1].micro_batches()
+
+
+def test_workers_decode_disjoint_batches_in_order(pack_dir):
+    ds = _dataset(pack_dir, units_per_micro_batch=2)
+    inline = [b["position"] for b in DataLoader(ds.view(), batch_size=None, num_workers=0)][:6]
+    loader = DataLoader(ds.view(), batch_size=None, num_workers=2)
+    parallel = []
+    for batch in loader:
+        parallel.append((batch["position"], batch["input_ids"].shape[1], batch["num_tokens"]))
+        if len(parallel) == 6:
+            break
+    assert [list(p) for p, _, _ in parallel] == [list(p) for p in inline] == [[0, i] for i in range(6)]
+    assert all(width == n for _, width, n in parallel)
+
+
+def test_state_dict_resumes_at_the_exact_next_micro_batch(pack_dir):
+    ds = _dataset(pack_dir, world_size=1, units_per_micro_batch=1, grad_accum=2)
+    full = DataLoader(ds.view(), batch_size=None)
+    reference = []
+    for batch in full:
+        reference.append(batch)
+        if len(reference) == 5:
+            break
+    for batch in reference[:3]:
+        ds.mark_consumed(batch)
+    state = ds.state_dict()
+    assert state["next"] == 3
+    resumed = _dataset(pack_dir, world_size=1, units_per_micro_batch=1, grad_accum=2)
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    nxt = next(iter(DataLoader(resumed.view(), batch_size=None)))
+    assert list(nxt["position"]) == [0, 3]
+    assert torch.equal(nxt["input_ids"], reference[3]["input_ids"])
+    with pytest.raises(ValueError, match="world_size"):
+        _dataset(pack_dir, world_size=2, units_per_micro_batch=1, grad_accum=2).load_state_dict(state)
+
+
+def test_epoch_rolls_over_after_the_last_micro_batch(pack_dir):
+    ds = _dataset(pack_dir, units_per_micro_batch=4)
+    last = len(ds.micro_batches()) - 1
+    ds.mark_consumed({"position": [0, last]})
+    assert ds.state_dict()["epoch"] == 1 and ds.state_dict()["next"] == 0
+
+
+def test_padded_mode_serves_the_same_samples(pack_dir):
+    packed = _dataset(pack_dir)
+    padded = _dataset(pack_dir, mode="padded", units_per_micro_batch=4)
+    assert len(padded.units) == sum(len(lens) for lens in packed.seq_lens)
+    batch = padded[0]
+    assert batch["input_ids"].shape[0] == 4
+    assert batch["attention_mask"].sum() == batch["num_tokens"]
+
+
+def test_corrupt_or_foreign_packs_are_refused(pack_dir, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(pack_dir, bad)
+    shard = bad / "shards" / "00000.arrow"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ShardFormatError, match="sha256"):
+        _dataset(bad)
+    old = tmp_path / "old"
+    shutil.copytree(pack_dir, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["format_version"] = 999
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ShardFormatError, match="version"):
+        _dataset(old)
+
+
+def test_balancing_beats_contiguous_assignment():
+    rng = random.Random(0)
+    # Mixed sequences: some hold one long sample, some many short ones (same token count).
+    seqs = [[4096] if rng.random() < 0.25 else [256] * 16 for _ in range(512)]
+    costs = [attention_cost(s) for s in seqs]
+    balanced = plan_epoch(costs, world_size=8, units_per_rank=4, seed=0, epoch=0)
+    naive = contiguous_plan(costs, world_size=8, units_per_rank=4, seed=0, epoch=0)
+    assert sorted(u for step in balanced for g in step for u in g) == sorted(
+        u for step in naive for g in step for u in g
+    )
+    assert all(len(g) == 4 for step in balanced for g in step)
+    b, n = imbalance(balanced, costs), imbalance(naive, costs)
+    print(f"attention-cost imbalance max/mean: balanced {b}, contiguous {n}")
+    assert b["mean"] < n["mean"] and b["max"] <= n["max"]
+    assert b["mean"] < 1.25
+
+
+def test_plan_needs_one_full_step():
+    with pytest.raises(ValueError, match="one global step"):
+        plan_epoch([1, 2, 3], world_size=2, units_per_rank=2, seed=0, epoch=0)

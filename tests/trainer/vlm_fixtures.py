@@ -1,0 +1,196 @@
+"""Tiny models and real demo samples for trainer tests.
+
+Samples are built with the Hugging Face processor from the shared demo data, so
+the "each sample alone" reference in the equivalence tests is exactly what a
+plain `transformers` run would see; the packed side goes through packtrain's
+own pixel path from the original file bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from packtrain.trainer.media import PixelSpec, decode_video_frames, media_pixels
+from PIL import Image
+from transformers import AutoProcessor
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = REPO.parent / "shared"
+MODELS = SHARED / "models"
+DEMO = SHARED / "datasets" / "llamafactory-mllm-demo"
+
+TINY_TEXT = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]},
+}
+TINY = {
+    "qwen2-vl": {
+        **TINY_TEXT,
+        "vision_config": {"depth": 2, "embed_dim": 32, "num_heads": 2, "hidden_size": 64},
+    },
+    "qwen2.5-vl": {
+        **TINY_TEXT,
+        "vision_config": {
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+            "fullatt_block_indexes": [1],
+        },
+    },
+}
+FOLDER = {"qwen2-vl": MODELS / "qwen2-vl", "qwen2.5-vl": MODELS / "qwen2.5-vl"}
+IMAGE_SIZE = {"shortest_edge": 3136, "longest_edge": 48 * 28 * 28}
+VIDEO_SIZE = {"shortest_edge": 3136, "longest_edge": 12 * 28 * 28}
+VIDEO_FRAMES = [0, 6, 12, 18]
+VIDEO_FPS = 2.0  # second_per_grid = temporal_patch_size / fps
+
+
+@dataclass
+class Sample:
+    """One demo sample: the HF processor's output (reference) and the packer-style row pieces."""
+
+    name: str
+    input_ids: list[int]
+    labels: list[int]
+    hf: dict[str, torch.Tensor]
+    media: list[dict[str, Any]] = field(default_factory=list)
+    blobs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _labels(ids: list[int], tokenizer: Any) -> list[int]:
+    """Train on everything from the first assistant turn on, except vision placeholders."""
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assistant = tokenizer.encode("assistant", add_special_tokens=False)[0]
+    first = next(i for i in range(len(ids) - 1) if ids[i] == start and ids[i + 1] == assistant)
+    vision = set(tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>"]))
+    return [-100 if i < first or t in vision else t for i, t in enumerate(ids)]
+
+
+def _messages(turns: list[dict[str, str]]) -> list[dict[str, Any]]:
+    out = []
+    for turn in turns:
+        content: list[dict[str, Any]] = []
+        text = turn["content"]
+        while text:
+            cut = min((text.find(t) for t in ("<image>", "<video>") if t in text), default=-1)
+            if cut == -1:
+                content.append({"type": "text", "text": text})
+                break
+            if cut:
+                content.append({"type": "text", "text": text[:cut]})
+            content.append({"type": "image" if text[cut:].startswith("<image>") else "video"})
+            text = text[cut + 7 :]
+        out.append({"role": turn["role"], "content": content})
+    return out
+
+
+def demo_samples(family: str) -> list[Sample]:
+    """text-only, single-image, multi-image (2 images) and video samples from the demo data."""
+    processor = AutoProcessor.from_pretrained(FOLDER[family])
+    spec = PixelSpec.from_folder(FOLDER[family])
+    images_demo = json.loads((DEMO / "mllm_demo.json").read_text())
+    video_demo = json.loads((DEMO / "mllm_video_demo.json").read_text())
+    picks = [
+        (
+            "text",
+            [{**t, "content": t["content"].replace("<image>", "")} for t in images_demo[2]["messages"]],
+            [],
+            [],
+        ),
+        ("single-image", images_demo[1]["messages"], images_demo[1]["images"], []),
+        ("multi-image", images_demo[0]["messages"], images_demo[0]["images"], []),
+        ("video", video_demo[0]["messages"], [], video_demo[0]["videos"]),
+    ]
+    out = []
+    for name, turns, image_paths, video_paths in picks:
+        text = processor.apply_chat_template(_messages(turns), tokenize=False)
+        images = [Image.open(DEMO / p) for p in image_paths]
+        videos = [decode_video_frames((DEMO / p).read_bytes(), VIDEO_FRAMES) for p in video_paths]
+        kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
+        if images:
+            kwargs["images"] = images
+            kwargs["images_kwargs"] = {"size": IMAGE_SIZE}
+        if videos:
+            kwargs["videos"] = [torch.from_numpy(v).permute(0, 3, 1, 2) for v in videos]
+            kwargs["videos_kwargs"] = {
+                "size": VIDEO_SIZE,
+                "do_sample_frames": False,
+                "cap_pixels_per_frame": False,
+                "fps": VIDEO_FPS,
+            }
+        hf = dict(processor(**kwargs))
+        ids = hf["input_ids"][0].tolist()
+        media, blobs = [], {}
+        grids = iter(hf.get("image_grid_thw", torch.zeros(0, 3)).tolist())
+        for p in image_paths:
+            data = (DEMO / p).read_bytes()
+            key = hashlib.sha256(data).hexdigest()
+            t, h, w = next(grids)
+            blobs[key] = {"key": key, "kind": "image", "encoding": "original", "data": data, "frames": []}
+            media.append(_ref("image", key, t, h, w, [], 0.0, spec))
+        vgrids = iter(hf.get("video_grid_thw", torch.zeros(0, 3)).tolist())
+        # The processor's own seconds-per-grid (it depends on its fps handling), so both sides agree.
+        spgs = iter(hf.get("second_per_grid_ts", torch.full((len(video_paths),), 2 / VIDEO_FPS)).tolist())
+        for p in video_paths:
+            data = (DEMO / p).read_bytes()
+            key = hashlib.sha256(data).hexdigest()
+            t, h, w = next(vgrids)
+            blobs[key] = {"key": key, "kind": "video", "encoding": "original", "data": data, "frames": []}
+            media.append(_ref("video", key, t, h, w, VIDEO_FRAMES, next(spgs), spec))
+        out.append(Sample(name, ids, _labels(ids, processor.tokenizer), hf, media, blobs))
+    return out
+
+
+def _ref(
+    kind: str, key: str, t: int, h: int, w: int, frames: list[int], spg: float, spec: PixelSpec
+) -> dict[str, Any]:
+    p = spec.patch_size
+    return {
+        "sample": 0,
+        "kind": kind,
+        "key": key,
+        "height": h * p,
+        "width": w * p,
+        "grid_t": t,
+        "grid_h": h,
+        "grid_w": w,
+        "frames": frames,
+        "second_per_grid": spg,
+    }
+
+
+def packed_row(samples: list[Sample], family: str) -> dict[str, Any]:
+    """A SEQUENCE_SCHEMA row holding `samples` back to back, with pixels decoded by packtrain."""
+    spec = PixelSpec.from_folder(FOLDER[family])
+    row: dict[str, Any] = {
+        "input_ids": [],
+        "labels": [],
+        "seq_lens": [],
+        "sample_ids": [],
+        "sources": [],
+        "indices": [],
+        "media": [],
+        "pixels": [],
+    }
+    for k, s in enumerate(samples):
+        row["input_ids"] += s.input_ids
+        row["labels"] += s.labels
+        row["seq_lens"].append(len(s.input_ids))
+        row["sample_ids"].append(s.name)
+        row["sources"].append("demo")
+        row["indices"].append(k)
+        for ref in s.media:
+            row["media"].append({**ref, "sample": k})
+            row["pixels"].append(media_pixels(s.blobs[ref["key"]], ref, spec))
+    return row

@@ -1,0 +1,341 @@
+"""The data path: shard folder → balanced per-rank micro-batches → model inputs.
+
+`PackedDataset` is map-style over *this rank's* micro-batches of the current
+epoch: the DataLoader's workers take disjoint indices, decode media in parallel
+and return collated tensors, and the main process records how far it consumed
+(`state_dict`) so a resumed run restarts at the exact next micro-batch.
+The collators are pure functions of rows that already carry decoded pixels.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from packtrain.packer.shard_format import IGNORE_INDEX
+from packtrain.packer.shards import ShardReader
+
+from .media import PixelSpec, media_pixels
+from .rope import FamilyInfo, Grid, family_info, packed_positions, sample_positions
+from .sampler import Plan, attention_cost, imbalance, plan_epoch
+
+DEFAULT_PAD_TOKEN_ID = 151643  # <|endoftext|> in the Qwen2 vocabulary
+
+
+def _grids(media: Sequence[dict[str, Any]], kind: str) -> list[Grid]:
+    return [
+        Grid(int(m["grid_t"]), int(m["grid_h"]), int(m["grid_w"]), float(m.get("second_per_grid") or 1.0))
+        for m in media
+        if m["kind"] == kind
+    ]
+
+
+def shift_labels(labels: np.ndarray, seq_lens: Sequence[int]) -> np.ndarray:
+    """Next-token targets per sub-sample: position t learns labels[t+1] of the *same* sample, and
+    the last token of each sample learns nothing, so no sample's first label is predicted
+    from the previous sample."""
+    out = np.full_like(labels, IGNORE_INDEX)
+    offset = 0
+    for n in seq_lens:
+        out[offset : offset + n - 1] = labels[offset + 1 : offset + n]
+        offset += n
+    return out
+
+
+def _media_tensors(rows: Sequence[dict[str, Any]], fam: FamilyInfo) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for kind, pixel_key, grid_key in (
+        ("image", "pixel_values", "image_grid_thw"),
+        ("video", "pixel_values_videos", "video_grid_thw"),
+    ):
+        pixels, grids, spg = [], [], []
+        for row in rows:
+            media = row.get("media") or []
+            decoded = row.get("pixels")
+            if media and (decoded is None or len(decoded) != len(media)):
+                raise ValueError("rows with media must carry decoded `pixels` (one tensor per media ref)")
+            for ref, px in zip(media, decoded or [], strict=False):
+                if ref["kind"] == kind:
+                    pixels.append(px)
+                    grids.append([int(ref["grid_t"]), int(ref["grid_h"]), int(ref["grid_w"])])
+                    spg.append(float(ref.get("second_per_grid") or 1.0))
+        if pixels:
+            out[pixel_key] = torch.cat(pixels)
+            out[grid_key] = torch.tensor(grids, dtype=torch.long)
+            if kind == "video" and fam.time_scaled:
+                out["second_per_grid_ts"] = torch.tensor(spg, dtype=torch.float32)
+    return out
+
+
+def collate_packed(rows: Sequence[dict[str, Any]], family: str | FamilyInfo) -> dict[str, Any]:
+    """Packed sequences (SEQUENCE_SCHEMA rows + decoded `pixels`) → one (1, T) row for the model.
+
+    Returns `input_ids`, `labels` (as stored), `shift_labels` (next-token targets that never
+    cross a sample boundary), `position_ids` (4, 1, T: the 1-D text row that restarts per
+    sample, then per-sample mRoPE), `cu_seq_lens`/`max_length` (varlen boundaries), the
+    pixel tensors and grids in order of appearance, and bookkeeping counts.
+    """
+    fam = family_info(family)
+    ids_parts, label_parts, shift_parts, pos_parts, lens = [], [], [], [], []
+    sample_ids: list[str] = []
+    for row in rows:
+        ids = np.asarray(row["input_ids"], dtype=np.int64)
+        labels = np.asarray(row["labels"], dtype=np.int64)
+        seq_lens = [int(n) for n in row["seq_lens"]]
+        if len(labels) != len(ids) or sum(seq_lens) != len(ids) or min(seq_lens, default=1) < 1:
+            raise ValueError(f"malformed row: {len(ids)} tokens, {len(labels)} labels, seq_lens {seq_lens}")
+        media = row.get("media") or []
+        per_sample = [
+            (
+                _grids([m for m in media if m["sample"] == k], "image"),
+                _grids([m for m in media if m["sample"] == k], "video"),
+            )
+            for k in range(len(seq_lens))
+        ]
+        ids_parts.append(ids)
+        label_parts.append(labels)
+        shift_parts.append(shift_labels(labels, seq_lens))
+        pos_parts.append(packed_positions(ids, seq_lens, per_sample, fam))
+        lens.extend(seq_lens)
+        sample_ids.extend(row.get("sample_ids") or [f"?{i}" for i in range(len(seq_lens))])
+    lens_t = torch.tensor(lens, dtype=torch.int64)
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lens_t, 0)
+    shifted = torch.from_numpy(np.concatenate(shift_parts))[None]
+    batch: dict[str, Any] = {
+        "input_ids": torch.from_numpy(np.concatenate(ids_parts))[None],
+        "labels": torch.from_numpy(np.concatenate(label_parts))[None],
+        "shift_labels": shifted,
+        "position_ids": torch.from_numpy(np.concatenate(pos_parts, axis=1))[:, None, :],
+        "cu_seq_lens": cu,
+        "max_length": int(lens_t.max()),
+        "sample_index": torch.repeat_interleave(torch.arange(len(lens)), lens_t),
+        "seq_lens": lens,
+        "sample_ids": sample_ids,
+        "num_tokens": int(lens_t.sum()),
+        "num_label_tokens": int((shifted != IGNORE_INDEX).sum()),
+        "padded_tokens": int(lens_t.sum()),
+        "attention_cost": attention_cost(lens),
+    }
+    batch.update(_media_tensors(rows, fam))
+    return batch
+
+
+def split_row(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """A packed sequence → its sub-samples as stand-alone rows (for the padded baseline)."""
+    out, offset = [], 0
+    pixels = row.get("pixels")
+    for k, n in enumerate(row["seq_lens"]):
+        keep = [i for i, m in enumerate(row.get("media") or []) if m["sample"] == k]
+        sample = {
+            "input_ids": list(row["input_ids"][offset : offset + n]),
+            "labels": list(row["labels"][offset : offset + n]),
+            "seq_lens": [n],
+            "sample_ids": [row["sample_ids"][k]] if row.get("sample_ids") else [f"?{k}"],
+            "media": [{**row["media"][i], "sample": 0} for i in keep],
+        }
+        if pixels is not None:
+            sample["pixels"] = [pixels[i] for i in keep]
+        out.append(sample)
+        offset += n
+    return out
+
+
+def collate_padded(
+    samples: Sequence[dict[str, Any]], family: str | FamilyInfo, pad_token_id: int = DEFAULT_PAD_TOKEN_ID
+) -> dict[str, Any]:
+    """The baseline: one sample per row, right-padded to the longest in the batch, as common
+    trainers do; positions are each sample's mRoPE (3, B, L) and a 2-D padding mask."""
+    fam = family_info(family)
+    lengths = [len(s["input_ids"]) for s in samples]
+    width = max(lengths)
+    b = len(samples)
+    ids = torch.full((b, width), pad_token_id, dtype=torch.long)
+    labels = torch.full((b, width), IGNORE_INDEX, dtype=torch.long)
+    shifted = torch.full((b, width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((b, width), dtype=torch.long)
+    pos = torch.ones((3, b, width), dtype=torch.long)
+    for i, s in enumerate(samples):
+        n = lengths[i]
+        sid = np.asarray(s["input_ids"], dtype=np.int64)
+        lab = np.asarray(s["labels"], dtype=np.int64)
+        media = s.get("media") or []
+        ids[i, :n] = torch.from_numpy(sid)
+        labels[i, :n] = torch.from_numpy(lab)
+        shifted[i, :n] = torch.from_numpy(shift_labels(lab, [n]))
+        mask[i, :n] = 1
+        pos[:, i, :n] = torch.from_numpy(
+            sample_positions(sid, _grids(media, "image"), _grids(media, "video"), fam)
+        )
+    batch: dict[str, Any] = {
+        "input_ids": ids,
+        "labels": labels,
+        "shift_labels": shifted,
+        "attention_mask": mask,
+        "position_ids": pos,
+        "sample_index": torch.arange(b)[:, None].expand(b, width).reshape(-1),
+        "seq_lens": lengths,
+        "sample_ids": [s["sample_ids"][0] for s in samples],
+        "num_tokens": sum(lengths),
+        "num_label_tokens": int((shifted != IGNORE_INDEX).sum()),
+        "padded_tokens": b * width,
+        "attention_cost": b * width * width,
+    }
+    batch.update(_media_tensors(samples, fam))
+    return batch
+
+
+class PackedDataset(torch.utils.data.Dataset):
+    """This rank's micro-batches of one epoch, over a finished pack folder.
+
+    Unit of work: a packed sequence (packed mode) or one sub-sample (padded mode). Each
+    optimizer step takes `world_size * units_per_micro_batch * grad_accum` units, balanced by
+    attention cost across ranks (see `sampler`); this rank's share is split into `grad_accum`
+    consecutive micro-batches. Item k is micro-batch `start + k`, so DataLoader workers decode
+    disjoint micro-batches and the order does not depend on the number of workers.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        family: str | FamilyInfo,
+        pixel_spec: PixelSpec | None = None,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        units_per_micro_batch: int = 1,
+        grad_accum: int = 1,
+        seed: int = 0,
+        mode: str = "packed",
+        pad_token_id: int = DEFAULT_PAD_TOKEN_ID,
+        verify_checksums: bool = True,
+    ) -> None:
+        if mode not in ("packed", "padded"):
+            raise ValueError(f"mode must be packed or padded, not {mode!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        self.path = Path(path)
+        self.family = family_info(family)
+        self.pixel_spec = pixel_spec or PixelSpec()
+        self.rank, self.world_size = rank, world_size
+        self.units_per_micro_batch, self.grad_accum = units_per_micro_batch, grad_accum
+        self.seed, self.mode, self.pad_token_id = seed, mode, pad_token_id
+        self._reader: ShardReader | None = ShardReader(self.path, verify_checksums=verify_checksums)
+        self.manifest = self._reader.manifest
+        self.seq_lens = self._reader.seq_lens()
+        if mode == "packed":
+            self.units: list[tuple[int, int]] = [(s, -1) for s in range(len(self.seq_lens))]
+            self.costs = [attention_cost(lens) for lens in self.seq_lens]
+        else:
+            self.units = [(s, k) for s, lens in enumerate(self.seq_lens) for k in range(len(lens))]
+            self.costs = [self.seq_lens[s][k] ** 2 for s, k in self.units]
+        self.epoch = 0
+        self.start = 0
+        self._plan_cache: tuple[int, Plan] | None = None
+
+    # -- pickling for workers: memory maps are reopened in each worker, not copied ------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_reader"] = None
+        state["_plan_cache"] = None
+        return state
+
+    @property
+    def reader(self) -> ShardReader:
+        if self._reader is None:
+            self._reader = ShardReader(self.path, verify_checksums=False)
+        return self._reader
+
+    # -- order -----------------------------------------------------------------------------
+    def plan(self, epoch: int | None = None) -> Plan:
+        epoch = self.epoch if epoch is None else epoch
+        if self._plan_cache is None or self._plan_cache[0] != epoch:
+            per_rank = self.units_per_micro_batch * self.grad_accum
+            self._plan_cache = (epoch, plan_epoch(self.costs, self.world_size, per_rank, self.seed, epoch))
+        return self._plan_cache[1]
+
+    def micro_batches(self, epoch: int | None = None) -> list[list[int]]:
+        """This rank's micro-batches (unit indices) for the epoch, in order."""
+        n = self.units_per_micro_batch
+        out = []
+        for step in self.plan(epoch):
+            mine = step[self.rank]
+            out.extend(mine[i * n : (i + 1) * n] for i in range(self.grad_accum))
+        return out
+
+    def steps_per_epoch(self) -> int:
+        return len(self.plan())
+
+    def balance(self) -> dict[str, float]:
+        """max/mean attention-cost imbalance across ranks of this epoch's plan."""
+        return imbalance(self.plan(), self.costs)
+
+    # -- resumable position ----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "next": self.start,
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "units_per_micro_batch": self.units_per_micro_batch,
+            "grad_accum": self.grad_accum,
+            "mode": self.mode,
+            "num_units": len(self.units),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key in ("seed", "world_size", "units_per_micro_batch", "grad_accum", "mode", "num_units"):
+            mine = self.state_dict()[key]
+            if state[key] != mine:
+                raise ValueError(f"cannot resume: checkpoint has {key}={state[key]!r}, this run {mine!r}")
+        self.epoch, self.start = int(state["epoch"]), int(state["next"])
+
+    def mark_consumed(self, batch: dict[str, Any]) -> None:
+        """Record that the training loop has used `batch` (called in the main process)."""
+        epoch, index = batch["position"]
+        self.epoch, self.start = epoch, index + 1
+        if self.start >= len(self.micro_batches()):
+            self.epoch, self.start = epoch + 1, 0
+
+    # -- items -----------------------------------------------------------------------------
+    def view(self) -> PackedDataset:
+        """A frozen copy of the current position for a DataLoader, so that `mark_consumed` on this
+        object while the loader runs does not shift the indices it hands out."""
+        return copy.copy(self)
+
+    def __len__(self) -> int:
+        return len(self.micro_batches()) - self.start
+
+    def _decoded_row(self, seq: int, cache: dict[tuple[Any, ...], torch.Tensor]) -> dict[str, Any]:
+        row = self.reader.sequence(seq)
+        pixels = []
+        for ref in row["media"]:
+            key = (ref["key"], ref["height"], ref["width"], tuple(ref["frames"] or ()))
+            if key not in cache:
+                blob = self.reader.media(ref["key"], shard=row["shard"])
+                cache[key] = media_pixels(blob, ref, self.pixel_spec)
+            pixels.append(cache[key])
+        row["pixels"] = pixels
+        return row
+
+    def __getitem__(self, k: int) -> dict[str, Any]:
+        index = self.start + k
+        units = self.micro_batches()[index]
+        cache: dict[tuple[Any, ...], torch.Tensor] = {}
+        if self.mode == "packed":
+            batch = collate_packed([self._decoded_row(self.units[u][0], cache) for u in units], self.family)
+        else:
+            rows: dict[int, list[dict[str, Any]]] = {}
+            samples = []
+            for u in units:
+                seq, sub = self.units[u]
+                if seq not in rows:
+                    rows[seq] = split_row(self._decoded_row(seq, cache))
+                samples.append(rows[seq][sub])
+            batch = collate_padded(samples, self.family, self.pad_token_id)
+        batch["position"] = [self.epoch, index]
+        return batch

@@ -1,0 +1,250 @@
+"""Training metrics: a Prometheus `/metrics` endpoint per rank, FLOPs/MFU, NVML GPU stats.
+
+MFU counts the model FLOPs a step really needs: 6 x parameters x tokens for the
+matmuls (LM head only on label tokens, as the loss computes it) plus the
+attention term from the actual sub-sample lengths (Σ l², causal), and the
+vision tower's share from its patches and per-frame segments; divided by the
+device's dense bf16 peak. GPU gauges come from NVML (GPM SM utilisation on
+Hopper and newer when the driver supports it, else the coarse utilisation
+rate); on a machine without GPUs they are simply not registered.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+PEAK_BF16_TFLOPS = {  # dense, per GPU
+    "H200": 989.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "H20": 148.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.0,
+    "A10G": 125.0,
+    "L4": 121.0,
+}
+
+
+def device_peak_tflops(device: torch.device, override: float | None = None) -> float | None:
+    """Dense bf16 peak of the device; None when unknown (e.g. CPU), so MFU is not reported."""
+    if override is not None:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the FLOPs estimate needs from the model config and parameter counts."""
+
+    llm_params: int
+    lm_head_params: int
+    vision_params: int
+    layers: int
+    attn_dim: int  # heads x head_dim of the language model
+    vision_depth: int
+    vision_dim: int
+    spatial_merge: int
+
+    @classmethod
+    def from_model(cls, hf: Any, counts: dict[str, int]) -> ModelShape:
+        text = hf.config.text_config
+        vision = hf.config.vision_config
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        return cls(
+            llm_params=counts["llm"],
+            lm_head_params=counts["lm_head"],
+            vision_params=counts["vision"],
+            layers=text.num_hidden_layers,
+            attn_dim=text.num_attention_heads * head_dim,
+            vision_depth=vision.depth,
+            vision_dim=getattr(vision, "embed_dim", None) or vision.hidden_size,
+            spatial_merge=vision.spatial_merge_size,
+        )
+
+
+def step_flops(shape: ModelShape, batch: dict[str, Any]) -> float:
+    """Training FLOPs (forward + backward = 3x forward) of one micro-batch."""
+    tokens = batch["padded_tokens"]  # padding tokens cost compute too
+    flops = 6.0 * shape.llm_params * tokens + 6.0 * shape.lm_head_params * batch["num_label_tokens"]
+    if "attention_mask" in batch:  # padded rows: each row attends over its padded width
+        width = batch["input_ids"].shape[1]
+        attn = len(batch["seq_lens"]) * width * width / 2
+    else:
+        attn = sum(n * n / 2 for n in batch["seq_lens"])
+    flops += 12.0 * shape.layers * shape.attn_dim * attn  # causal: half of QK^T and AV, x3
+    for key in ("image_grid_thw", "video_grid_thw"):
+        grid = batch.get(key)
+        if grid is None:
+            continue
+        patches = int(grid.prod(-1).sum())
+        frame_tokens = (grid[:, 1] * grid[:, 2]).double()
+        seg = float((frame_tokens**2 * grid[:, 0]).sum())
+        flops += 6.0 * shape.vision_params * patches + 12.0 * shape.vision_depth * shape.vision_dim * seg
+    return flops
+
+
+class GpuProbe:
+    """NVML readings for this rank's GPU; `None` from `open` when there is no usable GPU."""
+
+    def __init__(self, nvml: Any, handle: Any, index: int) -> None:
+        self.nvml, self.handle, self.index = nvml, handle, index
+        self._gpm_prev: Any = None
+        try:
+            self.gpm = bool(nvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice)
+        except Exception:
+            self.gpm = False
+
+    @classmethod
+    def open(cls, device: torch.device) -> GpuProbe | None:
+        if device.type != "cuda":
+            return None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            index = device.index or 0
+            try:
+                uuid = str(torch.cuda.get_device_properties(device).uuid)
+                handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+            except Exception:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            return cls(pynvml, handle, index)
+        except Exception:
+            return None
+
+    def sm_utilization(self) -> tuple[float, str] | None:
+        """Percent of SMs busy since the last call (GPM), else NVML's utilisation rate (also for
+        the first GPM reading, which has no earlier sample to difference against)."""
+        nv = self.nvml
+        if self.gpm:
+            try:
+                sample = nv.nvmlGpmSampleAlloc()
+                nv.nvmlGpmSampleGet(self.handle, sample)
+                prev, self._gpm_prev = self._gpm_prev, sample
+                if prev is not None:
+                    req = nv.c_nvmlGpmMetricsGet_t()
+                    req.version = nv.NVML_GPM_METRICS_GET_VERSION
+                    req.numMetrics = 1
+                    req.sample1, req.sample2 = prev, sample
+                    req.metrics[0].metricId = nv.NVML_GPM_METRIC_SM_UTIL
+                    nv.nvmlGpmMetricsGet(req)
+                    nv.nvmlGpmSampleFree(prev)
+                    return float(req.metrics[0].value), "gpm"
+            except Exception:
+                self.gpm = False
+        try:
+            return float(nv.nvmlDeviceGetUtilizationRates(self.handle).gpu), "utilization"
+        except Exception:
+            return None
+
+    def memory(self) -> tuple[int, int] | None:
+        try:
+            info = self.nvml.nvmlDeviceGetMemoryInfo(self.handle)
+            return int(info.used), int(info.total)
+        except Exception:
+            return None
+
+
+class TrainMetrics:
+    """Per-rank gauges; served on `port` when given (each rank on port + local rank)."""
+
+    def __init__(self, rank: int, device: torch.device, port: int | None = None) -> None:
+        self.registry = CollectorRegistry()
+        self.rank = str(rank)
+        self.port = port
+        labels = ["rank"]
+
+        def gauge(name: str, doc: str, extra: list[str] | None = None) -> Gauge:
+            return Gauge(f"packtrain_train_{name}", doc, labels + (extra or []), registry=self.registry)
+
+        self.g = {
+            "tokens_per_second": gauge(
+                "tokens_per_second", "Token slots processed per second (incl. padding)."
+            ),
+            "effective_tokens_per_second": gauge(
+                "effective_tokens_per_second", "Non-padding tokens per second."
+            ),
+            "padding_ratio": gauge("padding_ratio", "Fraction of processed token slots that are padding."),
+            "samples_per_second": gauge("samples_per_second", "Training samples per second."),
+            "step_seconds": gauge("step_seconds", "Wall time of the last optimizer step."),
+            "loss": gauge("loss", "Loss of the last step (global token mean)."),
+            "learning_rate": gauge("learning_rate", "Current learning rate."),
+            "data_wait_seconds": gauge("data_wait_seconds", "Time the last step waited for data."),
+            "step": gauge("step", "Optimizer steps completed."),
+            "attention_imbalance": gauge(
+                "attention_imbalance", "Max/mean attention cost across ranks (plan)."
+            ),
+        }
+        self.probe = GpuProbe.open(device)
+        self.peak: float | None = None
+        if self.probe is not None:
+            gpu = ["gpu"]
+            self.g["gpu_sm_utilization"] = Gauge(
+                "packtrain_gpu_sm_utilization_percent",
+                "SM utilisation of this rank's GPU (source: gpm or utilization rate).",
+                labels + gpu + ["source"],
+                registry=self.registry,
+            )
+            self.g["gpu_memory_used"] = Gauge(
+                "packtrain_gpu_memory_used_bytes",
+                "GPU memory in use (NVML).",
+                labels + gpu,
+                registry=self.registry,
+            )
+            self.g["gpu_memory_total"] = Gauge(
+                "packtrain_gpu_memory_total_bytes",
+                "GPU memory size (NVML).",
+                labels + gpu,
+                registry=self.registry,
+            )
+        if port is not None:
+            start_http_server(port, registry=self.registry)
+
+    def enable_mfu(self, peak_tflops: float | None) -> None:
+        self.peak = peak_tflops
+        if peak_tflops is not None and "mfu" not in self.g:
+            self.g["mfu"] = Gauge(
+                "packtrain_train_mfu", "Estimated model FLOPs utilisation.", ["rank"], registry=self.registry
+            )
+
+    def update(self, values: dict[str, float]) -> dict[str, float]:
+        """Set the step gauges (and read the GPU); returns what was recorded, for logs."""
+        out = dict(values)
+        for key, value in values.items():
+            if key in self.g and key not in ("mfu",) and not key.startswith("gpu_"):
+                self.g[key].labels(rank=self.rank).set(value)
+        if self.peak is not None and "flops_per_second" in values:
+            out["mfu"] = values["flops_per_second"] / (self.peak * 1e12)
+            self.g["mfu"].labels(rank=self.rank).set(out["mfu"])
+        if self.probe is not None:
+            gpu = str(self.probe.index)
+            sm = self.probe.sm_utilization()
+            if sm is not None:
+                self.g["gpu_sm_utilization"].labels(rank=self.rank, gpu=gpu, source=sm[1]).set(sm[0])
+                out["gpu_sm_utilization"] = sm[0]
+            mem = self.probe.memory()
+            if mem is not None:
+                self.g["gpu_memory_used"].labels(rank=self.rank, gpu=gpu).set(mem[0])
+                self.g["gpu_memory_total"].labels(rank=self.rank, gpu=gpu).set(mem[1])
+                out["gpu_memory_used_bytes"] = mem[0]
+        return out
+
+
+class Stopwatch:
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        elapsed, self.t = now - self.t, now
+        return elapsed

@@ -1,0 +1,150 @@
+"""Building Qwen2-VL / Qwen2.5-VL with `transformers`, and the packed forward.
+
+`build_model` reads the folder's config.json (merged with overrides), loads real
+weights when present (or when `init: pretrained`), else initialises randomly
+from the config. `VLMForTraining` wraps the Hugging Face model so DDP/FSDP see a
+single forward: vision features are computed first (each image/frame isolated
+by `grid_thw`), then the language model runs on the packed row with the
+backend's isolation arguments, and the loss is computed on label tokens only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig, PreTrainedModel
+
+from .attention import HF_IMPLEMENTATION, attention_kwargs, register_flex
+from .loss import token_losses
+from .rope import FamilyInfo, family_from_config
+
+WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+
+
+def has_weights(folder: str | Path) -> bool:
+    return any(any(Path(folder).glob(g)) for g in WEIGHT_GLOBS)
+
+
+def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(folder: str | Path, overrides: dict[str, Any] | None = None) -> PretrainedConfig:
+    """config.json deep-merged with `overrides` (config.json key names), as a transformers config."""
+    raw = json.loads((Path(folder) / "config.json").read_text())
+    raw = deep_merge(raw, overrides or {})
+    model_type = raw.pop("model_type", None)
+    if model_type not in ("qwen2_vl", "qwen2_5_vl"):
+        raise ValueError(f"{folder}: model_type {model_type!r} is not qwen2_vl or qwen2_5_vl")
+    return AutoConfig.for_model(model_type, **raw)
+
+
+def build_model(
+    folder: str | Path,
+    *,
+    init: str = "auto",
+    overrides: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+    attention: str = "sdpa",
+    seed: int = 0,
+) -> PreTrainedModel:
+    """The Hugging Face model: pretrained weights, or random init seeded by `seed`."""
+    config = load_config(folder, overrides)
+    impl = HF_IMPLEMENTATION[attention]
+    if attention == "flex":
+        register_flex()
+    pretrained = init == "pretrained" or (init == "auto" and has_weights(folder))
+    if pretrained:
+        if not has_weights(folder):
+            raise FileNotFoundError(
+                f"model.init is pretrained but {folder} holds no *.safetensors / *.bin weights"
+            )
+        model = AutoModelForImageTextToText.from_pretrained(
+            folder, config=config, dtype=dtype, attn_implementation=impl
+        )
+    else:
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config, attn_implementation=impl, dtype=dtype)
+    return model.to(dtype)
+
+
+class VLMForTraining(nn.Module):
+    """Packed (or padded) batch → label-token losses, through one module forward."""
+
+    def __init__(self, model: PreTrainedModel, backend: str, always_run_vision: bool = False) -> None:
+        super().__init__()
+        self.hf = model
+        self.backend = backend
+        self.family: FamilyInfo = family_from_config(model.config)
+        # Under DDP/FSDP every rank must use the vision tower every step, or gradient
+        # reduction waits forever for a rank whose batch happened to be text-only.
+        self.always_run_vision = always_run_vision
+
+    def _dummy_vision(self) -> torch.Tensor:
+        m, p, tp = self.family.spatial_merge_size, self.family.patch_size, self.family.temporal_patch_size
+        visual = self.hf.model.visual
+        pixels = torch.zeros(m * m, 3 * tp * p * p, dtype=visual.dtype, device=visual.device)
+        grid = torch.tensor([[1, m, m]], device=visual.device)
+        return visual(pixels, grid_thw=grid).pooler_output.sum() * 0.0
+
+    def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        inner = self.hf.model
+        input_ids = batch["input_ids"]
+        encoded: dict[str, Any] = {}
+        if batch.get("pixel_values") is not None:
+            encoded["image"] = inner.get_image_features(
+                batch["pixel_values"], batch["image_grid_thw"], return_dict=True
+            )
+        if batch.get("pixel_values_videos") is not None:
+            encoded["video"] = inner.get_video_features(
+                batch["pixel_values_videos"], batch["video_grid_thw"], return_dict=True
+            )
+        if "attention_mask" in batch:  # padded baseline: 2-D padding mask, transformers builds the rest
+            extra: dict[str, Any] = {"attention_mask": batch["attention_mask"]}
+        else:
+            extra = attention_kwargs(
+                self.backend, batch["cu_seq_lens"], batch["max_length"], input_ids.shape[1]
+            )
+        hidden = inner(
+            input_ids=input_ids,
+            position_ids=batch["position_ids"],
+            mm_encoder_outputs=encoded or None,
+            use_cache=False,
+            **extra,
+        ).last_hidden_state
+        losses, positions = token_losses(hidden, self.hf.lm_head, batch["shift_labels"])
+        loss_sum = losses.sum()
+        if self.always_run_vision and not encoded:
+            loss_sum = loss_sum + self._dummy_vision()
+        return {"loss_sum": loss_sum, "token_losses": losses, "positions": positions}
+
+
+def move_batch(batch: dict[str, Any], device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """Tensors to the device; pixel tensors to the compute dtype."""
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            value = value.to(device, non_blocking=True)
+            if key.startswith("pixel_values"):
+                value = value.to(dtype)
+        out[key] = value
+    return out
+
+
+def parameter_groups(model: nn.Module) -> dict[str, int]:
+    """Parameter counts used by the FLOPs estimate: LLM body, LM head, vision tower."""
+    hf = model.hf if isinstance(model, VLMForTraining) else model
+    body = sum(p.numel() for p in hf.model.language_model.layers.parameters())
+    vision = sum(p.numel() for p in hf.model.visual.parameters())
+    head = hf.lm_head.weight.numel()
+    return {"llm": body, "lm_head": head, "vision": vision}
