@@ -43,21 +43,20 @@ NAME_RULE = {
 _ABS_PATH = r"^/"
 
 
-def immutable_rules(
-    kind: str, fields: list[str], optional: frozenset[str] = frozenset()
-) -> list[dict[str, str]]:
+def immutable_rules(kind: str, fields: list[str], required: frozenset[str]) -> list[dict[str, str]]:
     """CEL transition rules that refuse spec changes after creation, one per field so the error names it.
 
     A half-applied change (new packing for an existing pack, new node count for a
     running PyTorchJob) would leave children that disagree with their parent, so
-    the API server rejects the update instead and says what to do.
+    the API server rejects the update instead and says what to do. A field that
+    may be absent is compared with `has()` first: adding or removing it is a change too.
     """
     rules = []
     for f in fields:
-        if f in optional:
-            rule = f"has(self.{f}) == has(oldSelf.{f}) && (!has(self.{f}) || self.{f} == oldSelf.{f})"
-        else:
+        if f in required:
             rule = f"self.{f} == oldSelf.{f}"
+        else:
+            rule = f"has(self.{f}) == has(oldSelf.{f}) && (!has(self.{f}) || self.{f} == oldSelf.{f})"
         rules.append(
             {
                 "rule": rule,
@@ -148,7 +147,9 @@ class PackJobSpec(CamelModel):
     model_config = CamelModel.model_config | {
         "json_schema_extra": {
             "x-kubernetes-validations": immutable_rules(
-                "PackJob", ["source", "model", "packing", "output", "workers", "volumes"]
+                "PackJob",
+                ["source", "model", "packing", "output", "workers", "volumes"],
+                required=frozenset({"source", "model", "output"}),
             )
         }
     }
@@ -309,11 +310,7 @@ class SFTJobSpec(CamelModel):
                     "message": "spec.volumes.data is required with data.path: name the claim that holds the pack",
                     "fieldPath": ".volumes",
                 },
-                *immutable_rules(
-                    "SFTJob",
-                    IMMUTABLE,
-                    optional=frozenset({"image", "runtime", "queueName", "serviceAccountName"}),
-                ),
+                *immutable_rules("SFTJob", IMMUTABLE, required=frozenset({"data", "model", "volumes"})),
             ]
         }
     }

@@ -30,6 +30,7 @@ TRAIN_CONFIG_FILE = "sftjob.yaml"
 SFT_DATA_MOUNT = "/data"
 SFT_MODEL_MOUNT = "/models"
 SFT_CHECKPOINT_MOUNT = "/checkpoints"
+TERMINATION_LOG = "/dev/termination-log"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 PACKJOB_LABEL = "packtrain.dev/packjob"
@@ -147,6 +148,15 @@ def _scheduling(
     return pod
 
 
+def _env() -> list[dict[str, str]]:
+    # Where packtrain writes its JSON summary (the kubelet's default path, named so tools that run
+    # the command outside a kubelet, like the test node agent, can redirect it).
+    return [
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        {"name": "PACKTRAIN_TERMINATION_LOG", "value": TERMINATION_LOG},
+    ]
+
+
 def _pod_metadata(labels: dict[str, str], annotations: dict[str, str] | None) -> dict[str, Any]:
     meta: dict[str, Any] = {"labels": dict(labels)}
     if annotations:
@@ -224,7 +234,7 @@ def pack_job(
         "command": pack_stage_command(
             stage, config_path, pack_output_dir(name, spec), count=count if indexed else None
         ),
-        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "env": _env(),
         # The packer's JSON summary comes back through the termination message; a crash
         # leaves the log tail there instead, which is what the user needs to see.
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -405,7 +415,7 @@ def pytorch_job(
         "name": TRAIN_CONTAINER,
         "image": spec.image or defaults.trainer_image,
         "command": _train_command(name, spec, data),
-        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "env": _env(),
         "ports": [{"name": "metrics", "containerPort": spec.metrics_port, "protocol": "TCP"}],
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": mounts,
@@ -487,7 +497,7 @@ def train_job(
     trainer: dict[str, Any] = {
         "image": spec.image or defaults.trainer_image,
         "command": _train_command(name, spec, data),
-        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "env": _env(),
         "numNodes": res.nodes,
         "numProcPerNode": max(res.gpus_per_node, 1),
     }

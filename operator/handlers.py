@@ -10,7 +10,10 @@ events racing, never makes a duplicate.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import urllib.request
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -82,6 +85,12 @@ class Kube:
         """Merge-patch the status, refused (409) if the object changed since `resource_version` was read."""
         body = {"metadata": {"resourceVersion": resource_version}, "status": status}
         self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, plural, name, body)
+
+    def merge_status(self, plural: str, namespace: str, name: str, status: dict[str, Any]) -> None:
+        """Merge-patch part of the status unconditionally (fields no reconcile derives, like progress)."""
+        self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, plural, name, {"status": status}
+        )
 
     def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         pods = self.core.list_namespaced_pod(namespace, label_selector=selector).items
@@ -192,6 +201,8 @@ def write_status(memo: kopf.Memo, plural: str, body: Mapping[str, Any]) -> None:
             body, meta = fresh, fresh["metadata"]
             continue
         _post_transition(kind, body, status)
+        if plural == "sftjobs":
+            _track_running(memo, body, status)
         return
     raise kopf.TemporaryError(f"{kind} {meta['name']} kept changing while its status was written", delay=5)
 
@@ -211,6 +222,12 @@ def packjob_start(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.event("batch", "v1", "jobs", labels={builders.PACKJOB_LABEL: kopf.PRESENT})
 def packjob_child_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **_: Any) -> None:
     """A stage Job changed: move its PackJob on."""
+    _parent_event(memo, "packjobs", namespace, labels[builders.PACKJOB_LABEL])
+
+
+@kopf.on.event("", "v1", "pods", labels={builders.PACKJOB_LABEL: kopf.PRESENT})
+def packjob_pod_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **_: Any) -> None:
+    """A stage pod changed (e.g. cannot be scheduled, which its Job does not report): refresh the PackJob."""
     _parent_event(memo, "packjobs", namespace, labels[builders.PACKJOB_LABEL])
 
 
@@ -263,13 +280,16 @@ def reconcile_sftjob(
             raise
     progress = None
     phase = st.child_phase(kind, child)[0]
+    pods = kube.pods(namespace, f"{builders.SFTJOB_LABEL}={name}") if phase != "Suspended" else []
     if phase in st.TERMINAL:
-        for pod in kube.pods(namespace, f"{builders.SFTJOB_LABEL}={name}"):
+        for pod in pods:
             term = st.terminated(
                 pod, builders.TRAIN_CONTAINER if kind == "PyTorchJob" else builders.TRAINJOB_CONTAINER
             )
             progress = progress or (st.train_progress(term.summary, now()) if term else None)
-    return st.sft_status(generation, kind, child, data_path or spec.data.path or "", prev, now(), progress)
+    return st.sft_status(
+        generation, kind, child, data_path or spec.data.path or "", prev, now(), progress, pods=pods
+    )
 
 
 RECONCILERS["sftjobs"] = ("SFTJob", reconcile_sftjob)
@@ -288,6 +308,11 @@ def sftjob_pytorchjob_event(namespace: str, labels: Mapping[str, str], memo: kop
 
 @kopf.on.event("trainer.kubeflow.org", "v1alpha1", "trainjobs", labels={builders.SFTJOB_LABEL: kopf.PRESENT})
 def sftjob_trainjob_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **_: Any) -> None:
+    _parent_event(memo, "sftjobs", namespace, labels[builders.SFTJOB_LABEL])
+
+
+@kopf.on.event("", "v1", "pods", labels={builders.SFTJOB_LABEL: kopf.PRESENT})
+def sftjob_pod_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **_: Any) -> None:
     _parent_event(memo, "sftjobs", namespace, labels[builders.SFTJOB_LABEL])
 
 
@@ -325,6 +350,53 @@ def sftjob_deleted(namespace: str, name: str, **_: Any) -> None:
     metrics.PHASES.forget("SFTJob", f"{namespace}/{name}")
 
 
+# Training progress: scraped from rank 0's /metrics while a run is Running.
+
+PROGRESS_INTERVAL = float(os.environ.get("PACKTRAIN_PROGRESS_INTERVAL", "30"))
+
+
+def _track_running(memo: kopf.Memo, body: Mapping[str, Any], status: Mapping[str, Any]) -> None:
+    key = (body["metadata"]["namespace"], body["metadata"]["name"])
+    running = memo.setdefault("running", set())
+    if status.get("phase") == "Running":
+        running.add(key)
+    else:
+        running.discard(key)
+
+
+def update_progress(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
+    """Scrape the master pod's trainer metrics into `status.progress`; None when there is nothing to read."""
+    body = kube.get(GROUP, VERSION, "sftjobs", namespace, name)
+    if body is None or (body.get("status") or {}).get("phase") != "Running":
+        return None
+    spec = SFTJobSpec.model_validate(body["spec"])
+    pod = st.master_pod(kube.pods(namespace, f"{builders.SFTJOB_LABEL}={name}"))
+    if pod is None:
+        return None
+    url = f"http://{pod['status']['podIP']}:{spec.metrics_port}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+    except OSError as exc:
+        log.debug("no metrics from %s/%s at %s: %s", namespace, name, url, exc)
+        return None
+    progress = st.progress_from_metrics(text, spec.training.max_steps, now())
+    if progress is not None:
+        kube.merge_status("sftjobs", namespace, name, {"progress": progress})
+    return progress
+
+
+async def _progress_loop(memo: kopf.Memo) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(PROGRESS_INTERVAL)
+        for namespace, name in sorted(memo.get("running", ())):
+            try:
+                await loop.run_in_executor(None, update_progress, memo.kube, namespace, name)
+            except Exception:  # progress is best-effort; never stop the loop
+                log.exception("progress of SFTJob %s/%s", namespace, name)
+
+
 # Operator lifecycle
 
 
@@ -344,3 +416,16 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.kube = Kube()
     memo.defaults = builders.OperatorDefaults.from_env()
     metrics.serve(int(memo.get("metrics_port", 0) or 0))
+
+
+@kopf.on.startup()
+async def start_progress(memo: kopf.Memo, **_: Any) -> None:
+    """One loop for all running SFTJobs (a per-object kopf timer would put a finalizer on each)."""
+    memo.progress_task = asyncio.create_task(_progress_loop(memo))
+
+
+@kopf.on.cleanup()
+async def stop_progress(memo: kopf.Memo, **_: Any) -> None:
+    task = memo.get("progress_task")
+    if task is not None:
+        task.cancel()

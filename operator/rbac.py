@@ -30,8 +30,8 @@ NAMESPACED_RULES: list[dict[str, Any]] = [
     },
     {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "list", "watch", "create"]},
     {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create"]},
-    # Termination messages (stage summaries, failure log tails).
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
+    # Termination messages (stage summaries, failure log tails) and unschedulable pods.
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     {
         "apiGroups": ["kubeflow.org"],
         "resources": ["pytorchjobs"],

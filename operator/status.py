@@ -176,6 +176,19 @@ def job_state(job: Mapping[str, Any]) -> JobState:
     )
 
 
+def unschedulable(pods: Sequence[Mapping[str, Any]]) -> str | None:
+    """The scheduler's message when a pod cannot be placed (missing claim, no node in the pool, too big)."""
+    for pod in pods:
+        for cond in (pod.get("status") or {}).get("conditions") or []:
+            if (cond.get("type"), cond.get("status"), cond.get("reason")) == (
+                "PodScheduled",
+                "False",
+                "Unschedulable",
+            ):
+                return str(cond.get("message") or "no node fits")
+    return None
+
+
 def _pod_results(pods: Sequence[Mapping[str, Any]], container: str) -> list[Terminated]:
     return [t for t in (terminated(p, container) for p in pods) if t is not None]
 
@@ -319,6 +332,14 @@ def pack_status(
             phase, reason = STAGE_PHASE[stage], STAGE_PHASE[stage]
             status["stage"] = f"{stage} {state.succeeded}/{state.total}"
             message = f"Job {pack_job_name(name, stage)}: {state.succeeded}/{state.total} done"
+            stuck = unschedulable(pods.get(stage, ()))
+            if stuck:
+                reason = "Unschedulable"
+                message = (
+                    f"pods of Job {pack_job_name(name, stage)} cannot be scheduled: {stuck}. Check that claim "
+                    f"{spec.output.claim_name} exists and that workers.nodeSelector/tolerations/resources fit "
+                    "the CPU pool"
+                )
             break
     else:
         status["stage"] = "done"
@@ -429,22 +450,66 @@ def child_phase(kind: str, child: Mapping[str, Any]) -> tuple[str, str, str]:
 
 
 def train_progress(summary: Mapping[str, Any] | None, now: str) -> dict[str, Any] | None:
-    """The trainer's JSON summary (termination message or metrics) reduced to `status.progress`."""
+    """The trainer's JSON summary (a termination message) reduced to `status.progress`."""
     if not summary:
         return None
     keys = {
         "step": "step",
+        "steps": "step",
         "maxSteps": "maxSteps",
         "max_steps": "maxSteps",
         "loss": "loss",
+        "final_loss": "loss",
         "tokensPerSecond": "tokensPerSecond",
-        "tokens_per_s": "tokensPerSecond",
+        "tokens_per_second": "tokensPerSecond",
     }
     out = {dst: summary[src] for src, dst in keys.items() if summary.get(src) is not None}
     if not out:
         return None
     out["updatedAt"] = now
     return out
+
+
+# The rank-0 gauges the trainer serves on its metrics port (packtrain.trainer.metrics).
+PROGRESS_GAUGES = {
+    "packtrain_train_step": "step",
+    "packtrain_train_loss": "loss",
+    "packtrain_train_tokens_per_second": "tokensPerSecond",
+}
+
+
+def progress_from_metrics(text: str, max_steps: int | None, now: str) -> dict[str, Any] | None:
+    """`status.progress` from the trainer's /metrics text (rank 0), None before the first step."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, Any] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = PROGRESS_GAUGES.get(sample.name)
+            if key is not None and sample.labels.get("rank", "0") == "0":
+                out[key] = int(sample.value) if key == "step" else float(sample.value)
+    if "step" not in out:
+        return None
+    if max_steps is not None:
+        out["maxSteps"] = max_steps
+    out["updatedAt"] = now
+    return out
+
+
+def master_pod(pods: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The running rank-0 pod of a training job: PyTorchJob's master, or index 0 of a TrainJob's node job."""
+    for pod in pods:
+        status = pod.get("status") or {}
+        meta = pod.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        annotations = meta.get("annotations") or {}
+        rank0 = labels.get("training.kubeflow.org/replica-type") in ("master", "Master") or (
+            labels.get(COMPLETION_INDEX, annotations.get(COMPLETION_INDEX)) == "0"
+            and labels.get("jobset.sigs.k8s.io/job-index", "0") == "0"
+        )
+        if rank0 and status.get("phase") == "Running" and status.get("podIP"):
+            return pod
+    return None
 
 
 def sft_status(
@@ -455,10 +520,18 @@ def sft_status(
     previous: Mapping[str, Any] | None,
     now: str,
     progress: Mapping[str, Any] | None = None,
+    pods: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """Mirror the child training job's state into the SFTJob's phase, conditions and replica statuses."""
     prev = dict(previous or {})
     phase, reason, message = child_phase(kind, child)
+    stuck = unschedulable(pods) if phase in ("Pending", "Running") else None
+    if stuck:
+        reason = "Unschedulable"
+        message = (
+            f"training pods cannot be scheduled: {stuck}. Check spec.resources (GPUs, cpu, memory, "
+            "nodeSelector, tolerations) against the GPU pool, and that the claims exist"
+        )
     meta = child.get("metadata") or {}
     status: dict[str, Any] = {
         "phase": phase,

@@ -75,7 +75,9 @@ class ConversationParser:
         self.fm = fm
         self.family = family
         self.placeholders = {fm.image_placeholder: "image", fm.video_placeholder: "video"}
-        self.splitter = re.compile("|".join(re.escape(p) for p in sorted(self.placeholders, key=len, reverse=True)))
+        self.splitter = re.compile(
+            "|".join(re.escape(p) for p in sorted(self.placeholders, key=len, reverse=True))
+        )
         self.roles = {
             name: role
             for role, names in (
@@ -98,7 +100,9 @@ class ConversationParser:
             raise SampleError("malformed_record", f"format {fmt}: {column!r} is missing or not a list")
         _refuse_audio(record, fm)
         role_key, content_key = (fm.role_key, fm.content_key) if fmt == "sharegpt" else ("role", "content")
-        media = _MediaPool(_media_list(record, fm.images, "image"), _media_list(record, fm.videos, "video"), fm)
+        media = _MediaPool(
+            _media_list(record, fm.images, "image"), _media_list(record, fm.videos, "video"), fm
+        )
         turns: list[Turn] = []
         for i, raw in enumerate(raw_turns):
             if not isinstance(raw, dict):
@@ -107,7 +111,8 @@ class ConversationParser:
             role = self.roles.get(role_name) if isinstance(role_name, str) else None
             if role is None:
                 raise SampleError(
-                    "malformed_record", f"turn {i}: unknown role {role_name!r} (known: {', '.join(self.roles)})"
+                    "malformed_record",
+                    f"turn {i}: unknown role {role_name!r} (known: {', '.join(self.roles)})",
                 )
             content = raw.get(content_key, raw.get("content", raw.get("value")))
             if isinstance(content, str):
@@ -156,13 +161,19 @@ class ConversationParser:
                 raise SampleError("malformed_record", f"turn {i}: content part is a {type(part).__name__}")
             kind = part.get("type")
             if kind in _AUDIO_TYPES or "audio" in part:
-                raise SampleError("unsupported_media", f"turn {i}: audio parts are not supported by Qwen2-VL models")
+                raise SampleError(
+                    "unsupported_media", f"turn {i}: audio parts are not supported by Qwen2-VL models"
+                )
             if kind == "text" or (kind is None and "text" in part):
                 text = part.get("text", part.get("value", ""))
                 if not isinstance(text, str):
                     raise SampleError("malformed_record", f"turn {i}: text part without a string")
                 parts.extend(self._split(text, media))
-            elif kind in _TYPED_IMAGE or kind == "video" or (kind is None and ("image" in part or "video" in part)):
+            elif (
+                kind in _TYPED_IMAGE
+                or kind == "video"
+                or (kind is None and ("image" in part or "video" in part))
+            ):
                 media_kind = "video" if kind == "video" or (kind is None and "video" in part) else "image"
                 parts.append(media.take(media_kind, _part_path(part, i)))
             else:
@@ -234,7 +245,9 @@ def _refuse_audio(record: dict[str, Any], fm: FieldMap) -> None:
 def _check_media_roles(turns: list[Turn]) -> None:
     for i, turn in enumerate(turns):
         if turn.role == "assistant" and turn.has_media:
-            raise SampleError("malformed_record", f"turn {i}: media in an assistant turn cannot be trained on")
+            raise SampleError(
+                "malformed_record", f"turn {i}: media in an assistant turn cannot be trained on"
+            )
 
 
 def _with_system(turns: list[Turn], record: dict[str, Any], fm: FieldMap, family: Family) -> list[Turn]:

@@ -44,8 +44,9 @@ class Family:
     image_pad: str
     video_pad: str
     default_system: str
-    uses_second_per_grid: bool  # video timing enters the position ids (Qwen2.5-VL mRoPE)
-    reserved_tokens: tuple[str, ...]  # turn/vision structure; grounding tokens like <|box_start|> stay allowed
+    reserved_tokens: tuple[
+        str, ...
+    ]  # turn/vision structure; grounding tokens like <|box_start|> stay allowed
 
     def tool_call_text(self, value: str) -> str:
         """An assistant function-call turn, as the family's text template writes it."""
@@ -74,8 +75,8 @@ _QWEN = {
 }
 
 FAMILIES: dict[str, Family] = {
-    "qwen2-vl": Family(name="qwen2-vl", uses_second_per_grid=False, **_QWEN),
-    "qwen2.5-vl": Family(name="qwen2.5-vl", uses_second_per_grid=True, **_QWEN),
+    "qwen2-vl": Family(name="qwen2-vl", **_QWEN),
+    "qwen2.5-vl": Family(name="qwen2.5-vl", **_QWEN),
 }
 
 
@@ -177,12 +178,16 @@ def _renderer(tokenizer: Any, template: str) -> Callable[[list[dict[str, Any]]],
     except ImportError:
         _compile_jinja_template = None
     if _compile_jinja_template is None:
-        return lambda messages: tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+        return lambda messages: tokenizer.apply_chat_template(
+            messages, chat_template=template, tokenize=False
+        )
     compiled = _compile_jinja_template(template)
     context = dict(tokenizer.special_tokens_map)
 
     def render(messages: list[dict[str, Any]]) -> str:
-        return compiled.render(messages=messages, tools=None, documents=None, add_generation_prompt=False, **context)
+        return compiled.render(
+            messages=messages, tools=None, documents=None, add_generation_prompt=False, **context
+        )
 
     return render
 
@@ -201,7 +206,13 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         raise ConfigError(f"model.path: cannot load a {cfg.family} tokenizer from {folder} ({exc})") from exc
     template = _chat_template(folder, cfg.chat_template, tokenizer)
     ids = {}
-    for token in (family.vision_start, family.vision_end, family.image_pad, family.video_pad, family.turn_end):
+    for token in (
+        family.vision_start,
+        family.vision_end,
+        family.image_pad,
+        family.video_pad,
+        family.turn_end,
+    ):
         token_id = tokenizer.convert_tokens_to_ids(token)
         if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
             raise ConfigError(f"{folder}: tokenizer lacks the {cfg.family} special token {token}")

@@ -45,7 +45,7 @@ IMAGE_FRAC = 0.35
 VIDEO_FRAC = 0.10
 LONG_DOC_FRAC = 0.03  # text samples carrying a long document (RAG, summarisation)
 
-_CHUNK = 1 << 20
+_CHUNK = 1 << 16
 
 
 def synthetic_lengths(
@@ -53,7 +53,7 @@ def synthetic_lengths(
 ) -> npt.NDArray[np.int32]:
     """`n` token lengths in [1, max_length] from a heavy-tailed text/image/video mix.
 
-    Generated in chunks of 2^20 so 10^8 lengths cost 400 MB (int32) and little else;
+    Generated in chunks of 2^16 so 10^8 lengths cost 400 MB (int32) and little else;
     a smaller `n` gives a prefix of a larger one (same seed and max_length), so a
     benchmark can time a slow baseline on a prefix of the same data.
     """
@@ -66,6 +66,8 @@ def synthetic_lengths(
     while filled < n:
         draw = _draw_lengths(rng, _CHUNK, image_frac, video_frac)
         kept = draw[draw <= max_length]
+        if kept.size == 0:
+            raise ValueError(f"max_length {max_length} is below every length this mix draws")
         take = min(kept.size, n - filled)
         out[filled : filled + take] = kept[:take]
         filled += take

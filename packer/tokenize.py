@@ -20,6 +20,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+
 import numpy as np
 
 from .config import ModelConfig, PackingConfig, SourceConfig
@@ -41,7 +42,7 @@ from .vision import (
 QWEN_VISION_START_ID = 151652
 QWEN_VISION_END_ID = 151653
 _MEDIA_CACHE_SIZE = 65536
-_VIDEO_MAGIC = (b"ftyp", b"RIFF", b"\x1aE\xdf\xa3", b"OggS", b"FLV")
+_VIDEO_MAGIC = (b"\x1aE\xdf\xa3", b"OggS", b"FLV")  # Matroska/WebM, Ogg, FLV; MP4/MOV and AVI below
 
 
 @dataclass(frozen=True)
@@ -112,12 +113,19 @@ class SampleTokenizer:
     def __call__(self, raw: RawRecord) -> TokenizedSample | Reject:
         name = raw.source.name
         if raw.record is None:
-            return Reject(name, raw.index, None, raw.reason or "malformed_record", raw.error or "unreadable record")
+            return Reject(
+                name, raw.index, None, raw.reason or "malformed_record", raw.error or "unreadable record"
+            )
         sample_id = self._sample_id(raw)
         try:
             turns = self._parser.parse(raw.record)
             self._check_turns(turns)
-            media = [self._media(ref, raw.source.parent) for t in turns for ref in t.parts if isinstance(ref, MediaRef)]
+            media = [
+                self._media(ref, raw.source.parent)
+                for t in turns
+                for ref in t.parts
+                if isinstance(ref, MediaRef)
+            ]
             input_ids, labels = self._tokenize(turns, media)
         except SampleError as exc:
             return Reject(name, raw.index, sample_id, exc.reason, exc.detail)
@@ -128,7 +136,10 @@ class SampleTokenizer:
     def truncate(self, sample: TokenizedSample, max_length: int) -> TokenizedSample | None:
         """`truncate_sample` with this family's vision markers."""
         return truncate_sample(
-            sample, max_length, vision_start_id=self.model.vision_start_id, vision_end_id=self.model.vision_end_id
+            sample,
+            max_length,
+            vision_start_id=self.model.vision_start_id,
+            vision_end_id=self.model.vision_end_id,
         )
 
     def render(self, turns: list[Turn]) -> str:
@@ -176,8 +187,9 @@ class SampleTokenizer:
         header_ids = self._backend.encode(header.rstrip("\n"), add_special_tokens=False).ids
         end_id = self.model.tokenizer.convert_tokens_to_ids(family.turn_end)
         ids = self._backend.encode(text).ids
-        trained = _trained_mask(np.asarray(ids, dtype=np.int64), header_ids, end_id)
-        got = self.model.tokenizer.decode([t for t, m in zip(ids, trained, strict=True) if m])
+        got = self.model.tokenizer.decode(
+            [t for a, b in _assistant_spans(ids, header_ids, end_id) for t in ids[a:b]]
+        )
         want = "b" + family.turn_end + "d" + family.turn_end
         if not header.endswith("\n") or got != want:
             raise ConfigError(
@@ -187,34 +199,53 @@ class SampleTokenizer:
         return header_ids, end_id
 
     def _tokenize(self, turns: list[Turn], media: list[MediaItem]) -> tuple[list[int], list[int]]:
+        """Ids and labels with pads expanded; plain list operations (slices share int objects), since
+        per-token Python or numpy work would cost as much as the tokenizer itself."""
         try:
             text = self.render(turns)
         except Exception as exc:  # Jinja raises arbitrary errors (raise_exception in templates)
             raise SampleError("template_error", f"chat template failed: {exc}") from exc
         m = self.model
-        ids = np.asarray(self._backend.encode(text).ids, dtype=np.int64)
+        ids: list[int] = self._backend.encode(text).ids
+        n = len(ids)
         mode = self.packing.label_mode
         if mode == "all":
-            trained = np.ones(len(ids), dtype=bool)
+            labels = list(ids)
+            for a, b in _runs(ids, m.vision_start_id, m.vision_end_id):
+                labels[a:b] = [IGNORE_INDEX] * (b - a)
+            trained = n - labels.count(IGNORE_INDEX)
         else:
-            trained = _trained_mask(ids, self._header_ids, self._end_id, last_only=mode == "last_assistant")
-        is_image = ids == m.image_pad_id
-        is_video = ids == m.video_pad_id
-        pads = np.flatnonzero(is_image | is_video)
-        if len(pads) != len(media) or any(is_image[p] != (x.kind == "image") for p, x in zip(pads, media, strict=True)):
+            spans = _assistant_spans(ids, self._header_ids, self._end_id)
+            if mode == "last_assistant":
+                spans = spans[-1:]
+            labels = [IGNORE_INDEX] * n
+            for a, b in spans:
+                labels[a:b] = ids[a:b]
+            trained = sum(b - a for a, b in spans)
+        if trained == 0:
+            raise SampleError("empty_conversation", "no token is left to train on")
+        pads = _pad_positions(ids, m.image_pad_id, m.video_pad_id)
+        kinds = ["image" if ids[p] == m.image_pad_id else "video" for p in pads]
+        if kinds != [x.kind for x in media]:
             raise SampleError(
                 "placeholder_mismatch",
                 f"the rendered text has {len(pads)} media pad token(s) for {len(media)} media item(s)",
             )
-        vision = is_image | is_video | (ids == m.vision_start_id) | (ids == m.vision_end_id)
-        labels = np.where(trained & ~vision, ids, IGNORE_INDEX)
-        if not (labels != IGNORE_INDEX).any():
-            raise SampleError("empty_conversation", "no token is left to train on")
         if not media:
-            return ids.tolist(), labels.tolist()
-        repeats = np.ones(len(ids), dtype=np.int64)
-        repeats[pads] = [x.num_tokens for x in media]
-        return np.repeat(ids, repeats).tolist(), np.repeat(labels, repeats).tolist()
+            return ids, labels
+        out_ids: list[int] = []
+        out_labels: list[int] = []
+        prev = 0
+        for p, item in zip(pads, media, strict=True):
+            count = item.num_tokens
+            out_ids += ids[prev:p]
+            out_ids += [ids[p]] * count
+            out_labels += labels[prev:p]
+            out_labels += [IGNORE_INDEX] * count
+            prev = p + 1
+        out_ids += ids[prev:]
+        out_labels += labels[prev:]
+        return out_ids, out_labels
 
     def _media(self, ref: MediaRef, dataset_dir: Path) -> MediaItem:
         path = self._resolve(ref.ref, dataset_dir)
@@ -231,7 +262,7 @@ class SampleTokenizer:
         else:
             self._cache.move_to_end(key)
         if isinstance(cached, MediaError):
-            raise cached
+            raise MediaError(cached.reason, cached.detail)
         return cached
 
     def _resolve(self, ref: str, dataset_dir: Path) -> Path:
@@ -252,22 +283,54 @@ def _template_content(turn: Turn) -> str | list[dict[str, str]]:
     return [{"type": p.kind} if isinstance(p, MediaRef) else {"type": "text", "text": p} for p in turn.parts]
 
 
-def _trained_mask(ids: np.ndarray, header: list[int], end_id: int, last_only: bool = False) -> np.ndarray:
-    """True from the token after each assistant header's newline token through the next end token."""
-    n, k = len(ids), len(header)
-    hits = np.ones(max(n - k, 0), dtype=bool)
-    for j, h in enumerate(header):
-        hits &= ids[j : n - k + j] == h
-    starts = np.flatnonzero(hits) + k + 1
-    if last_only:
-        starts = starts[-1:]
-    ends = np.flatnonzero(ids == end_id)
-    at = np.searchsorted(ends, starts)
-    stops = np.full(len(starts), n, dtype=np.int64)
-    closed = at < len(ends)
-    stops[closed] = ends[at[closed]] + 1
-    delta = np.bincount(starts, minlength=n + 1) - np.bincount(stops, minlength=n + 1)
-    return np.cumsum(delta[:n]) > 0
+def _assistant_spans(ids: list[int], header: list[int], end_id: int) -> list[tuple[int, int]]:
+    """Token spans trained on: from the token after each assistant header's newline through the next end token."""
+    spans = []
+    first, k, n = header[0], len(header), len(ids)
+    pos = 0
+    while True:
+        try:
+            i = ids.index(first, pos)
+        except ValueError:
+            return spans
+        if ids[i : i + k] != header:
+            pos = i + 1
+            continue
+        start = min(i + k + 1, n)
+        try:
+            stop = ids.index(end_id, start) + 1
+        except ValueError:
+            stop = n
+        spans.append((start, stop))
+        pos = stop
+
+
+def _runs(ids: list[int], start_id: int, end_id: int) -> list[tuple[int, int]]:
+    """Spans from each start token through the next end token (vision runs)."""
+    runs = []
+    pos = 0
+    while True:
+        try:
+            a = ids.index(start_id, pos)
+        except ValueError:
+            return runs
+        try:
+            b = ids.index(end_id, a) + 1
+        except ValueError:
+            b = len(ids)
+        runs.append((a, b))
+        pos = b
+
+
+def _pad_positions(ids: list[int], image_pad: int, video_pad: int) -> list[int]:
+    """Positions of media pad tokens, in order (C-level scans; there are few)."""
+    found = []
+    for pad in (image_pad, video_pad):
+        pos = 0
+        for _ in range(ids.count(pad)):
+            pos = ids.index(pad, pos) + 1
+            found.append(pos - 1)
+    return sorted(found)
 
 
 def _measure(kind: str, path: Path, spec: VisionSpec) -> MediaItem:
@@ -299,7 +362,9 @@ def _image_item(path: Path, key: str, data: bytes, spec: VisionSpec) -> MediaIte
             raise MediaError("media_type_mismatch", "a video file is used as an image") from exc
         raise
     g = image_grid(info, spec)
-    return MediaItem("image", path, key, g.height, g.width, g.grid_t, g.grid_h, g.grid_w, [], 0.0, spec.merge_size)
+    return MediaItem(
+        "image", path, key, g.height, g.width, g.grid_t, g.grid_h, g.grid_w, [], 0.0, spec.merge_size
+    )
 
 
 def _video_item(path: Path, key: str, spec: VisionSpec) -> MediaItem:
@@ -311,11 +376,13 @@ def _video_item(path: Path, key: str, spec: VisionSpec) -> MediaItem:
     frames = sample_frame_indices(info.total_frames, info.fps, spec)
     g = video_grid(info, len(frames), spec)
     spg = second_per_grid(frames, info.total_frames, info.fps, spec)
-    return MediaItem("video", path, key, g.height, g.width, g.grid_t, g.grid_h, g.grid_w, frames, spg, spec.merge_size)
+    return MediaItem(
+        "video", path, key, g.height, g.width, g.grid_t, g.grid_h, g.grid_w, frames, spg, spec.merge_size
+    )
 
 
 def _looks_like_video(head: bytes) -> bool:
-    return head[4:8] == b"ftyp" or any(head.startswith(m) for m in _VIDEO_MAGIC[1:])
+    return head[4:8] == b"ftyp" or (head[:4] == b"RIFF" and head[8:12] == b"AVI ") or head.startswith(_VIDEO_MAGIC)
 
 
 def _looks_like_image(head: bytes) -> bool:
@@ -354,4 +421,3 @@ def truncate_sample(
     return TokenizedSample(
         sample.sample_id, sample.source, sample.index, sample.input_ids[:cut], labels, sample.media[:kept]
     )
-

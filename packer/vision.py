@@ -269,7 +269,8 @@ def probe_video(path: Path) -> VideoInfo:
         raise MediaError("corrupt_media", "video has no frame rate in its header")
     if header_frames and packets < header_frames:
         raise MediaError(
-            "corrupt_media", f"video is truncated: the header lists {header_frames} frames, {packets} are present"
+            "corrupt_media",
+            f"video is truncated: the header lists {header_frames} frames, {packets} are present",
         )
     total = header_frames or packets
     return VideoInfo(width, height, total, float(rate))

@@ -117,7 +117,11 @@ def load(
     model_sd = torch.load(folder / "model.pt", map_location="cpu", weights_only=False)
     set_model_state_dict(model, model_sd, options=StateDictOptions(full_state_dict=True))
     optim_sd = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=False)
-    set_optimizer_state_dict(model, optimizer, optim_sd, options=StateDictOptions(full_state_dict=True))
+    # strict=False: parameters that never had a gradient yet (e.g. the vision tower after only
+    # text batches) have no optimizer state, exactly as in the run that saved it.
+    set_optimizer_state_dict(
+        model, optimizer, optim_sd, options=StateDictOptions(full_state_dict=True, strict=False)
+    )
     state = torch.load(folder / DONE, map_location="cpu", weights_only=False)
     scheduler.load_state_dict(state["scheduler"])
     rng = folder / f"rng-{env.rank:05d}.pt"

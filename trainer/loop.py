@@ -95,6 +95,7 @@ def _train(
         dtype=dtype,
         attention=backend,
         seed=t.seed,
+        device=device,
     )
     family = family_from_config(hf.config)
     if cfg.model.family is not None and cfg.model.family != family.name:

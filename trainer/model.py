@@ -57,8 +57,10 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     attention: str = "sdpa",
     seed: int = 0,
+    device: torch.device | str = "cpu",
 ) -> PreTrainedModel:
-    """The Hugging Face model: pretrained weights, or random init seeded by `seed`."""
+    """The Hugging Face model on `device`: pretrained weights, or random init seeded by `seed`
+    (initialised directly on the device: a 3B model inits in seconds on a GPU, minutes on CPU)."""
     config = load_config(folder, overrides)
     impl = HF_IMPLEMENTATION[attention]
     if attention == "flex":
@@ -74,8 +76,9 @@ def build_model(
         )
     else:
         torch.manual_seed(seed)
-        model = AutoModelForImageTextToText.from_config(config, attn_implementation=impl, dtype=dtype)
-    return model.to(dtype)
+        with torch.device(device):
+            model = AutoModelForImageTextToText.from_config(config, attn_implementation=impl, dtype=dtype)
+    return model.to(device=device, dtype=dtype)
 
 
 class VLMForTraining(nn.Module):

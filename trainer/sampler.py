@@ -4,9 +4,12 @@ Packed sequences all hold about the same number of tokens, but attention cost
 grows with the square of each sub-sample's length: a sequence holding one
 4096-token sample costs far more than one holding sixteen 256-token samples.
 Ranks synchronise at every optimizer step, so the slowest rank sets the pace.
-`plan_epoch` shuffles an epoch with a seed, cuts it into global steps and, inside
-each step, hands units to ranks largest-cost-first to the least-loaded rank that
-still has room (LPT with equal counts), which keeps max/mean close to 1.
+`plan_epoch` shuffles an epoch with a seed, cuts it into windows of a few steps
+and hands units largest-cost-first to the least-loaded group that still has
+room (LPT with equal counts): first to the window's steps, then to each step's
+ranks. Balancing over a window rather than a single step spreads the few very
+expensive sequences over different steps, which keeps max/mean close to 1 even
+with small per-rank batches.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ def epoch_order(num_units: int, seed: int, epoch: int) -> list[int]:
 
 
 def balance_step(units: Sequence[int], costs: Sequence[int], world_size: int) -> list[list[int]]:
-    """Split one step's units into `world_size` equal-count groups with balanced total cost."""
+    """Split units into `world_size` equal-count groups with balanced total cost."""
     if len(units) % world_size:
         raise ValueError(f"{len(units)} units do not split evenly over {world_size} ranks")
     per_rank = len(units) // world_size
@@ -45,7 +48,9 @@ def balance_step(units: Sequence[int], costs: Sequence[int], world_size: int) ->
     return [[units[i] for i in sorted(g)] for g in groups]
 
 
-def plan_epoch(costs: Sequence[int], world_size: int, units_per_rank: int, seed: int, epoch: int) -> Plan:
+def plan_epoch(
+    costs: Sequence[int], world_size: int, units_per_rank: int, seed: int, epoch: int, window: int = 8
+) -> Plan:
     """The whole epoch's assignment: steps x ranks x units; an incomplete last step is dropped."""
     per_step = world_size * units_per_rank
     if len(costs) < per_step:
@@ -55,7 +60,13 @@ def plan_epoch(costs: Sequence[int], world_size: int, units_per_rank: int, seed:
         )
     order = epoch_order(len(costs), seed, epoch)
     steps = len(order) // per_step
-    return [balance_step(order[s * per_step : (s + 1) * per_step], costs, world_size) for s in range(steps)]
+    plan: Plan = []
+    for first in range(0, steps, window):
+        n = min(window, steps - first)
+        # First spread the window's cost evenly over its steps, then over the ranks of each step.
+        steps_units = balance_step(order[first * per_step : (first + n) * per_step], costs, n)
+        plan.extend(balance_step(units, costs, world_size) for units in steps_units)
+    return plan
 
 
 def imbalance(plan: Plan, costs: Sequence[int]) -> dict[str, float]:

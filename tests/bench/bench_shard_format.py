@@ -41,9 +41,17 @@ def make_rows(n: int, max_length: int, seed: int) -> list[dict]:
         ids = rng.integers(0, 151_000, sum(lens)).astype(np.int32)
         ids[: sum(lens) // 3] = 151_655  # an image-pad run: compresses well, as real data does
         labels = np.where(rng.random(len(ids)) < 0.4, ids, -100).astype(np.int32)
-        rows.append({"input_ids": ids.tolist(), "labels": labels.tolist(), "seq_lens": lens,
-                     "sample_ids": [f"s{i}" for i in range(len(lens))], "sources": ["d.jsonl"] * len(lens),
-                     "indices": list(range(len(lens))), "media": []})
+        rows.append(
+            {
+                "input_ids": ids.tolist(),
+                "labels": labels.tolist(),
+                "seq_lens": lens,
+                "sample_ids": [f"s{i}" for i in range(len(lens))],
+                "sources": ["d.jsonl"] * len(lens),
+                "indices": list(range(len(lens))),
+                "media": [],
+            }
+        )
     return rows
 
 
@@ -61,7 +69,9 @@ def bench(n: int, max_length: int, reads: int) -> list[dict]:
         for i in order:
             t.slice(i, 1).to_pylist()
         r_ipc = time.perf_counter() - t0
-        out.append({"format": "arrow-ipc (mmap)", "bytes": ipc.stat().st_size, "write_s": w_ipc, "read_s": r_ipc})
+        out.append(
+            {"format": "arrow-ipc (mmap)", "bytes": ipc.stat().st_size, "write_s": w_ipc, "read_s": r_ipc}
+        )
         for codec in ("snappy", "zstd"):
             p = Path(tmp) / f"s.{codec}.parquet"
             t0 = time.perf_counter()
@@ -76,8 +86,14 @@ def bench(n: int, max_length: int, reads: int) -> list[dict]:
                     cache = {g: f.read_row_group(g)}
                 cache[g].slice(i % 64, 1).to_pylist()
             r = time.perf_counter() - t0
-            out.append({"format": f"parquet ({codec}, 64-row groups)", "bytes": p.stat().st_size,
-                        "write_s": w, "read_s": r})
+            out.append(
+                {
+                    "format": f"parquet ({codec}, 64-row groups)",
+                    "bytes": p.stat().st_size,
+                    "write_s": w,
+                    "read_s": r,
+                }
+            )
     base = out[0]
     for row in out:
         row["size_vs_ipc"] = row["bytes"] / base["bytes"]
@@ -94,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = bench(n, 4096, reads)
     print(f"{'format':<34}{'size/ipc':>10}{'random read time/ipc':>22}{'write time/ipc':>16}")
     for r in rows:
-        print(f"{r['format']:<34}{r['size_vs_ipc']:>10.3f}{r['read_time_vs_ipc']:>22.2f}{r['write_time_vs_ipc']:>16.2f}")
+        print(
+            f"{r['format']:<34}{r['size_vs_ipc']:>10.3f}{r['read_time_vs_ipc']:>22.2f}{r['write_time_vs_ipc']:>16.2f}"
+        )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "bench_shard_format.json").write_text(json.dumps({"sequences": n, "rows": rows}, indent=1))
     return 0

@@ -3,8 +3,8 @@
 No container engine runs here, so each image is modelled by what its Dockerfile installs: the
 packtrain extras it names, hence a set of allowed distributions (their dependency closure).
 Then, for every command the operator puts in a pod of that image:
-- at run time: the command runs (with `--help` appended) in a fresh interpreter whose imports of
-  any other distribution fail, as they would in the image;
+- at run time: the command starts, up to its argument parser accepting the whole command line,
+  in a fresh interpreter whose imports of any other distribution fail, as in the image;
 - statically: every import reachable from the image's packtrain subpackages, lazy ones included,
   resolves to the standard library, packtrain, or an allowed distribution.
 """
@@ -299,7 +299,7 @@ def test_static_check_sees_lazy_and_ignores_optional_imports(tmp_path: Path) -> 
 # --- run time: the commands the operator builds ----------------------------------------------
 
 RUNNER = r"""
-import importlib.abc, importlib.metadata as md, json, runpy, sys
+import argparse, importlib.abc, importlib.metadata as md, json, runpy, sys
 from packaging.utils import canonicalize_name
 
 allowed = set(json.loads(sys.argv[1]))
@@ -326,6 +326,19 @@ def console_script(name):
     return ep
 
 
+# Raised once the command's argument parser accepted the whole command line.
+class Parsed(Exception):
+    pass
+
+
+real_parse_args = argparse.ArgumentParser.parse_args
+
+
+def parse_args_then_stop(self, args=None, namespace=None):
+    real_parse_args(self, args, namespace)  # exits 2 on unknown or missing arguments
+    raise Parsed(self.prog)
+
+
 def run(program, args):
     if program == "torchrun":
         console_script("torchrun")
@@ -333,26 +346,32 @@ def run(program, args):
 
         parsed = parse_args(args)
         assert parsed.module, "the operator runs a module under torchrun"
-        sys.argv = [parsed.training_script, *parsed.training_script_args, "--help"]
+        argparse.ArgumentParser.parse_args = parse_args_then_stop
+        sys.argv = [parsed.training_script, *parsed.training_script_args]
         runpy.run_module(parsed.training_script, run_name="__main__", alter_sys=True)
     else:
         main = console_script(program).load()
-        sys.argv = [program, *args, "--help"]
-        sys.exit(main(args + ["--help"]))
+        argparse.ArgumentParser.parse_args = parse_args_then_stop
+        sys.argv = [program, *args]
+        main(args)
 
 
 for argv in argvs:
     try:
         run(argv[0], argv[1:])
-    except SystemExit as exc:
-        if exc.code not in (0, None):
-            raise
+    except Parsed:
+        pass
+    else:
+        sys.exit(f"{argv}: ran without parsing its arguments")
+    finally:
+        argparse.ArgumentParser.parse_args = real_parse_args
 print(json.dumps(sorted(m for m in sys.modules if m.startswith("packtrain"))))
 """
 
 
 def run_in_image(image: str, argvs: list[list[str]]) -> list[str]:
-    """Run each `argv --help` as the image would (one interpreter); returns the packtrain modules loaded."""
+    """Start each command as the image would (one interpreter), up to its parsed arguments;
+    returns the packtrain modules loaded."""
     allowed = sorted(allowed_distributions(frozenset(installed_extras(image))))
     proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(allowed), json.dumps(argvs)],
                           capture_output=True, text=True, timeout=120, cwd=REPO)

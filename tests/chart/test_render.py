@@ -74,9 +74,6 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
 }
 
-# Watching explicitly named namespaces (all the chart allows) needs no namespace watch.
-NAMESPACE_WATCH = {("", "namespaces", "list"), ("", "namespaces", "watch")}
-
 Grant = tuple[str, str, str]
 
 # kubernetes-validate has schemas for built-in kinds only; the Prometheus Operator kinds are
@@ -249,8 +246,8 @@ def test_cluster_role_grants_exactly_what_the_operator_needs() -> None:
 def test_namespace_scope_grants_roles_per_namespace(watch: list[str]) -> None:
     objects = render({"rbac": {"scope": "namespace"}, "operator": {"watchNamespaces": watch}})
     namespaces = watch or [NAMESPACE]
-    # Only kopf's CRD discovery stays cluster-wide; everything else is per namespace.
-    assert grants(one(objects, "ClusterRole")["rules"]) == grants(rbac.CLUSTER_RULES) - NAMESPACE_WATCH
+    # Only kopf's own discovery (CRDs, namespaces) stays cluster-wide; the rest is per namespace.
+    assert grants(one(objects, "ClusterRole")["rules"]) == grants(rbac.CLUSTER_RULES)
     roles = [o for o in objects if o["kind"] == "Role"]
     bindings = [o for o in objects if o["kind"] == "RoleBinding"]
     assert sorted(r["metadata"]["namespace"] for r in roles) == sorted(namespaces)
@@ -322,17 +319,13 @@ def _crd_sources() -> dict[str, Manifest]:
     return {f"{kind.PLURAL}.{GROUP}": yaml.safe_load(crdgen.render(kind)) for kind in KINDS}
 
 
-def test_chart_crds_are_the_generated_ones() -> None:
-    """files/crds/ is a copy of what `packtrain crds` writes; regenerate it when this fails."""
-    fix = ("refresh with: python -c 'from packtrain.operator.crdgen import write_all; "
-           "write_all(\"charts/packtrain/files/crds\")'")
+def test_chart_ships_the_generated_crds() -> None:
+    """files/crds links to the top-level crds/ that `packtrain crds` writes, so the two cannot drift."""
     chart_dir = CHART / "files" / "crds"
+    assert chart_dir.is_symlink() and chart_dir.resolve() == (REPO / "crds").resolve()
     expected = {crdgen.filename(kind): crdgen.render(kind) for kind in KINDS}
-    actual = {p.name: p.read_text() for p in chart_dir.glob("*.yaml")}
-    assert actual == expected, fix
-    top_level = {p.name: p.read_text() for p in (REPO / "crds").glob("*.yaml")}
-    if top_level:
-        assert top_level == actual, fix
+    assert {p.name: p.read_text() for p in chart_dir.glob("*.yaml")} == expected, \
+        "crds/ is stale: run `packtrain crds`"
 
 
 @pytest.mark.parametrize("keep", [True, False])

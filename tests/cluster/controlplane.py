@@ -9,6 +9,7 @@ nodes. The binaries come from ``tests/cluster/build.sh``.
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as dt
 import ipaddress
 import json
@@ -392,15 +393,18 @@ class ControlPlane:
         return self
 
     def stop(self, keep_logs: bool) -> None:
-        """Stop all components (newest first) and delete the state; keep the logs when asked."""
+        """Stop the components newest first, each before the next (etcd last), and delete the state.
+
+        The logs survive when ``keep_logs`` is set, for a failed run.
+        """
         for comp in reversed(self.components):
-            if comp.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(comp.proc.pid, signal.SIGTERM)
-        for comp in reversed(self.components):
             try:
                 comp.proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                os.killpg(comp.proc.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(comp.proc.pid, signal.SIGKILL)
                 comp.proc.wait()
         self.components.clear()
         if keep_logs:

@@ -222,3 +222,56 @@ def test_write_status_retries_on_conflict_and_posts_no_event_for_the_lost_write(
     handlers.write_status(kopf.Memo(kube=kube, defaults=DEFAULTS), "packjobs", packjob)
     assert writes == ["1", "2"] and posted == ["Converting"]
     assert kube.created == ["ConfigMap/demo-pack-config", "Job/demo-convert"]  # the retry created nothing new
+
+
+METRICS_TEXT = """# HELP packtrain_train_step Optimizer steps completed.
+# TYPE packtrain_train_step gauge
+packtrain_train_step{rank="0"} 42.0
+packtrain_train_step{rank="1"} 42.0
+# HELP packtrain_train_loss Loss of the last step (global token mean).
+# TYPE packtrain_train_loss gauge
+packtrain_train_loss{rank="0"} 1.5
+packtrain_train_loss{rank="1"} 9.0
+"""
+
+
+def test_progress_is_scraped_from_the_master_pod(sftjob: dict[str, Any]) -> None:
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            body = METRICS_TEXT.encode()
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        sftjob["spec"]["metricsPort"] = server.server_address[1]
+        sftjob["status"] = {"phase": "Running"}
+        kube = FakeKube()
+        kube.put("sftjobs", sftjob)
+        merged: list[dict[str, Any]] = []
+        kube.merge_status = lambda plural, ns, name, status: merged.append(status)  # type: ignore[attr-defined]
+        worker = {
+            "metadata": {"labels": {"training.kubeflow.org/replica-type": "worker"}},
+            "status": {"phase": "Running", "podIP": "127.0.0.2"},
+        }
+        master = {
+            "metadata": {"labels": {"training.kubeflow.org/replica-type": "master"}},
+            "status": {"phase": "Running", "podIP": "127.0.0.1"},
+        }
+        kube.pod_list[f"{builders.SFTJOB_LABEL}=demo-sft"] = [worker, master]
+        progress = handlers.update_progress(kube, "ml", "demo-sft")  # type: ignore[arg-type]
+        assert progress is not None and progress["step"] == 42 and progress["loss"] == 1.5
+        assert progress["maxSteps"] == 1000 and merged == [{"progress": progress}]
+        kube.pod_list[f"{builders.SFTJOB_LABEL}=demo-sft"] = [worker]
+        assert handlers.update_progress(kube, "ml", "demo-sft") is None  # type: ignore[arg-type]
+    finally:
+        server.shutdown()

@@ -500,6 +500,37 @@ def test_sftjob_waits_for_its_packjob_then_creates_a_pytorchjob(
     assert row[:5] == ["train", "Succeeded", "pytorchjob", "2", "8"]
 
 
+def test_trainjob_backend_is_accepted_by_the_trainer_crd(
+    api: client.ApiClient, namespace: str, operator: Operator
+) -> None:
+    body = sftjob("tj", "unused")
+    body["spec"].update(backend="trainjob", data={"path": "/data/packs/ready"})
+    body["spec"]["volumes"]["data"] = {"claimName": CLAIM}
+    create(api, namespace, body)
+    kf = client.CustomObjectsApi(api)
+
+    def trainjob() -> dict[str, Any] | None:
+        try:
+            return dict(
+                kf.get_namespaced_custom_object(
+                    "trainer.kubeflow.org", "v1alpha1", namespace, "trainjobs", "tj"
+                )
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    tj = wait_for("the TrainJob", trainjob, timeout=60)
+    assert tj["spec"]["runtimeRef"]["name"] == "torch-distributed"
+    assert tj["spec"]["trainer"]["numNodes"] == 2
+    sft = wait_for(
+        "the SFTJob to point at it",
+        lambda: (get(api, namespace, "sftjobs", "tj").get("status") or {}).get("trainingJob"),
+    )
+    assert sft == {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "name": "tj"}
+
+
 def test_restart_mid_run_creates_no_duplicates(
     api: client.ApiClient, namespace: str, operator: Operator
 ) -> None:
@@ -531,6 +562,20 @@ def test_restart_mid_run_creates_no_duplicates(
         namespace, label_selector="packtrain.dev/packjob=restart"
     )
     assert [c.metadata.name for c in cms.items] == ["restart-pack-config"]
+
+
+def test_unschedulable_pods_are_explained(api: client.ApiClient, namespace: str, operator: Operator) -> None:
+    body = packjob("stuck", count=1)
+    body["spec"]["output"]["claimName"] = "no-such-claim"
+    create(api, namespace, body)
+
+    def reason() -> str | None:
+        pj = get(api, namespace, "packjobs", "stuck")
+        ready = [c for c in (pj.get("status") or {}).get("conditions", []) if c["type"] == "Ready"]
+        return ready[0]["message"] if ready and ready[0]["reason"] == "Unschedulable" else None
+
+    message = wait_for("the Unschedulable reason", reason, timeout=60)
+    assert "no-such-claim" in message and "cannot be scheduled" in message
 
 
 def test_deleting_a_packjob_deletes_its_children(
@@ -584,6 +629,20 @@ def test_packjob_runs_the_real_packer(
     pj = get(api, namespace, "packjobs", "real")
     assert pj["status"]["phase"] == "Succeeded", pj["status"]
     stats = pj["status"]["stats"]
+    pods = (
+        client.CoreV1Api(api)
+        .list_namespaced_pod(namespace, label_selector="packtrain.dev/packjob=real")
+        .items
+    )
+    terminated = [
+        (
+            p.metadata.name,
+            p.metadata.annotations,
+            [c.state.terminated for c in p.status.container_statuses or []],
+        )
+        for p in pods
+    ]
+    assert "samplesIn" in stats, (pj["status"], terminated)
     assert stats["samplesIn"] == stats["samplesPacked"] > 0 and 0 < stats["fillRatio"] <= 1
     assert stats["sequences"] >= 1 and stats["tokens"] > 0
     manifest = (

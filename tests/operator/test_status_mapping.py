@@ -360,3 +360,37 @@ def test_events_on_transitions_only() -> None:
     )
     waiting = st.waiting_status(1, st.data_readiness("demo", {"status": {"phase": "Failed"}}), None, T0)
     assert st.transition_event("WaitingForData", "PackJobNotReady", waiting)[0] == "Warning"
+
+
+def unschedulable_pod() -> dict[str, Any]:
+    return {
+        "status": {
+            "phase": "Pending",
+            "conditions": [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": 'persistentvolumeclaim "packtrain-data" not found',
+                }
+            ],
+        }
+    }
+
+
+def test_unschedulable_stage_pods_say_why() -> None:
+    d = decide(
+        {"convert": job("convert"), "plan": None, "materialize": None}, {"convert": [unschedulable_pod()]}
+    )
+    ready = cond(d.status, "Ready")
+    assert d.status["phase"] == "Converting" and ready["reason"] == "Unschedulable"
+    assert 'persistentvolumeclaim "packtrain-data" not found' in ready["message"]
+    assert "claim packtrain-data exists" in ready["message"]
+
+
+def test_unschedulable_training_pods_say_why() -> None:
+    s = st.sft_status(
+        1, "PyTorchJob", pytorchjob(("Created", "c")), "/d", None, T0, pods=[unschedulable_pod()]
+    )
+    assert s["phase"] == "Pending" and cond(s, "Ready")["reason"] == "Unschedulable"
+    assert "spec.resources" in cond(s, "Ready")["message"]

@@ -12,12 +12,18 @@ from PIL import Image
 ORIENTATION = 0x0112
 
 
-def image(path: Path, width: int, height: int, mode: str = "RGB", exif_orientation: int | None = None) -> Path:
+def image(
+    path: Path, width: int, height: int, mode: str = "RGB", exif_orientation: int | None = None
+) -> Path:
     """A solid-colour image (cheap to encode at any size); the format follows the extension."""
     colour: int | tuple[int, ...]
-    colour = {"RGB": (200, 30, 90), "RGBA": (10, 200, 30, 128), "CMYK": (0, 120, 200, 10), "P": 3, "L": 77}.get(
-        mode, 1000
-    )
+    colour = {
+        "RGB": (200, 30, 90),
+        "RGBA": (10, 200, 30, 128),
+        "CMYK": (0, 120, 200, 10),
+        "P": 3,
+        "L": 77,
+    }.get(mode, 1000)
     img = Image.new(mode, (width, height), colour)
     kwargs = {}
     if exif_orientation is not None:
@@ -25,7 +31,9 @@ def image(path: Path, width: int, height: int, mode: str = "RGB", exif_orientati
         exif[ORIENTATION] = exif_orientation
         kwargs["exif"] = exif.tobytes()
     path.parent.mkdir(parents=True, exist_ok=True)
-    img.save(path, format="JPEG" if path.suffix.lower() in (".jpg", ".jpeg") and mode != "P" else None, **kwargs)
+    img.save(
+        path, format="JPEG" if path.suffix.lower() in (".jpg", ".jpeg") and mode != "P" else None, **kwargs
+    )
     return path
 
 
@@ -69,7 +77,9 @@ def video(path: Path, frames: int, fps: int = 10, width: int = 64, height: int =
         ramp = np.linspace(0, 255, width, dtype=np.uint8)[None, :, None]
         for i in range(frames):
             rgb = np.broadcast_to((ramp.astype(np.int64) + i * 7) % 256, (height, width, 3)).astype(np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")):
+            for packet in stream.encode(
+                av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
+            ):
                 out.mux(packet)
         for packet in stream.encode():
             out.mux(packet)

@@ -31,8 +31,13 @@ def _config(tmp_path: Path, **packing: object) -> PackConfig:
         link.symlink_to(DEMO / "mllm_demo_data")
     return PackConfig.model_validate(
         {
-            "source": {"paths": [str(DEMO / "mllm_demo.json"), str(DEMO / "mllm_video_demo.json"),
-                                 str(TEXT / "glaive-toolcall" / "*.json")]},
+            "source": {
+                "paths": [
+                    str(DEMO / "mllm_demo.json"),
+                    str(DEMO / "mllm_video_demo.json"),
+                    str(TEXT / "glaive-toolcall" / "*.json"),
+                ]
+            },
             "model": {"path": str(QWEN2), "maxPixels": 200_000, "videoMaxPixels": 50_000, "maxFrames": 8},
             "packing": {"maxLength": 2048, "sequencesPerShard": 16, **packing},
         }
@@ -85,7 +90,7 @@ def test_unpack_equals_direct_tokenization(packed: tuple[PackConfig, Path, dict]
     direct = {}
     for raw in iter_records(cfg.source.paths):
         s = tok(raw)
-        if isinstance(s, TokenizedSample):
+        if isinstance(s, TokenizedSample) and len(s.input_ids) <= cfg.packing.max_length:
             direct[s.sample_id] = s
     unpacked = unpack(out)
     assert len(unpacked) == len(direct)
@@ -140,8 +145,22 @@ def test_output_folder_refuses_a_different_config(tmp_path: Path) -> None:
 def test_cli_run_with_flags_and_resized_media(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     rc = pack_main(
-        ["run", "--input", str(DEMO / "mllm_demo.json"), "--model", str(QWEN2), "--max-length", "4096",
-         "--media-storage", "resized", "-o", str(out), "--workers", "1", "--no-progress"]
+        [
+            "run",
+            "--input",
+            str(DEMO / "mllm_demo.json"),
+            "--model",
+            str(QWEN2),
+            "--max-length",
+            "4096",
+            "--media-storage",
+            "resized",
+            "-o",
+            str(out),
+            "--workers",
+            "1",
+            "--no-progress",
+        ]
     )
     assert rc == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -156,8 +175,17 @@ def test_cli_run_with_flags_and_resized_media(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_config_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = pack_main(["convert", "--input", str(tmp_path / "nothing-*.json"), "--model", str(QWEN2),
-                    "-o", str(tmp_path / "o")])
+    rc = pack_main(
+        [
+            "convert",
+            "--input",
+            str(tmp_path / "nothing-*.json"),
+            "--model",
+            str(QWEN2),
+            "-o",
+            str(tmp_path / "o"),
+        ]
+    )
     assert rc == 2
     assert "configuration error" in capsys.readouterr().err
 
@@ -170,7 +198,10 @@ def test_termination_message_written(tmp_path: Path, monkeypatch: pytest.MonkeyP
     src = tmp_path / "d.json"
     shutil.copy(DEMO / "mllm_demo.json", src)
     (tmp_path / "mllm_demo_data").symlink_to(DEMO / "mllm_demo_data")
-    assert pack_main(["convert", "--input", str(src), "--model", str(QWEN2), "-o", str(out), "--count", "2"]) == 0
+    assert (
+        pack_main(["convert", "--input", str(src), "--model", str(QWEN2), "-o", str(out), "--count", "2"])
+        == 0
+    )
     msg = json.loads(log.read_text())
     assert msg["stage"] == "convert" and msg["index"] == 1 and msg["count"] == 2
     assert msg["samples"] == 3

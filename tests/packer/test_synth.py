@@ -40,6 +40,8 @@ def test_image_tokens_follow_qwen2_vl_resizing() -> None:
 def test_synthetic_lengths_reject_bad_fractions() -> None:
     with pytest.raises(ValueError, match="image_frac"):
         synthetic_lengths(10, seed=0, max_length=4096, image_frac=0.8, video_frac=0.4)
+    with pytest.raises(ValueError, match="below every length"):
+        synthetic_lengths(10, seed=0, max_length=8)
 
 
 def test_generated_dataset_has_real_media_behind_every_placeholder(tmp_path: Path) -> None:

@@ -15,7 +15,6 @@ from typing import Any
 
 import media_factory as mf
 import pytest
-
 from packtrain.packer.config import ModelConfig, PackingConfig, SourceConfig
 from packtrain.packer.records import RawRecord, iter_records
 from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample
@@ -101,7 +100,10 @@ def test_image_ids_match_processor(family: str, processor: Any, tmp_path: Path, 
     ref = _hf(
         processor,
         [
-            {"role": "user", "content": [{"type": "image", "path": str(path)}, {"type": "text", "text": "What is shown?"}]},
+            {
+                "role": "user",
+                "content": [{"type": "image", "path": str(path)}, {"type": "text", "text": "What is shown?"}],
+            },
             {"role": "assistant", "content": [{"type": "text", "text": "A test image."}]},
         ],
     )
@@ -117,7 +119,10 @@ def test_huge_image_with_max_pixels_override(family: str, processor: Any, tmp_pa
     """8000x6000 hits the pixel bound; a config override must reach the count like the processor's `size`."""
     max_pixels = 1003520
     path = mf.image(tmp_path / "huge.png", 8000, 6000)
-    record = {"messages": [{"role": "user", "content": "<image>Big."}, {"role": "assistant", "content": "Yes."}], "images": [path.name]}
+    record = {
+        "messages": [{"role": "user", "content": "<image>Big."}, {"role": "assistant", "content": "Yes."}],
+        "images": [path.name],
+    }
     ours = _ours(_tokenizer(family, max_pixels=max_pixels), record, tmp_path / "d.json")
     conversation = [
         {"role": "user", "content": [{"type": "image", "path": str(path)}, {"type": "text", "text": "Big."}]},
@@ -132,7 +137,10 @@ def test_huge_image_with_max_pixels_override(family: str, processor: Any, tmp_pa
 
 def test_extreme_aspect_ratio_rejected_like_processor(family: str, processor: Any, tmp_path: Path) -> None:
     path = mf.image(tmp_path / "strip.png", 3000, 14)
-    record = {"messages": [{"role": "user", "content": "<image>x"}, {"role": "assistant", "content": "y"}], "images": [path.name]}
+    record = {
+        "messages": [{"role": "user", "content": "<image>x"}, {"role": "assistant", "content": "y"}],
+        "images": [path.name],
+    }
     ours = _ours(_tokenizer(family), record, tmp_path / "d.json")
     assert isinstance(ours, Reject) and ours.reason == "aspect_ratio"
     assert "200" in ours.detail
@@ -145,7 +153,10 @@ def decoded_videos() -> dict[str, tuple[Any, Any]]:
     """Every shared demo video, all frames, decoded once by the transformers PyAV reader."""
     from transformers.video_utils import load_video
 
-    return {name: load_video(str(DEMO / "mllm_demo_data" / name), backend="pyav") for name in ("1.mp4", "2.avi", "3.mp4", "4.mp4")}
+    return {
+        name: load_video(str(DEMO / "mllm_demo_data" / name), backend="pyav")
+        for name in ("1.mp4", "2.avi", "3.mp4", "4.mp4")
+    }
 
 
 @pytest.mark.parametrize("name", ["1.mp4", "2.avi", "3.mp4", "4.mp4"])
@@ -153,7 +164,10 @@ def test_video_ids_match_processor(
     family: str, processor: Any, decoded_videos: dict[str, tuple[Any, Any]], name: str
 ) -> None:
     record = {
-        "messages": [{"role": "user", "content": "<video>What happens?"}, {"role": "assistant", "content": "Things."}],
+        "messages": [
+            {"role": "user", "content": "<video>What happens?"},
+            {"role": "assistant", "content": "Things."},
+        ],
         "videos": [f"mllm_demo_data/{name}"],
     }
     ours = _ours(_tokenizer(family), record, DEMO / "mllm_video_demo.json")
@@ -231,5 +245,7 @@ def test_text_only_matches_processor(family: str, processor: Any) -> None:
     for raw in list(iter_records([str(path)]))[:40]:
         ours = tok(raw)
         assert isinstance(ours, TokenizedSample), ours
-        conversation = [{"role": roles[t["from"]], "content": t["value"]} for t in raw.record["conversations"]]
+        conversation = [
+            {"role": roles[t["from"]], "content": t["value"]} for t in raw.record["conversations"]
+        ]
         assert ours.input_ids == _hf(processor, conversation)["input_ids"][0], raw.index

@@ -7,8 +7,6 @@ from pathlib import Path
 
 import media_factory as mf
 import pytest
-from PIL import Image, ImageOps
-
 from packtrain.packer.vision import (
     MediaError,
     VisionSpec,
@@ -18,8 +16,15 @@ from packtrain.packer.vision import (
     second_per_grid,
     smart_resize,
 )
+from PIL import Image, ImageOps
 
-DEMO_MEDIA = Path(__file__).resolve().parents[2].parent / "shared" / "datasets" / "llamafactory-mllm-demo" / "mllm_demo_data"
+DEMO_MEDIA = (
+    Path(__file__).resolve().parents[2].parent
+    / "shared"
+    / "datasets"
+    / "llamafactory-mllm-demo"
+    / "mllm_demo_data"
+)
 
 
 def test_smart_resize_equals_transformers() -> None:
@@ -41,12 +46,19 @@ def test_frame_sampling_equals_transformers() -> None:
     from transformers.video_utils import VideoMetadata
 
     processor = video_processing.Qwen2VLVideoProcessor()
-    cases = itertools.product([2, 3, 7, 50, 243, 270, 1001, 5000], [24.0, 25.0, 29.916666, 30.0, 59.94], [0.5, 1.0, 2.0])
+    cases = itertools.product(
+        [2, 3, 7, 50, 243, 270, 1001, 5000], [24.0, 25.0, 29.916666, 30.0, 59.94], [0.5, 1.0, 2.0]
+    )
     for total, video_fps, fps in cases:
         for min_frames, max_frames in ((4, 768), (2, 16), (1, 6)):
             spec = VisionSpec(fps=fps, min_frames=min_frames, max_frames=max_frames)
             metadata = VideoMetadata(total_num_frames=total, fps=video_fps)
-            kwargs = {"temporal_patch_size": 2, "fps": fps, "min_frames": min_frames, "max_frames": max_frames}
+            kwargs = {
+                "temporal_patch_size": 2,
+                "fps": fps,
+                "min_frames": min_frames,
+                "max_frames": max_frames,
+            }
             try:
                 ref = processor.sample_frames(metadata, **kwargs).tolist()
             except ZeroDivisionError:  # fewer frames than one temporal patch after rounding

@@ -122,7 +122,7 @@ def test_balancing_beats_contiguous_assignment():
     b, n = imbalance(balanced, costs), imbalance(naive, costs)
     print(f"attention-cost imbalance max/mean: balanced {b}, contiguous {n}")
     assert b["mean"] < n["mean"] and b["max"] <= n["max"]
-    assert b["mean"] < 1.25
+    assert b["max"] < 1.2
 
 
 def test_plan_needs_one_full_step():

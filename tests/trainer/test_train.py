@@ -1,0 +1,165 @@
+"""End-to-end training on a real pack with a tiny model: CLI, resume, padded baseline, metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import job_spec, write_job
+from packtrain.trainer.cli import main
+from packtrain.trainer.config import load_train_config
+from packtrain.trainer.loop import train
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _summary(capsys: pytest.CaptureFixture[str]) -> dict:
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1])
+
+
+def test_cli_trains_and_exports_a_loadable_hf_model(pack_dir, tmp_path, capsys):
+    job = write_job(tmp_path / "job.yaml", job_spec(pack_dir, tmp_path / "ignored", microBatchSequences=2))
+    out = tmp_path / "run"
+    assert main(["train", "-c", str(job), "--max-steps", "2", "--output", str(out)]) == 0
+    summary = _summary(capsys)
+    assert summary["steps"] == 2 and summary["mode"] == "packed" and summary["attention"] == "sdpa"
+    assert summary["tokens"] > 0 and summary["effective_tokens_per_second"] > 0
+    assert summary["padding_ratio"] == 0.0
+    assert 0 < summary["final_loss"] < 20
+    assert summary["mfu"] is None  # CPU: no known peak
+    model = AutoModelForImageTextToText.from_pretrained(out / "final")
+    saved = torch.load(out / "checkpoints" / "step-00000002" / "model.pt", weights_only=True)
+    for name, param in model.state_dict().items():
+        assert torch.equal(param, saved["hf." + name]), name
+    assert (out / "final" / "preprocessor_config.json").is_file()
+
+
+def test_2n_steps_equal_n_steps_resume_n_steps_bit_for_bit(pack_dir, tmp_path, capsys):
+    spec = job_spec(pack_dir, tmp_path / "straight", maxSteps=4, checkpointEvery=2, gradAccum=2, warmup=1)
+    straight = train(load_train_config(write_job(tmp_path / "a.yaml", spec)), log=lambda _: None)
+    # Interrupted after step 2: only the step-2 checkpoint exists; the rerun resumes from it.
+    resumed_dir = tmp_path / "resumed"
+    (resumed_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(
+        tmp_path / "straight" / "checkpoints" / "step-00000002", resumed_dir / "checkpoints" / "step-00000002"
+    )
+    spec["spec"]["training"]["outputDir"] = str(resumed_dir)
+    resumed = train(load_train_config(write_job(tmp_path / "b.yaml", spec)), log=lambda _: None)
+    assert resumed["resumed_from"].endswith("step-00000002") and resumed["steps_this_run"] == 2
+    assert resumed["final_loss"] == straight["final_loss"]
+    a = load_file(tmp_path / "straight" / "final" / "model.safetensors")
+    b = load_file(resumed_dir / "final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    opt_a = torch.load(
+        tmp_path / "straight" / "checkpoints" / "step-00000004" / "optimizer.pt", weights_only=False
+    )
+    opt_b = torch.load(resumed_dir / "checkpoints" / "step-00000004" / "optimizer.pt", weights_only=False)
+    for key, state in opt_a["state"].items():
+        assert torch.equal(state["exp_avg"], opt_b["state"][key]["exp_avg"])
+    data_a = torch.load(
+        tmp_path / "straight" / "checkpoints" / "step-00000004" / "trainer.pt", weights_only=False
+    )
+    data_b = torch.load(resumed_dir / "checkpoints" / "step-00000004" / "trainer.pt", weights_only=False)
+    assert data_a["data"] == data_b["data"] and data_a["data"]["next"] == 8
+
+
+def test_padded_baseline_runs_on_the_same_data(pack_dir, tmp_path):
+    spec = job_spec(pack_dir, tmp_path / "padded", mode="padded", paddedBatchSize=4, saveFinal=False)
+    summary = train(load_train_config(write_job(tmp_path / "p.yaml", spec)), log=lambda _: None)
+    assert summary["mode"] == "padded" and summary["steps"] == 2
+    assert 0 < summary["padding_ratio"] < 1
+    assert summary["effective_tokens"] < summary["tokens"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_metrics_endpoint_is_scraped_during_a_cpu_run(pack_dir, tmp_path):
+    port = _free_port()
+    spec = job_spec(pack_dir, tmp_path / "m", maxSteps=6, metricsPort=port, saveFinal=False)
+    spec["spec"]["data"]["numWorkers"] = 0
+    cfg = load_train_config(write_job(tmp_path / "m.yaml", spec))
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(train(cfg, log=lambda _: None)))
+    runner.start()
+    scraped = ""
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and runner.is_alive():
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            except OSError:
+                time.sleep(0.2)
+                continue
+            if 'packtrain_train_step{rank="0"}' in text and 'packtrain_train_step{rank="0"} 0.0' not in text:
+                scraped = text
+                break
+            time.sleep(0.2)
+    finally:
+        runner.join()
+    assert result["steps"] == 6
+    assert scraped, "no step metrics seen while training"
+    for name in (
+        "tokens_per_second",
+        "effective_tokens_per_second",
+        "padding_ratio",
+        "samples_per_second",
+        "step_seconds",
+        "loss",
+        "learning_rate",
+        "data_wait_seconds",
+        "attention_imbalance",
+    ):
+        assert f'packtrain_train_{name}{{rank="0"}}' in scraped, name
+    # No GPU here: GPU gauges (and MFU, which needs a known peak) are absent, not zero.
+    assert "packtrain_gpu_" not in scraped
+    assert "packtrain_train_mfu" not in scraped
+
+
+@pytest.mark.parametrize("strategy", ["ddp"])
+def test_torchrun_two_gloo_processes(pack_dir, tmp_path, strategy):
+    job = write_job(
+        tmp_path / "job.yaml", job_spec(pack_dir, tmp_path / "dist", strategy=strategy, gradAccum=2)
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run(
+        [
+            str(torchrun),
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(_free_port()),
+            "-m",
+            "packtrain.trainer.cli",
+            "-c",
+            str(job),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"steps"')]
+    assert len(summaries) == 1  # rank 0 only
+    assert summaries[0]["world_size"] == 2 and summaries[0]["steps"] == 2
+    AutoModelForImageTextToText.from_pretrained(tmp_path / "dist" / "final")
