@@ -1,11 +1,13 @@
 """kopf handlers: read the cluster, ask `builders`/`status` what to do, write the result.
 
-Event-driven, without timers or daemons, so kopf puts no finalizer on PackJobs
-or SFTJobs: deleting one never waits for the operator, and the garbage collector
-removes the children it owns. A parent is reconciled when it is created or the
-operator starts (`resume`), and again on every event of a child it owns; every
-create is "if absent" under a deterministic name, so a restart mid-run, or two
-events racing, never makes a duplicate.
+Event-driven, without kopf timers or daemons, so kopf puts no finalizer on
+PackJobs or SFTJobs: deleting one never waits for the operator, and the garbage
+collector removes the children it owns. A parent is reconciled when it is created
+or the operator starts (`resume`), and again on every event of a child it owns
+(Jobs, pods, PyTorchJobs/TrainJobs; SFTJobs also on their PackJob's events).
+Every create is "if absent" under a deterministic name, so a restart mid-run, or
+two events racing, never makes a duplicate; every status write is conditional on
+the resourceVersion it was computed from, so a stale view never overwrites a newer one.
 """
 
 from __future__ import annotations
@@ -189,6 +191,7 @@ def write_status(memo: kopf.Memo, plural: str, body: Mapping[str, Any]) -> None:
             metrics.ERRORS.labels(kind, type(exc).__name__).inc()
             raise
         if status == (body.get("status") or {}):
+            metrics.PHASES.record(kind, f"{meta['namespace']}/{meta['name']}", status.get("phase"))
             return
         try:
             memo.kube.patch_status(plural, meta["namespace"], meta["name"], status, meta["resourceVersion"])

@@ -1,0 +1,227 @@
+"""`packtrain run FILE.yaml`: a PackJob + SFTJob pipeline on this machine, no cluster.
+
+The YAML is validated with the operator's own API models, the config files are
+the ones the operator would put in its ConfigMaps, and the processes run the
+argv that `commands` builds for pods: what works here works on a cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .api import PackJob, PackJobSpec, SFTJob, SFTJobSpec
+from .builders import PACK_CONFIG_FILE, TRAIN_CONFIG_FILE, DataSource, pack_config_map, train_config_map
+from .commands import EXIT_CONFIG, pack_stage_command, train_command
+
+console = Console(stderr=True)
+
+
+@dataclass(frozen=True)
+class Named:
+    name: str
+    namespace: str
+    spec: Any
+
+
+class PipelineError(RuntimeError):
+    """A stage failed; the message names it and where its log is."""
+
+
+def load_documents(path: Path) -> tuple[list[Named], list[Named]]:
+    """PackJobs and SFTJobs of a (multi-document) YAML, validated like the operator validates them."""
+    packs: list[Named] = []
+    sfts: list[Named] = []
+    for n, doc in enumerate(d for d in yaml.safe_load_all(path.read_text()) if d):
+        kind = doc.get("kind")
+        meta = doc.get("metadata") or {}
+        name = meta.get("name")
+        if kind not in ("PackJob", "SFTJob"):
+            raise ValueError(f"{path} document {n}: kind {kind!r}; expected PackJob or SFTJob")
+        if not name:
+            raise ValueError(f"{path} document {n}: {kind} needs metadata.name")
+        model = PackJob if kind == "PackJob" else SFTJob
+        try:
+            spec = model.model_validate({"spec": doc.get("spec") or {}}).spec
+        except ValidationError as exc:
+            raise ValueError(f"{path}: {kind} {name} is invalid:\n{exc}") from exc
+        (packs if kind == "PackJob" else sfts).append(Named(name, meta.get("namespace", "default"), spec))
+    for sft in sfts:
+        ref = sft.spec.data.pack_job_ref
+        if ref is not None and ref not in {p.name for p in packs}:
+            raise ValueError(f"SFTJob {sft.name} refers to PackJob {ref!r}, which {path} does not define")
+    if not packs and not sfts:
+        raise ValueError(f"{path} holds no PackJob or SFTJob")
+    return packs, sfts
+
+
+def _resolve(argv: list[str]) -> list[str]:
+    """Find the program beside this interpreter first, so an unactivated venv works like a pod's PATH."""
+    local = Path(sys.executable).parent / argv[0]
+    return [str(local) if local.exists() else (shutil.which(argv[0]) or argv[0]), *argv[1:]]
+
+
+def _write_config(path: Path, config_map: dict[str, Any], filename: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(config_map["data"][filename])
+    return path
+
+
+def _run_stage(
+    progress: Progress, label: str, argvs: list[list[str]], logs: Path, env: dict[str, str]
+) -> list[dict[str, Any]]:
+    """Run argvs in parallel (one per worker index); return their termination messages."""
+    task = progress.add_task(label, total=len(argvs))
+    procs = []
+    for i, argv in enumerate(argvs):
+        log = logs / f"{label}-{i}.log"
+        term = logs / f"{label}-{i}.termination.json"
+        term.unlink(missing_ok=True)
+        worker_env = env | {"PACKTRAIN_TERMINATION_LOG": str(term), "JOB_COMPLETION_INDEX": str(i)}
+        with open(log, "w") as f:
+            procs.append((subprocess.Popen(_resolve(argv), stdout=f, stderr=subprocess.STDOUT, env=worker_env),
+                          log, term))
+    pending = set(range(len(procs)))
+    while pending:
+        for i in list(pending):
+            if procs[i][0].poll() is not None:
+                pending.discard(i)
+                progress.advance(task)
+        time.sleep(0.2)
+    results = []
+    for proc, log, term in procs:
+        if proc.returncode != 0:
+            tail = "\n".join(log.read_text().splitlines()[-15:])
+            hint = "fix the configuration" if proc.returncode == EXIT_CONFIG else "see the log"
+            raise PipelineError(f"{label} failed (exit {proc.returncode}; {hint}): {log}\n{tail}")
+        results.append(json.loads(term.read_text()) if term.is_file() else {})
+    return results
+
+
+def run_pack(job: Named, out: Path, workers: int, progress: Progress, env: dict[str, str]) -> tuple[Path, dict]:
+    spec: PackJobSpec = job.spec
+    config = _write_config(out / "config" / f"{job.name}-{PACK_CONFIG_FILE}",
+                           pack_config_map(job.name, job.namespace, spec), PACK_CONFIG_FILE)
+    pack_dir = out / "pack" / job.name
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    _run_stage(progress, f"{job.name} convert",
+               [pack_stage_command("convert", str(config), str(pack_dir), i, workers) for i in range(workers)],
+               logs, env)
+    (plan,) = _run_stage(progress, f"{job.name} plan",
+                         [pack_stage_command("plan", str(config), str(pack_dir))], logs, env)
+    _run_stage(progress, f"{job.name} materialize",
+               [pack_stage_command("materialize", str(config), str(pack_dir), i, workers) for i in range(workers)],
+               logs, env)
+    manifest = json.loads((pack_dir / "manifest.json").read_text())
+    return pack_dir, manifest | {"plan": plan}
+
+
+def run_train(
+    job: Named, data_dir: Path, out: Path, nproc: int, max_steps: int | None, env: dict[str, str]
+) -> dict[str, Any]:
+    spec: SFTJobSpec = job.spec
+    data = DataSource(claim_name="local", mount_path=str(data_dir.parent), path=str(data_dir))
+    config = _write_config(out / "config" / f"{job.name}-{TRAIN_CONFIG_FILE}",
+                           train_config_map(job.name, job.namespace, spec, data), TRAIN_CONFIG_FILE)
+    train_dir = out / "train" / job.name
+    argv = train_command(str(config), str(data_dir), str(train_dir), nproc_per_node=nproc, nnodes=1,
+                         max_steps=max_steps)
+    log = out / "logs" / f"{job.name}-train.log"
+    console.print(f"[bold]train[/] {job.name}: {' '.join(argv)}")
+    summary: dict[str, Any] = {}
+    with open(log, "w") as f:
+        proc = subprocess.Popen(_resolve(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            f.write(line)
+            text = line.strip()
+            if text.startswith("{") and '"steps"' in text:
+                with contextlib.suppress(json.JSONDecodeError):
+                    summary = json.loads(text)
+            console.print(text, markup=False, highlight=False)
+        proc.wait()
+    if proc.returncode != 0:
+        raise PipelineError(f"training {job.name} failed (exit {proc.returncode}): {log}")
+    return summary | {"output": str(train_dir)}
+
+
+def summary_table(packs: dict[str, tuple[Path, dict]], trains: dict[str, dict]) -> Table:
+    t = Table(title="packtrain run")
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    for name, (pack_dir, m) in packs.items():
+        c = m["counts"]
+        rows = [
+            ("samples read", c["input"]), ("packed", c["packed"]), ("rejected", c["rejected"]),
+            *((f"  rejected: {k}", v) for k, v in c["rejected_by_reason"].items()),
+            ("sequences", f"{m['sequences']} (lower bound {m['lower_bound']})"),
+            ("fill ratio", f"{m['fill_ratio']:.4f}"), ("padding saved", f"{m['padding_saved']:.2%}"),
+            ("pack", str(pack_dir)),
+        ]
+        t.add_section()
+        t.add_row(f"[bold]PackJob {name}[/]", "")
+        for k, v in rows:
+            t.add_row(k, str(v))
+    for name, s in trains.items():
+        t.add_section()
+        t.add_row(f"[bold]SFTJob {name}[/]", "")
+        for key, label in (("steps", "training steps"), ("effective_tokens_per_s", "effective tokens/s"),
+                           ("final_loss", "final loss"), ("output", "model and checkpoints")):
+            value = s.get(key, "")
+            t.add_row(label, f"{value:.4g}" if isinstance(value, float) else str(value))
+    return t
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="packtrain run", description=__doc__)
+    ap.add_argument("file", help="YAML with a PackJob and/or an SFTJob (multi-document)")
+    ap.add_argument("--workers", type=int, default=max(1, os.cpu_count() or 1), help="packer processes per stage")
+    ap.add_argument("--nproc", type=int, default=1, help="trainer processes (torchrun --nproc-per-node)")
+    ap.add_argument("--output", help="where packs, checkpoints and logs go (default: runs/<file stem>)")
+    ap.add_argument("--max-steps", type=int, help="override training.maxSteps")
+    args = ap.parse_args(argv)
+    path = Path(args.file)
+    try:
+        packs, sfts = load_documents(path)
+    except (OSError, ValueError) as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return EXIT_CONFIG
+    out = Path(args.output or Path("runs") / path.stem).resolve()
+    env = os.environ.copy()
+    packed: dict[str, tuple[Path, dict]] = {}
+    trained: dict[str, dict] = {}
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    try:
+        with Progress(*columns, console=console) as progress:
+            for job in packs:
+                packed[job.name] = run_pack(job, out, args.workers, progress, env)
+        for job in sfts:
+            ref = job.spec.data.pack_job_ref
+            data_dir = packed[ref][0] if ref else Path(job.spec.data.path)
+            trained[job.name] = run_train(job, data_dir, out, args.nproc, args.max_steps, env)
+    except PipelineError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 1
+    Console().print(summary_table(packed, trained))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
