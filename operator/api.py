@@ -104,14 +104,37 @@ class Scheduling(CamelModel):
     affinity: dict[str, Any] | None = Field(None, description="A Pod affinity, passed through unchanged.")
 
 
+RESERVED_VOLUMES = ("output", "config")
+
+
 class ClaimMount(CamelModel):
     """An extra PersistentVolumeClaim mounted into every pod of the job."""
+
+    model_config = CamelModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"!(self.name in {list(RESERVED_VOLUMES)})",
+                    "message": f"volume names {', '.join(RESERVED_VOLUMES)} are the operator's own: pick another",
+                    "fieldPath": ".name",
+                }
+            ]
+        }
+    }
 
     name: str = Field(..., pattern=_NAME, max_length=50, description="Volume name in the pod.")
     claim_name: str = Field(..., min_length=1)
     mount_path: str = Field(..., pattern=_ABS_PATH)
     sub_path: str | None = None
     read_only: bool = True
+
+    @model_validator(mode="after")
+    def _not_reserved(self) -> ClaimMount:
+        if self.name in RESERVED_VOLUMES:
+            raise ValueError(
+                f"volume names {', '.join(RESERVED_VOLUMES)} are the operator's own: pick another"
+            )
+        return self
 
 
 # PackJob

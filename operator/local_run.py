@@ -182,7 +182,7 @@ def summary_table(packs: dict[str, tuple[Path, dict]], trains: dict[str, dict]) 
     for name, s in trains.items():
         t.add_section()
         t.add_row(f"[bold]SFTJob {name}[/]", "")
-        for key, label in (("steps", "training steps"), ("effective_tokens_per_s", "effective tokens/s"),
+        for key, label in (("steps", "training steps"), ("effective_tokens_per_second", "effective tokens/s"),
                            ("final_loss", "final loss"), ("output", "model and checkpoints")):
             value = s.get(key, "")
             t.add_row(label, f"{value:.4g}" if isinstance(value, float) else str(value))

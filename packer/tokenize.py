@@ -352,6 +352,8 @@ def _measure(kind: str, path: Path, spec: VisionSpec) -> MediaItem:
         return _video_item(path, key, spec)
     except MediaError as exc:
         raise MediaError(exc.reason, f"{path}: {exc.detail}") from exc
+    except Exception as exc:  # decoders raise anything on hostile input; one file must not stop a worker
+        raise MediaError("corrupt_media", f"{path}: unreadable ({type(exc).__name__}: {exc})") from exc
 
 
 def _image_item(path: Path, key: str, data: bytes, spec: VisionSpec) -> MediaItem:

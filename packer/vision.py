@@ -160,6 +160,8 @@ def probe_image(data: bytes) -> ImageInfo:
     """
     try:
         img = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:
+        raise MediaError("unsupported_media", f"image too large to decode safely: {exc}") from exc
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         raise MediaError("corrupt_media", f"not a readable image: {exc}") from exc
     with img:

@@ -81,6 +81,7 @@ class TrainingSpec(CamelModel):
     checkpoint_every: int = Field(
         0, ge=0, description="Save a resumable checkpoint every N steps (0: only at end)."
     )
+    checkpoint_at_end: bool = Field(True, description="Write a resumable checkpoint after the last step.")
     keep_checkpoints: int = Field(2, ge=1, description="Resumable checkpoints kept on disk.")
     resume: bool = Field(True, description="Continue from the newest checkpoint in the output folder.")
     strategy: Strategy = Field(

@@ -147,6 +147,7 @@ def _train(
 
     # -- steps ---------------------------------------------------------------------------
     totals = {"tokens": 0.0, "effective": 0.0, "samples": 0.0, "seconds": 0.0, "flops": 0.0, "timed_steps": 0}
+    sm_readings: list[float] = []
     loss_value = float("nan")
     start_step = step
     while step < t.max_steps:
@@ -201,6 +202,8 @@ def _train(
                 totals[key] += distributed.all_reduce_sum(local[key], device)
             totals["seconds"] += distributed.all_reduce_max(step_time, device)
             totals["timed_steps"] += 1
+            if "gpu_sm_utilization" in recorded:
+                sm_readings.append(recorded["gpu_sm_utilization"])
         if env.is_main and step % t.log_every == 0:
             log(json.dumps({"event": "step", **{k: _round(v) for k, v in recorded.items()}}))
         if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.max_steps:
@@ -216,9 +219,10 @@ def _train(
             )
 
     # -- end -----------------------------------------------------------------------------
-    checkpoint.save(
-        out, step, model, optimizer, scheduler, {"data": dataset.state_dict()}, env, t.keep_checkpoints
-    )
+    if t.checkpoint_at_end:
+        checkpoint.save(
+            out, step, model, optimizer, scheduler, {"data": dataset.state_dict()}, env, t.keep_checkpoints
+        )
     final = checkpoint.save_hf(out / "final", model, hf, cfg.model.path, env, dtype) if t.save_final else None
     seconds = max(totals["seconds"], 1e-9)
     peak = metrics.peak
@@ -242,6 +246,8 @@ def _train(
     }
     if device.type == "cuda":
         summary["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+    if sm_readings:
+        summary["gpu_sm_utilization_mean"] = sum(sm_readings) / len(sm_readings)
     return summary
 
 

@@ -11,12 +11,13 @@ plain bound is not reachable by any packing. Mixes:
 * those lengths resampled to a large set with a 10 % multiplicative jitter
   (smoothed bootstrap): a real set of that size has a length for nearly every
   integer, while a plain bootstrap of 900 samples has only ~340 distinct ones;
-* the plain bootstrap as a stress row: few distinct lengths leave BFD gaps that
-  no remaining sample fits, so it is shown but not held to the target;
+* the plain bootstrap too, as the few-distinct-lengths case (templated data,
+  fixed-size images) where BFD alone leaves ~0.1 % waste and the planner's
+  exact-fill pass is what meets the target;
 * the synthetic heavy-tailed text/image/video mix (`packer.synth`).
 
-Targets: bfd <= max(1.001 x LB, LB + 1) on every mix (but the stress row) and
-length, and never more sequences than swift. Prints a table, writes tests/bench/results/bench_fill.json,
+Targets: bfd <= max(1.001 x LB, LB + 1) on every mix and length, and never more
+sequences than swift. Prints a table, writes tests/bench/results/bench_fill.json,
 exits 1 when a target is missed.
 
     python tests/bench/bench_fill.py [--quick] [--n N] [--proxy]
@@ -95,9 +96,7 @@ def _encoder(use_tokenizer: bool) -> tuple[Any, str]:
     return encode, "Qwen2-VL tokenizer"
 
 
-def measure(
-    name: str, lengths: np.ndarray, max_length: int, algorithms: tuple[str, ...], target: bool = True
-) -> dict[str, Any]:
+def measure(name: str, lengths: np.ndarray, max_length: int, algorithms: tuple[str, ...]) -> dict[str, Any]:
     kept = lengths[lengths <= max_length]  # the packer's default `overlong: drop`
     bound = lower_bound(kept, max_length)
     row: dict[str, Any] = {
@@ -117,7 +116,6 @@ def measure(
         row["sequences"][algorithm] = int(offsets.size - 1)
     bfd = row["sequences"]["bfd"]
     row["bfd_fill_ratio"] = float(kept.sum()) / (bfd * max_length) if bfd else 1.0
-    row["held_to_target"] = target
     row["target_lb"] = bfd <= max(1.001 * bound, bound + 1)
     row["target_swift"] = "swift" not in row["sequences"] or bfd <= row["sequences"]["swift"]
     return row
@@ -143,7 +141,7 @@ def print_table(rows: list[dict[str, Any]], algorithms: tuple[str, ...], title: 
             f"{row['lower_bound_l2'] / bound:.5f}" if bound else "-",
             *cells,
             f"{row['bfd_fill_ratio']:.4f}",
-            verdict if row["held_to_target"] else f"({verdict}, stress)",
+            verdict,
         )
     Console(width=None if sys.stdout.isatty() else 150).print(table)
 
@@ -170,13 +168,13 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(measure(name, lengths, max_length, ALGORITHMS))
         rows.append(measure("text-sft (all 3)", combined, max_length, ALGORITHMS))
         rows.append(measure(f"text-sft resampled x{n:,}", smoothed, max_length, ALGORITHMS))
-        rows.append(measure(f"text-sft bootstrap x{n:,}", bootstrap, max_length, ALGORITHMS, target=False))
+        rows.append(measure(f"text-sft bootstrap x{n:,}", bootstrap, max_length, ALGORITHMS))
         rows.append(measure("synthetic mix", synthetic_lengths(n, 0, max_length), max_length, ALGORITHMS))
 
     print_table(
         rows, ALGORITHMS, f"Sequences / lower bound (lengths: {how}; lower is better, 1.0 is perfect)"
     )
-    missed = [f"{r['mix']} @ {r['max_length']}" for r in rows if r["held_to_target"] and not target_met(r)]
+    missed = [f"{r['mix']} @ {r['max_length']}" for r in rows if not target_met(r)]
     print(
         "targets: bfd <= max(1.001 LB, LB + 1) and bfd <= swift:",
         "all met" if not missed else f"MISSED {missed}",

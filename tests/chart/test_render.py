@@ -232,6 +232,13 @@ def test_operator_arguments_and_environment(rendered: tuple[dict[str, Any], list
     assert container["args"][len(container["args"]) - len(extra):] == extra
 
 
+def test_chart_defaults_are_the_operator_defaults() -> None:
+    """Images and pools by default agree, so the operator behaves the same with or without the chart."""
+    container = one(render(), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    assert OperatorDefaults.from_env(env) == OperatorDefaults()
+
+
 def test_cluster_role_grants_exactly_what_the_operator_needs() -> None:
     objects = render()
     role = one(objects, "ClusterRole")
@@ -287,6 +294,9 @@ def test_service_and_monitors_select_the_right_pods() -> None:
         assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
         port_names = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
         assert pod_monitor["spec"]["podMetricsEndpoints"][0]["port"] in port_names
+    # TrainJob pods get their labels through the runtime's pod template overrides.
+    for override in _train_job()["spec"]["podTemplateOverrides"]:
+        assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= override["metadata"]["labels"].items()
     packer_pod = _pack_job()["spec"]["template"]
     assert not pod_monitor["spec"]["selector"]["matchLabels"].items() <= packer_pod["metadata"]["labels"].items()
     assert pod_monitor["spec"]["namespaceSelector"] == {"matchNames": ["ml"]}
@@ -306,6 +316,12 @@ def _pytorch_job() -> Manifest:
     spec = _sft_spec()
     return builders.pytorch_job("run", "ml", spec, builders.data_source(spec, None, None),
                                 builders.OperatorDefaults())
+
+
+def _train_job() -> Manifest:
+    spec = _sft_spec().model_copy(update={"backend": "trainjob"})
+    return builders.train_job("run", "ml", spec, builders.data_source(spec, None, None),
+                              builders.OperatorDefaults())
 
 
 def _pack_job() -> Manifest:

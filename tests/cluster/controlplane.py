@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ctypes
 import datetime as dt
 import ipaddress
 import json
@@ -235,6 +236,12 @@ def _get(url: str, context: ssl.SSLContext, timeout: float = 2.0) -> tuple[int, 
         return int(e.code), e.read().decode(errors="replace")
 
 
+def _die_with_parent() -> None:
+    """Linux: kill the component when the test process dies, even by SIGKILL or a CI timeout."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 @dataclass
 class ControlPlane:
     """Starts, describes and stops one local control plane.
@@ -423,7 +430,9 @@ class ControlPlane:
             fh.write(f"$ {' '.join(cmd)}\n".encode())
             fh.flush()
             # A session of its own, so stop() can signal the component without touching pytest.
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
+            )
         comp = Component(name, proc, log)
         self.components.append(comp)
         return comp

@@ -48,3 +48,9 @@ def test_train_config_resolves_the_pack(sftjob: dict[str, Any]) -> None:
     cfg = SFTJobSpec.model_validate(sftjob["spec"]).train_config("/data/packs/demo")
     assert cfg["data"]["path"] == "/data/packs/demo" and cfg["data"]["packJobRef"] is None
     assert cfg["training"]["metricsPort"] == 9400 and cfg["training"]["maxSteps"] == 1000
+
+
+def test_extra_volumes_cannot_take_the_operators_names(packjob: dict[str, Any]) -> None:
+    packjob["spec"]["volumes"] = [{"name": "config", "claimName": "c", "mountPath": "/c"}]
+    with pytest.raises(ValidationError, match="are the operator's own"):
+        PackJobSpec.model_validate(packjob["spec"])

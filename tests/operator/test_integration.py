@@ -319,6 +319,9 @@ def test_invalid_specs_are_rejected_with_clear_messages(api: client.ApiClient, n
     assert 'spec.packing.algorithm: Unsupported value: "best"' in rejected(api, namespace, body)
     body = packjob("x" * 46)
     assert "metadata.name must be at most 45 characters" in rejected(api, namespace, body)
+    body = packjob("bad")
+    body["spec"]["volumes"] = [{"name": "output", "claimName": "c", "mountPath": "/c"}]
+    assert "volume names output, config are the operator's own" in rejected(api, namespace, body)
     body = sftjob("bad-sft", "p")
     body["spec"]["data"]["path"] = "/data/p"
     assert "spec.data needs exactly one of path" in rejected(api, namespace, body)

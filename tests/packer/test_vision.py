@@ -151,3 +151,11 @@ def test_truncated_video_is_corrupt(tmp_path: Path) -> None:
 def test_generated_video_is_measured(tmp_path: Path) -> None:
     info = probe_video(mf.video(tmp_path / "v.mp4", frames=21, fps=10))
     assert (info.width, info.height, info.total_frames, info.fps) == (64, 48, 21, 10.0)
+
+
+def test_decompression_bomb_is_refused_not_raised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = mf.image(tmp_path / "big.png", 100, 100).read_bytes()
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    with pytest.raises(MediaError) as err:
+        probe_image(data)
+    assert err.value.reason == "unsupported_media"
