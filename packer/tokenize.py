@@ -21,8 +21,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from .config import ModelConfig, PackingConfig, SourceConfig
 from .conversation import ConversationParser, MediaRef, SampleError, Turn
 from .families import LoadedModel, load_model
@@ -76,12 +74,29 @@ class TokenizedSample:
     media: list[MediaItem]
 
 
+REJECT_REASONS: dict[str, str] = {
+    "bad_json": "a line or file is not valid JSON",
+    "bad_utf8": "a line or file is not valid UTF-8",
+    "malformed_record": "the record is not a conversation this packer can read (see detail)",
+    "empty_conversation": "no turns, or nothing to train on",
+    "placeholder_mismatch": "<image>/<video> placeholders and listed media do not pair up",
+    "reserved_token": "text contains a turn or vision control token of the model",
+    "missing_media": "a media file does not exist or cannot be read",
+    "corrupt_media": "a media file does not decode (truncated, not an image/video, too few frames)",
+    "media_type_mismatch": "a video used as an image, or an image used as a video",
+    "unsupported_media": "audio, remote URLs, or images too large to decode safely",
+    "aspect_ratio": "an image or video more than 200 times wider than tall (or taller than wide)",
+    "template_error": "the chat template failed on this record",
+    "overlong": "longer than packing.maxLength (set by the convert stage)",
+}
+
+
 @dataclass
 class Reject:
     source: str
     index: int
     sample_id: str | None
-    reason: str  # short stable code
+    reason: str  # short stable code, a key of REJECT_REASONS
     detail: str  # human message
 
 
@@ -384,7 +399,11 @@ def _video_item(path: Path, key: str, spec: VisionSpec) -> MediaItem:
 
 
 def _looks_like_video(head: bytes) -> bool:
-    return head[4:8] == b"ftyp" or (head[:4] == b"RIFF" and head[8:12] == b"AVI ") or head.startswith(_VIDEO_MAGIC)
+    return (
+        head[4:8] == b"ftyp"
+        or (head[:4] == b"RIFF" and head[8:12] == b"AVI ")
+        or head.startswith(_VIDEO_MAGIC)
+    )
 
 
 def _looks_like_image(head: bytes) -> bool:
@@ -405,20 +424,15 @@ def truncate_sample(
     """
     if len(sample.input_ids) <= max_length:
         return sample
-    ids = np.asarray(sample.input_ids, dtype=np.int64)
-    starts = np.flatnonzero(ids == vision_start_id)
-    ends = np.flatnonzero(ids == vision_end_id)
-    if len(starts) != len(sample.media) or len(ends) != len(starts):
+    runs = _runs(sample.input_ids, vision_start_id, vision_end_id)
+    if len(runs) != len(sample.media):
         raise ValueError(
-            f"sample {sample.sample_id}: {len(starts)} vision runs for {len(sample.media)} media items"
+            f"sample {sample.sample_id}: {len(runs)} vision runs for {len(sample.media)} media items"
         )
-    cut = max_length
-    straddling = np.flatnonzero((starts < cut) & (ends >= cut))
-    if len(straddling):
-        cut = int(starts[straddling[0]])
-    kept = int((starts < cut).sum())
+    cut = next((a for a, b in runs if a < max_length < b), max_length)
+    kept = sum(1 for a, _ in runs if a < cut)
     labels = sample.labels[:cut]
-    if cut == 0 or all(x == IGNORE_INDEX for x in labels):
+    if labels.count(IGNORE_INDEX) == len(labels):
         return None
     return TokenizedSample(
         sample.sample_id, sample.source, sample.index, sample.input_ids[:cut], labels, sample.media[:kept]

@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .records import iter_records
+from .records import ConfigError, iter_records
 from .shards import REJECTS, ShardFormatError, ShardReader, read_manifest
 
 
@@ -68,8 +68,13 @@ def inspect_cmd(path: Path, plot: str | None, as_json: bool) -> int:
 
 def write_plot(path: Path, png: Path) -> None:
     """Sample-length histogram and per-sequence fill, for a glance at packing quality."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ConfigError(
+            "--plot needs matplotlib, which the packer image leaves out: "
+            "`pip install 'packtrain[plot]'`, or run inspect without --plot"
+        ) from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -54,12 +54,16 @@ class ModelShape:
     vision_depth: int
     vision_dim: int
     spatial_merge: int
+    vision_full_layers: int  # Qwen2.5-VL: only these attend over a whole frame ...
+    vision_window: int  # ... the others within windows of this many patches (0: no windows)
 
     @classmethod
     def from_model(cls, hf: Any, counts: dict[str, int]) -> ModelShape:
         text = hf.config.text_config
         vision = hf.config.vision_config
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        full = getattr(vision, "fullatt_block_indexes", None)
+        window = getattr(vision, "window_size", 0) // vision.patch_size if full is not None else 0
         return cls(
             llm_params=counts["llm"],
             lm_head_params=counts["lm_head"],
@@ -69,6 +73,8 @@ class ModelShape:
             vision_depth=vision.depth,
             vision_dim=getattr(vision, "embed_dim", None) or vision.hidden_size,
             spatial_merge=vision.spatial_merge_size,
+            vision_full_layers=vision.depth if full is None else len(full),
+            vision_window=window * window,
         )
 
 
@@ -88,8 +94,10 @@ def step_flops(shape: ModelShape, batch: dict[str, Any]) -> float:
             continue
         patches = int(grid.prod(-1).sum())
         frame_tokens = (grid[:, 1] * grid[:, 2]).double()
-        seg = float((frame_tokens**2 * grid[:, 0]).sum())
-        flops += 6.0 * shape.vision_params * patches + 12.0 * shape.vision_depth * shape.vision_dim * seg
+        full = float((frame_tokens**2 * grid[:, 0]).sum())  # each frame attends within itself
+        windowed = min(full, patches * shape.vision_window) if shape.vision_window else full
+        attn = shape.vision_full_layers * full + (shape.vision_depth - shape.vision_full_layers) * windowed
+        flops += 6.0 * shape.vision_params * patches + 12.0 * shape.vision_dim * attn  # bidirectional
     return flops
 
 

@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a small smoke run")
     args = ap.parse_args(argv)
-    sizes = {"text": 60, "image": 30, "video": 6} if args.quick else {"text": 2000, "image": 600, "video": 60}
-    rounds = 1 if args.quick else 3
+    sizes = {"text": 60, "image": 30, "video": 6} if args.quick else {"text": 1000, "image": 400, "video": 40}
+    rounds = 1 if args.quick else 5
     with tempfile.TemporaryDirectory() as tmp:
         rows = [bench_kind(kind, n, rounds, Path(tmp)) for kind, n in sizes.items()]
     header = f"{'kind':<7}{'samples':>8}{'tok/sample':>11}{'convert/s':>11}{'bare/s':>9}{'ratio':>7}{'bare exp/s':>11}{'ratio exp':>10}"

@@ -48,7 +48,7 @@ for arg in "$@"; do
     --print-crd-dir) echo "$CRDS"; exit 0 ;;
     --update-gomod) UPDATE_GOMOD=1 ;;
     --no-training-operator) WITH_TRAINING_OPERATOR=0 ;;
-    -h|--help) sed -n '2,23p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "build.sh: unknown argument $arg (try --help)" >&2; exit 2 ;;
   esac
 done

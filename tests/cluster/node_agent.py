@@ -21,6 +21,7 @@ reasons and termination messages, restarts under ``restartPolicy: OnFailure``/``
 it finishes graceful deletions (stopping processes first) so garbage collection completes.
 
 Usage: python tests/cluster/node_agent.py --kubeconfig FILE --work-dir DIR [--run-all] [--pvc-root DIR]
+       [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -288,7 +289,9 @@ class PodRun:
         env = self._env(c, env_cache)
         command = [_rewrite(a, mounts) for a in command]
         env = {k: _rewrite(v, mounts) for k, v in env.items()}
-        cwd = Path(_rewrite(c.working_dir, mounts)) if c.working_dir else pod_dir / "cwd"
+        # Without a workingDir a container starts in its image's WORKDIR: --workdir stands in for it.
+        default_cwd = self.agent.workdir or pod_dir / "cwd"
+        cwd = Path(_rewrite(c.working_dir, mounts)) if c.working_dir else default_cwd
         cwd.mkdir(parents=True, exist_ok=True)
         term_path = mounts.get(c.termination_message_path or "/dev/termination-log")
         if term_path:
@@ -520,6 +523,7 @@ class NodeAgent:
         nodes: tuple[NodeSpec, ...] = DEFAULT_NODES,
         run_all: bool = False,
         pvc_root: Path | None = None,
+        workdir: Path | None = None,
     ) -> None:
         self.api = api
         self.core = client.CoreV1Api(api)
@@ -527,6 +531,7 @@ class NodeAgent:
         self.nodes = {n.name: n for n in nodes}
         self.run_all = run_all
         self.pvc_root = pvc_root or work_dir / "pvc"
+        self.workdir = workdir
         self.runs: dict[str, PodRun] = {}
         self.deleting: set[str] = set()
         self._ips = (str(ip) for ip in itertools.islice(POD_CIDR.hosts(), 1, None))
@@ -640,12 +645,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work-dir", required=True, type=Path, help="pod folders, logs and emptyDir volumes")
     p.add_argument("--pvc-root", type=Path, help="where PersistentVolumeClaims live (default: WORK_DIR/pvc)")
     p.add_argument("--run-all", action="store_true", help="run every pod's commands, not only annotated pods")
+    p.add_argument("--workdir", type=Path,
+                   help="working dir of containers that set none, as an image's WORKDIR (default: the pod's folder)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(threadName)s %(message)s")
     args.work_dir.mkdir(parents=True, exist_ok=True)
     agent = NodeAgent(
         config.new_client_from_config(config_file=args.kubeconfig), args.work_dir,
-        run_all=args.run_all, pvc_root=args.pvc_root,
+        run_all=args.run_all, pvc_root=args.pvc_root, workdir=args.workdir,
     )
     signal.signal(signal.SIGTERM, agent.shutdown)
     signal.signal(signal.SIGINT, agent.shutdown)

@@ -9,7 +9,7 @@ import media_factory as mf
 import pytest
 from packtrain.packer.config import ModelConfig, PackingConfig, SourceConfig
 from packtrain.packer.records import iter_records
-from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample
+from packtrain.packer.tokenize import REJECT_REASONS, Reject, SampleTokenizer, TokenizedSample
 from packtrain.packer.vision import VisionSpec, image_grid, probe_image
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
@@ -107,6 +107,7 @@ def test_every_record_gives_one_result_with_the_expected_reason(
     for r in results:
         if isinstance(r, Reject):
             assert r.detail and r.source == "mixed.jsonl"
+            assert r.reason in REJECT_REASONS
 
 
 def test_reject_details_name_the_problem(results: list[TokenizedSample | Reject]) -> None:
@@ -139,3 +140,18 @@ def test_video_sample_counts_sampled_frames(results: list) -> None:
         r for r in results if isinstance(r, TokenizedSample) and r.media and r.media[0].kind == "video"
     )
     assert sample.input_ids.count(151656) == video.num_tokens
+
+
+def test_shared_audio_demos_are_unsupported_media() -> None:
+    demo = SHARED / "datasets" / "llamafactory-mllm-demo"
+    tok = SampleTokenizer(
+        SourceConfig(paths=["x"]),
+        ModelConfig(path=str(SHARED / "models" / "qwen2.5-vl"), family="qwen2.5-vl"),
+        PackingConfig(),
+    )
+    raws = list(iter_records([str(demo / "mllm_audio_demo.json"), str(demo / "mllm_video_audio_demo.json")]))
+    results = [tok(r) for r in raws]
+    assert len(results) == 6
+    assert all(
+        isinstance(r, Reject) and r.reason == "unsupported_media" and "audio" in r.detail for r in results
+    )

@@ -215,8 +215,16 @@ def test_truncate_keeps_vision_runs_whole() -> None:
 
 
 def test_packer_imports_carry_no_torch() -> None:
+    """Loading the tokenizer and converting a record must not pull torch into a packer worker."""
     code = (
-        "import sys, packtrain.packer.tokenize, packtrain.packer.records; assert 'torch' not in sys.modules"
+        "import sys\n"
+        "from packtrain.packer.config import ModelConfig, PackingConfig, SourceConfig\n"
+        "from packtrain.packer.records import iter_records\n"
+        "from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample\n"
+        f"tok = SampleTokenizer(SourceConfig(paths=['x']), ModelConfig(path={str(MODEL)!r}), PackingConfig())\n"
+        f"raw = next(iter_records([{str(SHARED / 'datasets' / 'llamafactory-mllm-demo' / 'mllm_video_demo.json')!r}]))\n"
+        "assert isinstance(tok(raw), TokenizedSample)\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
