@@ -143,6 +143,8 @@ def vision_spec(folder: Path, cfg: ModelConfig) -> VisionSpec:
     pre = _read_json(pre_path) if pre_path.is_file() else {}
     vid_path = folder / "video_preprocessor_config.json"
     vid = _read_json(vid_path) if vid_path.is_file() else pre
+    model_path = folder / "config.json"
+    vision_config = (_read_json(model_path) if model_path.is_file() else {}).get("vision_config") or {}
     base = VisionSpec()
     min_px = cfg.min_pixels or _pixels(pre, "min_pixels", "shortest_edge") or base.min_pixels
     max_px = cfg.max_pixels or _pixels(pre, "max_pixels", "longest_edge") or base.max_pixels
@@ -158,6 +160,7 @@ def vision_spec(folder: Path, cfg: ModelConfig) -> VisionSpec:
         fps=cfg.fps,
         min_frames=cfg.min_frames,
         max_frames=cfg.max_frames,
+        tokens_per_second=vision_config.get("tokens_per_second"),
     )
 
 

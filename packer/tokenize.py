@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .config import ModelConfig, PackingConfig, SourceConfig
 from .conversation import ConversationParser, MediaRef, SampleError, Turn
@@ -115,6 +117,7 @@ class SampleTokenizer:
         self.packing = packing
         self.model: LoadedModel = load_model(model)
         self._backend = self.model.tokenizer.backend_tokenizer
+        self._encode = _fast_encoder(self._backend)
         root = Path(source.media_root).expanduser() if source.media_root else None
         if root is not None and not root.is_absolute() and base_dir is not None:
             root = base_dir / root
@@ -201,7 +204,7 @@ class SampleTokenizer:
             raise ConfigError(f"chat template does not render a plain conversation: {exc}") from exc
         header_ids = self._backend.encode(header.rstrip("\n"), add_special_tokens=False).ids
         end_id = self.model.tokenizer.convert_tokens_to_ids(family.turn_end)
-        ids = self._backend.encode(text).ids
+        ids = self._encode(text)
         got = self.model.tokenizer.decode(
             [t for a, b in _assistant_spans(ids, header_ids, end_id) for t in ids[a:b]]
         )
@@ -221,7 +224,7 @@ class SampleTokenizer:
         except Exception as exc:  # Jinja raises arbitrary errors (raise_exception in templates)
             raise SampleError("template_error", f"chat template failed: {exc}") from exc
         m = self.model
-        ids: list[int] = self._backend.encode(text).ids
+        ids = self._encode(text)
         n = len(ids)
         mode = self.packing.label_mode
         if mode == "all":
@@ -289,6 +292,17 @@ class SampleTokenizer:
         if not path.is_absolute():
             path = (self._media_root or dataset_dir) / path
         return path
+
+
+def _fast_encoder(backend: Any) -> Callable[[str], list[int]]:
+    """Token ids of one text, as `tokenizer(text)` gives them.
+
+    `encode_batch_fast` skips the character offsets (labels are placed on token
+    ids, so they are not needed) and is about a fifth faster than `encode`.
+    """
+    if hasattr(backend, "encode_batch_fast"):
+        return lambda text: backend.encode_batch_fast([text])[0].ids
+    return lambda text: backend.encode(text).ids
 
 
 def _template_content(turn: Turn) -> str | list[dict[str, str]]:

@@ -49,6 +49,7 @@ class VisionSpec:
     fps: float = 2.0
     min_frames: int = 4
     max_frames: int = 768
+    tokens_per_second: float | None = None  # Qwen2.5-VL: temporal position ids per second of video
 
     @property
     def factor(self) -> int:

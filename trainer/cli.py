@@ -42,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = train(cfg)
     if distributed.environ().is_main:
         print(json.dumps(summary), flush=True)
+        # On Kubernetes the operator reads the summary from the pod's termination message.
+        from packtrain.packer.report import compact, termination_log_path
+
+        term = termination_log_path()
+        if term is not None:
+            term.write_text(compact(summary))
     return 0
 
 

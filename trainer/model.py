@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from .attention import HF_IMPLEMENTATION, attention_kwargs, register_flex
 from .loss import token_losses
@@ -93,32 +94,49 @@ class VLMForTraining(nn.Module):
         # reduction waits forever for a rank whose batch happened to be text-only.
         self.always_run_vision = always_run_vision
 
-    def _dummy_vision(self) -> torch.Tensor:
-        m, p, tp = self.family.spatial_merge_size, self.family.patch_size, self.family.temporal_patch_size
+    def _encode_media(self, batch: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """Images and videos through the vision tower in *one* call (each grid stays isolated:
+        per-frame attention segments and per-grid windows), split back per modality.
+
+        One call per micro-batch, whatever the media mix, keeps FSDP's per-block all-gathers in
+        the same order on every rank; a rank without media runs a tiny dummy image instead and
+        returns a zero term to add to the loss, so every parameter gets a gradient everywhere.
+        """
         visual = self.hf.model.visual
-        pixels = torch.zeros(m * m, 3 * tp * p * p, dtype=visual.dtype, device=visual.device)
-        grid = torch.tensor([[1, m, m]], device=visual.device)
-        return visual(pixels, grid_thw=grid).pooler_output.sum() * 0.0
+        parts = [
+            (kind, batch[px], batch[grid])
+            for kind, px, grid in (
+                ("image", "pixel_values", "image_grid_thw"),
+                ("video", "pixel_values_videos", "video_grid_thw"),
+            )
+            if batch.get(px) is not None
+        ]
+        if not parts:
+            if not self.always_run_vision:
+                return {}, None
+            m, p, tp = self.family.spatial_merge_size, self.family.patch_size, self.family.temporal_patch_size
+            dummy = torch.zeros(m * m, 3 * tp * p * p, dtype=visual.dtype, device=visual.device)
+            grid = torch.tensor([[1, m, m]], device=visual.device)
+            return {}, visual(dummy, grid_thw=grid).pooler_output.sum() * 0.0
+        grids = torch.cat([g for _, _, g in parts])
+        merged = visual(torch.cat([px for _, px, _ in parts]).to(visual.dtype), grid_thw=grids).pooler_output
+        features = torch.split(merged, (grids.prod(-1) // self.family.spatial_merge_size**2).tolist())
+        encoded, first = {}, 0
+        for kind, _, grid in parts:
+            encoded[kind] = BaseModelOutputWithPooling(pooler_output=features[first : first + len(grid)])
+            first += len(grid)
+        return encoded, None
 
     def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        inner = self.hf.model
+        encoded, zero = self._encode_media(batch)
         input_ids = batch["input_ids"]
-        encoded: dict[str, Any] = {}
-        if batch.get("pixel_values") is not None:
-            encoded["image"] = inner.get_image_features(
-                batch["pixel_values"], batch["image_grid_thw"], return_dict=True
-            )
-        if batch.get("pixel_values_videos") is not None:
-            encoded["video"] = inner.get_video_features(
-                batch["pixel_values_videos"], batch["video_grid_thw"], return_dict=True
-            )
         if "attention_mask" in batch:  # padded baseline: 2-D padding mask, transformers builds the rest
             extra: dict[str, Any] = {"attention_mask": batch["attention_mask"]}
         else:
             extra = attention_kwargs(
                 self.backend, batch["cu_seq_lens"], batch["max_length"], input_ids.shape[1]
             )
-        hidden = inner(
+        hidden = self.hf.model(
             input_ids=input_ids,
             position_ids=batch["position_ids"],
             mm_encoder_outputs=encoded or None,
@@ -126,9 +144,7 @@ class VLMForTraining(nn.Module):
             **extra,
         ).last_hidden_state
         losses, positions = token_losses(hidden, self.hf.lm_head, batch["shift_labels"])
-        loss_sum = losses.sum()
-        if self.always_run_vision and not encoded:
-            loss_sum = loss_sum + self._dummy_vision()
+        loss_sum = losses.sum() if zero is None else losses.sum() + zero
         return {"loss_sum": loss_sum, "token_losses": losses, "positions": positions}
 
 

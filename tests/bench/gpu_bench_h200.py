@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 import torch
-from packtrain.packer import stages
 from packtrain.packer.config import PackConfig
+from packtrain.packer.local import run_all
 from packtrain.packer.synth import generate_dataset
 from packtrain.trainer.config import SFTSpecCore
 from packtrain.trainer.loop import train
@@ -53,11 +53,7 @@ def make_pack(work: Path, samples: int, max_length: int, workers: int) -> Path:
         }
     )
     out = work / "pack"
-    for i in range(workers):
-        stages.convert(cfg, out, i, workers)
-    stages.plan(cfg, out)
-    for i in range(workers):
-        stages.materialize(cfg, out, i, workers)
+    run_all(cfg, out, workers=workers, show_progress=False)
     return out
 
 

@@ -32,12 +32,13 @@ def test_bench_fill_quick(shared_dir: Path, tmp_path: Path, capsys: pytest.Captu
 
 def test_bench_planner_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bench = load("bench_planner")
-    args = ["--sizes", "2000", "20000", "--baseline-max", "5000", "--results-dir", str(tmp_path)]
+    args = ["--sizes", "2000", "10000", "20000", "--baseline-max", "5000", "--results-dir", str(tmp_path)]
     assert bench.main(["--quick", *args]) in (0, 1)  # rates at tiny n are noise; the run must complete
     rows = json.loads((tmp_path / "bench_planner.json").read_text())["rows"]
-    assert [row["n"] for row in rows] == [2000, 20000]
-    assert rows[1]["swift"]["measured_on"] == 5000 and rows[1]["speedup_vs_swift"] > 1
+    assert [row["n"] for row in rows] == [2000, 10000, 20000]
+    assert rows[2]["swift"]["measured_on"] == 5000 and rows[2]["speedup_vs_swift"] > 1
     assert "extrapolated" in capsys.readouterr().out
+    assert rows[2]["swift"]["seconds"] == rows[1]["swift"]["seconds"]  # one timing of the shared prefix
 
     assert bench.main(["--huge", "--huge-n", "50000", "--results-dir", str(tmp_path)]) in (0, 1)
     result = json.loads((tmp_path / "bench_planner_huge.json").read_text())["result"]

@@ -263,6 +263,7 @@ class ControlPlane:
         self.kubeconfig = self.root / "kubeconfig"
         for d in (self.logs_dir, self.pki_dir):
             d.mkdir(parents=True, exist_ok=True)
+        self._pki = Pki()
         self.api_port = free_port()
         self.server = f"https://127.0.0.1:{self.api_port}"
 
@@ -306,7 +307,7 @@ class ControlPlane:
 
     def start(self, timeout: float = 180) -> ControlPlane:
         deadline = time.monotonic() + timeout
-        pki = Pki()
+        pki = self._pki
         ca = _write(self.pki_dir / "ca.crt", pki.ca_pem, 0o644)
         serving = pki.serving()
         apiserver_crt = _write(self.pki_dir / "apiserver.crt", serving.cert_pem, 0o644)
@@ -399,21 +400,66 @@ class ControlPlane:
         self._wait_nodes_ready(deadline)
         return self
 
+    def start_training_operator(
+        self, namespace: str = "kubeflow", schemes: Sequence[str] = ("pytorchjob",), timeout: float = 120
+    ) -> Component:
+        """Run the real Kubeflow training-operator (v1, built by build.sh) against this cluster.
+
+        Its admission webhooks stay unregistered (an empty ValidatingWebhookConfiguration), but its
+        certificate rotator must still see certificates "mounted": ours go to a private TMPDIR, where
+        the webhook server reads them, and the rotator's hard-coded
+        /tmp/k8s-webhook-server/serving-certs/tls.crt is created when absent (it only checks that
+        the file exists). Stop it with ``stop_component`` when a test is done with it.
+        """
+        exe = self.bin / "training-operator"
+        if not exe.is_file():
+            raise RuntimeError(f"no training-operator in {self.bin}: run `bash tests/cluster/build.sh`")
+        self.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+            {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+             "metadata": {"name": "training-operator-webhook-cert", "namespace": namespace}},
+            {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+             "metadata": {"name": "validator.training-operator.kubeflow.org"}, "webhooks": []},
+        ]}))
+        serving = self._pki.serving()
+        tmp = self.root / "training-operator-tmp"
+        for certs in (tmp / "k8s-webhook-server" / "serving-certs", Path("/tmp/k8s-webhook-server/serving-certs")):
+            certs.mkdir(parents=True, exist_ok=True)
+            if not (certs / "tls.crt").exists():
+                _write(certs / "tls.crt", serving.cert_pem, 0o644)
+                _write(certs / "tls.key", serving.key_pem)
+        probe = free_port()
+        env = {**self.env(), "MY_POD_NAMESPACE": namespace, "TMPDIR": str(tmp)}
+        comp = self._spawn("training-operator", [
+            f"--kubeconfig={self.kubeconfig}",
+            *(f"--enable-scheme={s}" for s in schemes),
+            f"--webhook-server-port={free_port()}",
+            f"--metrics-bind-address=127.0.0.1:{free_port()}",
+            f"--health-probe-bind-address=127.0.0.1:{probe}",
+        ], exe=[str(exe)], env=env)
+        # /readyz turns green once the certificates are in place and the controllers start.
+        self._wait_ready(f"http://127.0.0.1:{probe}/readyz", None, time.monotonic() + timeout, "training-operator")
+        return comp
+
+    def stop_component(self, comp: Component) -> None:
+        """Stop one component started on top of the control plane (e.g. the training-operator)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(comp.proc.pid, signal.SIGTERM)
+        try:
+            comp.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(comp.proc.pid, signal.SIGKILL)
+            comp.proc.wait()
+        self.components.remove(comp)
+
     def stop(self, keep_logs: bool) -> None:
         """Stop the components newest first, each before the next (etcd last), and delete the state.
 
         The logs survive when ``keep_logs`` is set, for a failed run.
         """
-        for comp in reversed(self.components):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(comp.proc.pid, signal.SIGTERM)
-            try:
-                comp.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(comp.proc.pid, signal.SIGKILL)
-                comp.proc.wait()
-        self.components.clear()
+        for comp in reversed(list(self.components)):
+            self.stop_component(comp)
         if keep_logs:
             for child in self.root.iterdir():
                 if child != self.logs_dir:
@@ -423,7 +469,9 @@ class ControlPlane:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _spawn(self, name: str, args: Sequence[str], exe: Sequence[str] | None = None) -> Component:
+    def _spawn(
+        self, name: str, args: Sequence[str], exe: Sequence[str] | None = None, env: dict[str, str] | None = None
+    ) -> Component:
         log = self.logs_dir / f"{name}.log"
         cmd = [*(exe or [str(self.bin / name)]), *args]
         with log.open("ab") as fh:
@@ -431,7 +479,8 @@ class ControlPlane:
             fh.flush()
             # A session of its own, so stop() can signal the component without touching pytest.
             proc = subprocess.Popen(
-                cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
+                cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+                env=env,
             )
         comp = Component(name, proc, log)
         self.components.append(comp)

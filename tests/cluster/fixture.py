@@ -6,6 +6,7 @@ so any test folder can ask for a real control plane: it starts once per session,
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 
@@ -19,8 +20,12 @@ def _in_ci() -> bool:
 
 
 def _shout(config: pytest.Config, message: str) -> None:
+    """Print past pytest's output capture, so a skip or kept logs cannot go unnoticed."""
     tr = config.pluginmanager.get_plugin("terminalreporter")
-    if tr is not None:
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    if tr is None:
+        return
+    with capman.global_and_fixture_disabled() if capman is not None else contextlib.nullcontext():
         tr.write_line("")
         tr.write_line(f"!!! {message}", red=True, bold=True)
 

@@ -213,3 +213,31 @@ def test_kubeflow_trainer_v2_crds_are_established(api: client.ApiClient) -> None
                  "clustertrainingruntimes.trainer.kubeflow.org"):
         assert name in crds, f"{name} not installed"
         assert any(c.type == "Established" and c.status == "True" for c in crds[name].status.conditions), name
+
+
+def test_training_operator_runs_a_pytorchjob(kube_cluster: ControlPlane, api: client.ApiClient, namespace: str) -> None:
+    """The real Kubeflow training-operator turns a PyTorchJob into pods that the node agent completes."""
+    if not (kube_cluster.bin / "training-operator").is_file():
+        pytest.skip("training-operator was not built (build.sh --no-training-operator)")
+    operator = kube_cluster.start_training_operator()
+    try:
+        custom, core = client.CustomObjectsApi(api), client.CoreV1Api(api)
+        replica = master()["Master"]
+        job = pytorchjob("pt", {"Master": replica, "Worker": {**replica, "replicas": 2}})
+        custom.create_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", job)
+
+        def finished() -> str | None:
+            obj = custom.get_namespaced_custom_object("kubeflow.org", "v1", namespace, "pytorchjobs", "pt")
+            done = [c["type"] for c in obj.get("status", {}).get("conditions", [])
+                    if c["type"] in ("Succeeded", "Failed") and c["status"] == "True"]
+            return done[0] if done else None
+
+        assert wait_for("PyTorchJob pt to finish", finished, timeout=120) == "Succeeded"
+        pods = core.list_namespaced_pod(namespace, label_selector="training.kubeflow.org/job-name=pt").items
+        roles = sorted(p.metadata.labels["training.kubeflow.org/replica-type"] for p in pods)
+        assert roles == ["master", "worker", "worker"]
+        assert {p.status.phase for p in pods} == {"Succeeded"}
+        services = {s.metadata.name for s in core.list_namespaced_service(namespace).items}
+        assert "pt-master-0" in services
+    finally:
+        kube_cluster.stop_component(operator)

@@ -159,3 +159,21 @@ def test_decompression_bomb_is_refused_not_raised(tmp_path: Path, monkeypatch: p
     with pytest.raises(MediaError) as err:
         probe_image(data)
     assert err.value.reason == "unsupported_media"
+
+
+def test_vision_spec_reads_the_folder_and_config_overrides() -> None:
+    from packtrain.packer.config import ModelConfig
+    from packtrain.packer.families import vision_spec
+
+    models = DEMO_MEDIA.parents[2] / "models"
+    spec = vision_spec(
+        models / "qwen2.5-vl", ModelConfig(path="x", max_pixels=1003520, video_min_pixels=6272)
+    )
+    assert (spec.min_pixels, spec.max_pixels, spec.video_min_pixels, spec.video_max_pixels) == (
+        3136,
+        1003520,
+        6272,
+        12845056,  # video bounds come from the video fields or the folder, not the image override
+    )
+    assert spec.tokens_per_second == 2
+    assert vision_spec(models / "qwen2-vl", ModelConfig(path="x")).tokens_per_second is None

@@ -19,6 +19,7 @@ from conftest import job_spec, write_job
 from packtrain.trainer.cli import main
 from packtrain.trainer.config import load_train_config
 from packtrain.trainer.loop import train
+from packtrain.trainer.model import build_model
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
@@ -45,10 +46,13 @@ def test_cli_trains_and_exports_a_loadable_hf_model(pack_dir, tmp_path, capsys):
     for name, param in model.state_dict().items():
         assert torch.equal(param, saved["hf." + name]), name
     assert (out / "final" / "preprocessor_config.json").is_file()
+    # The export is a model folder like any other: `init: auto` now finds weights and loads them.
+    reloaded = build_model(out / "final", init="auto")
+    assert all(torch.equal(p, saved["hf." + n]) for n, p in reloaded.state_dict().items())
 
 
 def test_2n_steps_equal_n_steps_resume_n_steps_bit_for_bit(pack_dir, tmp_path, capsys):
-    spec = job_spec(pack_dir, tmp_path / "straight", maxSteps=4, checkpointEvery=2, gradAccum=2, warmup=1)
+    spec = job_spec(pack_dir, tmp_path / "straight", maxSteps=4, checkpointEvery=2, warmup=1)
     straight = train(load_train_config(write_job(tmp_path / "a.yaml", spec)), log=lambda _: None)
     # Interrupted after step 2: only the step-2 checkpoint exists; the rerun resumes from it.
     resumed_dir = tmp_path / "resumed"
@@ -74,7 +78,7 @@ def test_2n_steps_equal_n_steps_resume_n_steps_bit_for_bit(pack_dir, tmp_path, c
         tmp_path / "straight" / "checkpoints" / "step-00000004" / "trainer.pt", weights_only=False
     )
     data_b = torch.load(resumed_dir / "checkpoints" / "step-00000004" / "trainer.pt", weights_only=False)
-    assert data_a["data"] == data_b["data"] and data_a["data"]["next"] == 8
+    assert data_a["data"] == data_b["data"] and data_a["data"]["next"] == 4
 
 
 def test_padded_baseline_runs_on_the_same_data(pack_dir, tmp_path):
@@ -93,7 +97,7 @@ def _free_port() -> int:
 
 def test_metrics_endpoint_is_scraped_during_a_cpu_run(pack_dir, tmp_path):
     port = _free_port()
-    spec = job_spec(pack_dir, tmp_path / "m", maxSteps=6, metricsPort=port, saveFinal=False)
+    spec = job_spec(pack_dir, tmp_path / "m", maxSteps=4, metricsPort=port, saveFinal=False)
     spec["spec"]["data"]["numWorkers"] = 0
     cfg = load_train_config(write_job(tmp_path / "m.yaml", spec))
     result: dict = {}
@@ -114,7 +118,7 @@ def test_metrics_endpoint_is_scraped_during_a_cpu_run(pack_dir, tmp_path):
             time.sleep(0.2)
     finally:
         runner.join()
-    assert result["steps"] == 6
+    assert result["steps"] == 4
     assert scraped, "no step metrics seen while training"
     for name in (
         "tokens_per_second",
@@ -133,8 +137,18 @@ def test_metrics_endpoint_is_scraped_during_a_cpu_run(pack_dir, tmp_path):
     assert "packtrain_train_mfu" not in scraped
 
 
-@pytest.mark.parametrize("strategy", ["ddp"])
-def test_torchrun_two_gloo_processes(pack_dir, tmp_path, strategy):
+@pytest.fixture(scope="module")
+def single_process_reference(pack_dir, tmp_path_factory):
+    """One process with 4 micro-batches per step: the same global batches as 2 ranks x 2."""
+    out = tmp_path_factory.mktemp("single")
+    spec = job_spec(pack_dir, out / "run", gradAccum=4)
+    return train(load_train_config(write_job(out / "job.yaml", spec)), log=lambda _: None), out / "run"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_torchrun_two_gloo_processes_match_one_process(
+    pack_dir, tmp_path, strategy, single_process_reference
+):
     job = write_job(
         tmp_path / "job.yaml", job_spec(pack_dir, tmp_path / "dist", strategy=strategy, gradAccum=2)
     )
@@ -162,4 +176,11 @@ def test_torchrun_two_gloo_processes(pack_dir, tmp_path, strategy):
     summaries = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"steps"')]
     assert len(summaries) == 1  # rank 0 only
     assert summaries[0]["world_size"] == 2 and summaries[0]["steps"] == 2
+    # Loss normalised over the global batch: 2 ranks x 2 micro-batches train like 1 x 4.
+    reference, ref_dir = single_process_reference
+    assert summaries[0]["final_loss"] == pytest.approx(reference["final_loss"], rel=1e-5)
+    dist_weights = load_file(tmp_path / "dist" / "final" / "model.safetensors")
+    ref_weights = load_file(ref_dir / "final" / "model.safetensors")
+    for name, value in ref_weights.items():
+        torch.testing.assert_close(dist_weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
     AutoModelForImageTextToText.from_pretrained(tmp_path / "dist" / "final")

@@ -79,6 +79,7 @@ def test_block_causal_mask_and_backend_choice():
         resolve_attention("flash", cpu)
 
 
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
 def test_flex_backend_matches_sdpa_forward(shared_dir):
     """flex (a GPU backend; CPU has no flex backward) gives the same packed losses as SDPA."""
     samples = fx.demo_samples("qwen2.5-vl")

@@ -8,6 +8,7 @@ own pixel path from the original file bytes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -95,8 +96,10 @@ def _messages(turns: list[dict[str, str]]) -> list[dict[str, Any]]:
     return out
 
 
+@functools.cache
 def demo_samples(family: str) -> list[Sample]:
-    """text-only, single-image, multi-image (2 images) and video samples from the demo data."""
+    """text-only, single-image, multi-image (2 images) and video samples from the demo data
+    (cached: treat as read-only)."""
     processor = AutoProcessor.from_pretrained(FOLDER[family])
     spec = PixelSpec.from_folder(FOLDER[family])
     images_demo = json.loads((DEMO / "mllm_demo.json").read_text())
