@@ -66,6 +66,11 @@ class SourceConfig(CamelModel):
     media_root: str | None = Field(
         None, description="Folder relative media paths resolve against; default: each dataset file's folder."
     )
+    media_path_map: dict[str, str] = Field(
+        default_factory=dict,
+        description="Prefix rewrites applied to media paths before resolving (first match wins), for data "
+        "written for another layout, e.g. {'data/mllm_demo_data/': 'mllm_demo_data/'} or {'/mnt/old/': '/data/'}.",
+    )
 
 
 class ModelConfig(CamelModel):

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 
 from .config import PackConfig
 from .media_store import media_blob
-from .plan import lower_bound, pack_lengths
+from .plan import lower_bound, plan_bins
 from .records import ConfigError, iter_records
 from .shard_format import FORMAT_VERSION, IGNORE_INDEX
 from .shards import (
@@ -269,21 +269,22 @@ def plan(cfg: PackConfig, out: Path) -> dict[str, Any]:
     length = (np.concatenate(lengths) if lengths else np.zeros(0, np.int64))[order]
 
     p = cfg.packing
-    bins = (
-        pack_lengths(length.tolist(), p.max_length, algorithm=p.algorithm, seed=p.seed,
-                     partial_threshold=p.partial_threshold)
-        if len(length)
-        else []
-    )
-    plan_rows = [
+    if len(length):
+        order, offsets = plan_bins(length, p.max_length, algorithm=p.algorithm, seed=p.seed,
+                                   partial_threshold=p.partial_threshold)
+    else:
+        order, offsets = np.zeros(0, np.int64), np.zeros(1, np.int64)
+    sequences = len(offsets) - 1
+    offsets32 = pa.array(offsets, pa.int32())
+    plan_table = pa.table(
         {
-            "shard": b // p.sequences_per_shard,
-            "parts": [int(part_of[j]) for j in members],
-            "rows": [int(row_of[j]) for j in members],
-        }
-        for b, members in enumerate(bins)
-    ]
-    write_table(work / "plan.arrow", pa.Table.from_pylist(plan_rows, schema=PLAN_SCHEMA))
+            "shard": pa.array(np.arange(sequences) // p.sequences_per_shard, pa.int32()),
+            "parts": pa.ListArray.from_arrays(offsets32, pa.array(part_of[order], pa.int32())),
+            "rows": pa.ListArray.from_arrays(offsets32, pa.array(row_of[order], pa.int32())),
+        },
+        schema=PLAN_SCHEMA,
+    )
+    write_table(work / "plan.arrow", plan_table)
 
     rejects.sort(key=lambda r: r["position"])
     atomic_write(
@@ -294,7 +295,6 @@ def plan(cfg: PackConfig, out: Path) -> dict[str, Any]:
         ).encode(),
     )
     tokens = int(length.sum())
-    sequences = len(bins)
     shards = -(-sequences // p.sequences_per_shard)
     summary = {
         "stage": "plan",
@@ -305,7 +305,7 @@ def plan(cfg: PackConfig, out: Path) -> dict[str, Any]:
         "sequences": sequences,
         "shards": shards,
         "tokens": tokens,
-        "lowerBound": lower_bound(length.tolist(), p.max_length) if len(length) else 0,
+        "lowerBound": lower_bound(length, p.max_length) if len(length) else 0,
         "fillRatio": round(tokens / (sequences * p.max_length), 6) if sequences else 0.0,
         # Fraction of fixed-length sequences saved versus one sample per sequence.
         "paddingSaved": round(1 - sequences / converted_total, 6) if converted_total else 0.0,

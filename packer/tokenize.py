@@ -288,7 +288,12 @@ class SampleTokenizer:
             raise MediaError(
                 "unsupported_media", f"{ref[:80]}: remote or inline media are not fetched; use local files"
             )
-        path = Path(ref.removeprefix("file://")).expanduser()
+        ref = ref.removeprefix("file://")
+        for old, new in self.source.media_path_map.items():
+            if ref.startswith(old):
+                ref = new + ref[len(old) :]
+                break
+        path = Path(ref).expanduser()
         if not path.is_absolute():
             path = (self._media_root or dataset_dir) / path
         return path

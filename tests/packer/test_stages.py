@@ -205,3 +205,22 @@ def test_termination_message_written(tmp_path: Path, monkeypatch: pytest.MonkeyP
     msg = json.loads(log.read_text())
     assert msg["stage"] == "convert" and msg["index"] == 1 and msg["count"] == 2
     assert msg["samples"] == 3
+
+
+def test_media_path_map_packs_both_demo_layouts(tmp_path: Path) -> None:
+    """mllm_demo.json and v1_multimodal_demo.jsonl name the same media differently; one job packs both."""
+    cfg = PackConfig.model_validate(
+        {
+            "source": {
+                "paths": [str(DEMO / "mllm_demo.json"), str(DEMO / "v1_multimodal_demo.jsonl")],
+                "mediaPathMap": {"data/mllm_demo_data/": "mllm_demo_data/"},
+            },
+            "model": {"path": str(QWEN2), "maxPixels": 100_000},
+            "packing": {"maxLength": 4096},
+        }
+    )
+    manifest = _run(cfg, tmp_path / "out", workers=1)
+    assert manifest["counts"] == {"input": 30, "packed": 30, "rejected": 0, "rejected_by_reason": {}}
+    without_map = cfg.model_copy(update={"source": cfg.source.model_copy(update={"media_path_map": {}})})
+    manifest = _run(without_map, tmp_path / "out2", workers=1)
+    assert manifest["counts"]["rejected_by_reason"].get("missing_media", 0) > 0
