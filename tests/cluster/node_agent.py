@@ -33,7 +33,6 @@ import itertools
 import logging
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -251,7 +250,12 @@ class PodRun:
         """Lay out the pod's volumes as local folders and learn which names resolve to loopback."""
         pod = self.pod
         pod_dir = self.agent.work_dir / "pods" / pod.metadata.namespace / pod.metadata.name
-        shutil.rmtree(pod_dir, ignore_errors=True)
+        if pod_dir.exists():
+            # A pod re-created under the same name (a PyTorchJob restart): keep the old one's logs.
+            n = 1
+            while pod_dir.with_name(f"{pod_dir.name}~{n}").exists():
+                n += 1
+            pod_dir.rename(pod_dir.with_name(f"{pod_dir.name}~{n}"))
         pod_dir.mkdir(parents=True)
         core = client.CoreV1Api(self.agent.api)
         ns = pod.metadata.namespace

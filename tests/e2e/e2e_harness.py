@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -205,7 +206,7 @@ class Harness:
             parts.append(f"$ kubectl get {plural} -n {ns} -o yaml\n{res.stdout[-6000:]}")
         pods = self.cp.root / "node-agent" / "pods" / ns
         for log in sorted(pods.glob("*/*.log")):
-            parts.append(f"--- pod log {log.parent.name}/{log.name}\n{tail(log, 25)}")
+            parts.append(f"--- pod log {log.parent.name}/{log.name}\n{tail(log, 40)}")
         parts.append(f"--- operator log\n{tail(self.operator_log, 60)}")
         for comp in self.cp.components:
             if comp.name in ("training-operator", "node-agent"):
@@ -243,6 +244,7 @@ class Recorder:
     _stop: threading.Event = field(default_factory=threading.Event)
     _changed: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
+    _last: list[str] = field(default_factory=list)
 
     def __enter__(self) -> Recorder:
         for plural in ("packjobs", "sftjobs"):
@@ -298,7 +300,10 @@ class Recorder:
     def _snapshot(self) -> None:
         res = self.h.cp.kubectl("get", "packjobs,sftjobs", "-n", self.ns, check=False)
         text = (res.stdout or res.stderr).rstrip()
-        if text and (not self.transcript or self.transcript[-1].split("\n", 1)[1] != text):
+        # A new entry only when something besides the AGE column changed.
+        key = [line.rsplit(None, 1)[0] for line in text.splitlines() if line.strip()]
+        if text and key != self._last:
+            self._last = key
             self.transcript.append(f"[{stamp()}] $ kubectl get packjobs,sftjobs -n {self.ns}\n{text}")
 
 
@@ -330,6 +335,16 @@ class MetricsScraper:
                 continue
             if "packtrain_train_" in body:
                 self.samples.append(body)
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+        return True
 
 
 def metric(text: str, name: str) -> float | None:

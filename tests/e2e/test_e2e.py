@@ -28,6 +28,7 @@ from e2e_harness import (
     Recorder,
     convert_processes,
     metric,
+    port_is_free,
     wait_for,
 )
 
@@ -80,6 +81,8 @@ def quickstart(e2e: Harness) -> QuickstartRun:
     e2e.namespace_with_claims(ns)
     sft_doc = next(d for d in quickstart_docs() if d["kind"] == "SFTJob")
     port = int(sft_doc["spec"].get("metricsPort", 9400))
+    # Pods share this machine's network here: another run's trainer on the same port would crash ours.
+    wait_for(f"port {port} (the trainer's /metrics) to be free", lambda: port_is_free(port), timeout=300, every=2)
     t0 = time.monotonic()
     with Recorder(e2e, ns) as rec, MetricsScraper(port) as scraper:
         e2e.cp.kubectl("apply", "-n", ns, "-f", str(QUICKSTART))
@@ -185,11 +188,13 @@ def _packjob(name: str, **spec: Any) -> dict[str, Any]:
     return doc
 
 
-def test_corrupt_media_is_rejected_listed_and_counted(e2e: Harness, quickstart: QuickstartRun) -> None:
+def test_corrupt_media_is_rejected_listed_and_counted(e2e: Harness, tmp_path: Path) -> None:
     ns = "corrupt"
     e2e.namespace_with_claims(ns)
-    expected = _write_corrupt_dataset(e2e.pvc_dir(ns, "packtrain-data") / "corrupt-src")
-    body = _packjob("corrupt", source={"paths": ["/data/corrupt-src/data.json"]})
+    # The node agent maps volume paths in commands, not inside config files: the pods read the
+    # dataset where this machine has it, as they read the quickstart's ../shared.
+    expected = _write_corrupt_dataset(tmp_path / "corrupt-src")
+    body = _packjob("corrupt", source={"paths": [str(tmp_path / "corrupt-src" / "data.json")]})
     e2e.cp.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(body))
     assert e2e.wait_phase("packjobs", ns, "corrupt", ("Succeeded", "Failed"), PACK_TIMEOUT) == "Succeeded", (
         e2e.diagnostics(ns))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import media_factory as mf
 import pytest
+
 from packtrain.packer.config import ModelConfig, PackingConfig, SourceConfig
 from packtrain.packer.records import iter_records
 from packtrain.packer.tokenize import REJECT_REASONS, Reject, SampleTokenizer, TokenizedSample

@@ -11,6 +11,7 @@ from typing import Any
 
 import media_factory as mf
 import pytest
+
 from packtrain.packer.config import FieldMap, ModelConfig, PackingConfig, SourceConfig
 from packtrain.packer.records import ConfigError, RawRecord, expand_paths, iter_records
 from packtrain.packer.shard_format import IGNORE_INDEX

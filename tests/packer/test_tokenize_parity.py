@@ -15,6 +15,7 @@ from typing import Any
 
 import media_factory as mf
 import pytest
+
 from packtrain.packer.config import ModelConfig, PackingConfig, SourceConfig
 from packtrain.packer.records import RawRecord, iter_records
 from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import media_factory as mf
 import pytest
+from PIL import Image, ImageOps
+
 from packtrain.packer.vision import (
     MediaError,
     VisionSpec,
@@ -16,7 +18,6 @@ from packtrain.packer.vision import (
     second_per_grid,
     smart_resize,
 )
-from PIL import Image, ImageOps
 
 DEMO_MEDIA = (
     Path(__file__).resolve().parents[2].parent

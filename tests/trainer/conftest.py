@@ -8,14 +8,17 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from vlm_fixtures import DEMO, FOLDER, SHARED, TINY
+
 from packtrain.packer import stages
 from packtrain.packer.config import PackConfig
-from vlm_fixtures import DEMO, FOLDER, SHARED, TINY
 
 torch.set_num_threads(2)
 
 
-def make_pack(out: Path, family: str = "qwen2-vl", max_length: int = 512) -> Path:
+def make_pack(
+    out: Path, family: str = "qwen2-vl", max_length: int = 512, media_storage: str = "original"
+) -> Path:
     """Pack the multimodal demo sets plus short text chats with the real packer."""
     cfg = PackConfig.model_validate(
         {
@@ -33,7 +36,7 @@ def make_pack(out: Path, family: str = "qwen2-vl", max_length: int = 512) -> Pat
                 "videoMaxPixels": 16 * 28 * 28,
                 "maxFrames": 8,
             },
-            "packing": {"maxLength": max_length, "sequencesPerShard": 16},
+            "packing": {"maxLength": max_length, "sequencesPerShard": 16, "mediaStorage": media_storage},
         }
     )
     stages.convert(cfg, out, 0, 1)

@@ -8,12 +8,14 @@ import shutil
 
 import pytest
 import torch
+from conftest import make_pack
+from torch.utils.data import DataLoader
+from vlm_fixtures import FOLDER
+
 from packtrain.packer.shards import ShardFormatError
 from packtrain.trainer.data import PackedDataset
 from packtrain.trainer.media import PixelSpec
 from packtrain.trainer.sampler import attention_cost, contiguous_plan, imbalance, plan_epoch
-from torch.utils.data import DataLoader
-from vlm_fixtures import FOLDER
 
 
 def _dataset(pack, **kw):
@@ -88,6 +90,23 @@ def test_padded_mode_serves_the_same_samples(pack_dir):
     batch = padded[0]
     assert batch["input_ids"].shape[0] == 4
     assert batch["attention_mask"].sum() == batch["num_tokens"]
+
+
+def test_pre_resized_media_decode_to_the_same_grids(pack_dir, tmp_path):
+    """A pack with `mediaStorage: resized` (PNG at the counted size / sampled frames) yields
+    the same patch grids as decoding the originals; pixels differ only by the packer's resize."""
+    resized = _dataset(make_pack(tmp_path / "resized", media_storage="resized"))
+    original = _dataset(pack_dir)
+    media_rows = [i for i in range(len(original.seq_lens)) if original.reader.sequence(i)["media"]][:3]
+    assert media_rows
+    for i in media_rows:
+        a, b = original._decoded_row(i, {}), resized._decoded_row(i, {})
+        assert a["media"] == b["media"]
+        for pa, pb in zip(a["pixels"], b["pixels"], strict=True):
+            assert pa.shape == pb.shape
+            print(
+                f"row {i}: max |original - resized| pixel diff {(pa - pb).abs().max():.3g} (normalized units)"
+            )
 
 
 def test_corrupt_or_foreign_packs_are_refused(pack_dir, tmp_path):

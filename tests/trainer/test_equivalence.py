@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import vlm_fixtures as fx
+
 from packtrain.trainer.data import collate_packed
 from packtrain.trainer.loss import per_sample_sums
 from packtrain.trainer.model import VLMForTraining, build_model

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 import vlm_fixtures as fx
+
 from packtrain.trainer.data import collate_packed, collate_padded, shift_labels, split_row
 from packtrain.trainer.model import build_model
 from packtrain.trainer.rope import FamilyInfo, Grid, family_from_config, sample_positions

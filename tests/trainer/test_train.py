@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import job_spec, write_job
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText
+
 from packtrain.trainer.cli import main
 from packtrain.trainer.config import load_train_config
 from packtrain.trainer.loop import train
 from packtrain.trainer.model import build_model
-from safetensors.torch import load_file
-from transformers import AutoModelForImageTextToText
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,13 +6,14 @@ import pytest
 import torch
 import vlm_fixtures as fx
 from conftest import job_spec, write_job
+from pydantic import ValidationError
+
 from packtrain.trainer.attention import block_causal_mask, resolve_attention
 from packtrain.trainer.config import SFTSpecCore, load_train_config
 from packtrain.trainer.data import collate_packed
 from packtrain.trainer.distributed import resolve_env
 from packtrain.trainer.metrics import GpuProbe, ModelShape, TrainMetrics, step_flops
 from packtrain.trainer.model import VLMForTraining, build_model, parameter_groups
-from pydantic import ValidationError
 
 
 def test_sftjob_manifest_and_bare_spec_load_the_same(tmp_path):

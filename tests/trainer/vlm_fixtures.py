@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from packtrain.trainer.media import PixelSpec, decode_video_frames, media_pixels
 from PIL import Image
 from transformers import AutoProcessor
+
+from packtrain.trainer.media import PixelSpec, decode_video_frames, media_pixels
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
