@@ -11,7 +11,9 @@ import io
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, ImageOps
+from PIL import Image
+
+from .vision import upright
 
 
 def _png(img: Image.Image) -> bytes:
@@ -22,7 +24,7 @@ def _png(img: Image.Image) -> bytes:
 
 def resize_rgb(img: Image.Image, height: int, width: int) -> Image.Image:
     """RGB at exactly (height, width), bicubic like the Qwen2-VL image processor."""
-    img = ImageOps.exif_transpose(img)
+    img = upright(img)
     if img.mode != "RGB":
         img = img.convert("RGBA").convert("RGB") if img.mode in ("P", "LA", "PA") else img.convert("RGB")
     if img.size != (width, height):

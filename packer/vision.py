@@ -185,6 +185,28 @@ def probe_image(data: bytes) -> ImageInfo:
     return ImageInfo(width, height, fmt)
 
 
+_TRANSPOSE = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+def upright(img: Image.Image) -> Image.Image:
+    """The image as the count saw it: EXIF orientation applied, XMP ignored (see `probe_image`).
+
+    PIL's `exif_transpose` also honours XMP orientation, which the HF processor
+    does not; using it would make the pixels disagree with the counted size.
+    """
+    exif = img.info.get("exif")
+    method = _TRANSPOSE.get(_orientation(exif)) if exif else None
+    return img.transpose(method) if method is not None else img
+
+
 def _orientation(exif: bytes) -> int:
     parsed = Image.Exif()
     try:

@@ -24,6 +24,8 @@ import torch
 from PIL import Image
 from torchvision.transforms.v2 import functional as tvF
 
+from packtrain.packer.vision import upright
+
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -106,7 +108,7 @@ def patchify_video(video: torch.Tensor, spec: PixelSpec) -> torch.Tensor:
 def image_pixels(data: bytes, height: int, width: int, spec: PixelSpec) -> torch.Tensor:
     """Encoded image bytes → patches at exactly height x width."""
     with Image.open(io.BytesIO(data)) as img:
-        rgb = np.asarray(to_rgb(img))
+        rgb = np.asarray(to_rgb(upright(img)))
     frame = torch.from_numpy(rgb.copy()).permute(2, 0, 1)
     return patchify_image(_normalize(_resize(frame, height, width), spec), spec)
 
