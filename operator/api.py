@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
+from pydantic import Field, model_validator
+
 from packtrain.packer.config import CamelModel, ModelConfig, PackingConfig, SourceConfig
 from packtrain.trainer.config import DataSpec, ModelSpec, TrainingSpec
-from pydantic import Field, model_validator
 
 GROUP = "packtrain.dev"
 VERSION = "v1alpha1"

@@ -32,6 +32,7 @@ from typing import get_args
 
 import numpy as np
 import numpy.typing as npt
+
 from packtrain.packer.config import Algorithm
 
 ALGORITHMS: tuple[str, ...] = get_args(Algorithm)

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from packtrain.packer.config import CamelModel, Family, spec_from_document
 from pydantic import Field, model_validator
 from pydantic.alias_generators import to_camel
+
+from packtrain.packer.config import CamelModel, Family, spec_from_document
 
 Init = Literal["auto", "pretrained", "random"]
 Attention = Literal["auto", "flash", "sdpa", "flex"]

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from packtrain.packer.shard_format import IGNORE_INDEX
 from packtrain.packer.shards import ShardReader
 

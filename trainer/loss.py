@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
 from packtrain.packer.shard_format import IGNORE_INDEX
 
 

@@ -34,10 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from packtrain.packer.plan import ALGORITHMS, lower_bound, lower_bound_l2, plan_bins
-from packtrain.packer.synth import SYSTEM_TOKENS, TURN_OVERHEAD, image_tokens, synthetic_lengths
 from rich.console import Console
 from rich.table import Table
+
+from packtrain.packer.plan import ALGORITHMS, lower_bound, lower_bound_l2, plan_bins
+from packtrain.packer.synth import SYSTEM_TOKENS, TURN_OVERHEAD, image_tokens, synthetic_lengths
 
 HERE = Path(__file__).resolve().parent
 SHARED = HERE.parents[1].parent / "shared"

@@ -32,10 +32,11 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core, whatever numpy was built with
 
 import numpy as np  # noqa: E402
-from packtrain.packer.plan import ALGORITHMS, lower_bound, plan_bins  # noqa: E402
-from packtrain.packer.synth import synthetic_lengths  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
+
+from packtrain.packer.plan import ALGORITHMS, lower_bound, plan_bins  # noqa: E402
+from packtrain.packer.synth import synthetic_lengths  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_RATE = 1_000_000

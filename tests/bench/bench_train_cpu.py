@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from packtrain.packer import stages
 from packtrain.packer.config import PackConfig
 from packtrain.packer.synth import generate_dataset

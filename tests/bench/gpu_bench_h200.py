@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from packtrain.packer.config import PackConfig
 from packtrain.packer.local import run_all
 from packtrain.packer.synth import generate_dataset

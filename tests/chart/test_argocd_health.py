@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from lupa import lua51
+
 from packtrain.operator.api import Condition, PackJobStatus, SFTJobStatus, TrainProgress
 
 from .helm import CHART

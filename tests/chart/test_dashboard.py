@@ -67,9 +67,10 @@ def exported_metric_names() -> set[str]:
     """Names the trainer and the operator export: their registries, plus names written out in
     the sources (the GPU gauges exist only where NVML finds a GPU)."""
     import torch
+    from prometheus_client import CollectorRegistry
+
     from packtrain.operator import metrics as operator_metrics
     from packtrain.trainer.metrics import TrainMetrics
-    from prometheus_client import CollectorRegistry
 
     trainer = TrainMetrics(rank=0, device=torch.device("cpu"))
     trainer.enable_mfu(1.0)

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
 from packtrain.operator import builders
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
 from packtrain.operator.commands import PACK_STAGES, pack_stage_command, train_command

@@ -21,6 +21,7 @@ import pytest
 import yaml
 from cluster.controlplane import ControlPlane, free_port
 from kubernetes import client
+
 from packtrain.operator import rbac
 from packtrain.operator.api import GROUP, VERSION
 

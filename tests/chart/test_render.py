@@ -13,6 +13,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+
 from packtrain.operator import builders, crdgen, rbac
 from packtrain.operator.api import GROUP, KINDS, PackJobSpec, SFTJobSpec
 from packtrain.operator.builders import OperatorDefaults

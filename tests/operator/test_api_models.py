@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from packtrain.operator.api import PackJobSpec, SFTJobSpec
 from pydantic import ValidationError
+
+from packtrain.operator.api import PackJobSpec, SFTJobSpec
 
 
 def test_sftjob_needs_exactly_one_data_source(sftjob: dict[str, Any]) -> None:

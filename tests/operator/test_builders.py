@@ -8,6 +8,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from operator_fixtures import assert_golden
+
 from packtrain.operator import builders
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
 from packtrain.operator.commands import EXIT_CONFIG

@@ -9,6 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from operator_fixtures import PACKJOB, SFTJOB
+
 from packtrain.operator import crdgen
 from packtrain.operator.api import PackJob, PackJobSpec, SFTJob, SFTJobSpec
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from kubernetes.client.rest import ApiException
+
 from packtrain.operator import builders, handlers, rbac
 from packtrain.operator.api import GROUP, VERSION
 

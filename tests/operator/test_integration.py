@@ -30,6 +30,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 from operator_fixtures import PACKJOB, SFTJOB
+
 from packtrain.operator import rbac
 
 pytestmark = pytest.mark.cluster

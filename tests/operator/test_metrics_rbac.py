@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
 from packtrain.operator import metrics, rbac
 from packtrain.operator.metrics import PhaseTracker
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 
 def test_phase_tracker_counts_each_resource_once() -> None:

@@ -8,6 +8,7 @@ import types
 from pathlib import Path
 
 import pytest
+
 from packtrain.operator import cli, crdgen
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from packtrain.operator.commands import pack_stage_command, train_command
 
 

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from operator_fixtures import PACKJOB
+
 from packtrain.operator import status as st
 from packtrain.operator.api import PackJobSpec, PackJobStatus, SFTJobStatus
 

@@ -8,6 +8,7 @@ from functools import cache
 import binpacking
 import numpy as np
 import pytest
+
 from packtrain.packer import plan
 from packtrain.packer.plan import (
     ALGORITHMS,

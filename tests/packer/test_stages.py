@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from packtrain.packer import stages
 from packtrain.packer.cli import main as pack_main
 from packtrain.packer.config import PackConfig

@@ -8,8 +8,9 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
-from packtrain.packer.synth import generate_dataset, image_tokens, main, synthetic_lengths
 from PIL import Image
+
+from packtrain.packer.synth import generate_dataset, image_tokens, main, synthetic_lengths
 
 
 def test_synthetic_lengths_are_reproducible_and_in_range() -> None:
