@@ -97,14 +97,14 @@ def barrier() -> None:
 
 
 def all_reduce_max(value: float, device: torch.device) -> float:
-    t = torch.tensor([value], dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
 
 def all_reduce_sum(value: float, device: torch.device) -> float:
-    t = torch.tensor([value], dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(t)
     return float(t.item())

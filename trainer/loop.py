@@ -236,6 +236,9 @@ def _train(
         "samples_per_second": totals["samples"] / seconds,
         "padding_ratio": 1.0 - totals["effective"] / totals["tokens"] if totals["tokens"] else 0.0,
         "final_loss": loss_value,
+        "model_flops_per_effective_token": totals["flops"] / totals["effective"]
+        if totals["effective"]
+        else None,
         "mfu": totals["flops"] / seconds / (peak * 1e12) / env.world_size if peak else None,
         "mode": t.mode,
         "attention": backend,

@@ -41,9 +41,7 @@ def per_sample_sums(
 
 def global_label_tokens(local: int, device: torch.device) -> int:
     """Σ label tokens over all ranks for the current optimizer step (all micro-batches)."""
-    count = torch.tensor(
-        [local], dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device
-    )
+    count = torch.tensor([local], dtype=torch.int64, device=device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(count)
     return int(count.item())

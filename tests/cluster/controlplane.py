@@ -491,15 +491,14 @@ class ControlPlane:
             comp.check_alive()
 
     @staticmethod
-    def _ssl(ca_file: Path | None, client: bool = True) -> ssl.SSLContext:
+    def _ssl(ca_file: Path | None) -> ssl.SSLContext:
         if ca_file is None:
             # Controller-manager and scheduler serve self-signed certificates on loopback.
             ctx = ssl.create_default_context()
             ctx.check_hostname = False
             ctx.verify_mode = ssl.CERT_NONE
             return ctx
-        ctx = ssl.create_default_context(cafile=str(ca_file))
-        return ctx
+        return ssl.create_default_context(cafile=str(ca_file))
 
     def _wait_ready(self, url: str, ca_file: Path | None, deadline: float, what: str) -> None:
         ctx = self._ssl(ca_file)

@@ -619,22 +619,29 @@ class NodeAgent:
         threading.Thread(target=self.renew_leases, name="leases", daemon=True).start()
         w = watch.Watch()
         while not self._stop.is_set():
-            pods = self.core.list_pod_for_all_namespaces()
-            for pod in pods.items:
-                self.handle(pod)
-            rv = pods.metadata.resource_version
             try:
-                for event in w.stream(self.core.list_pod_for_all_namespaces, resource_version=rv,
-                                      timeout_seconds=300, allow_watch_bookmarks=True):
-                    if event["type"] in ("ADDED", "MODIFIED"):
-                        self.handle(event["object"])
-                    elif event["type"] == "DELETED":
-                        run = self.runs.pop(event["object"].metadata.uid, None)
-                        if run is not None:
-                            run.stop(0)
+                self._list_and_watch(w)
             except ApiException as e:
                 if e.status != 410:  # a stale resourceVersion just means: list again
-                    raise
+                    log.exception("pod watch failed; listing again")
+                    time.sleep(1)
+            except Exception:
+                # A dropped connection or a slow API server must not take the node down.
+                log.exception("pod watch failed; listing again")
+                time.sleep(1)
+
+    def _list_and_watch(self, w: watch.Watch) -> None:
+        pods = self.core.list_pod_for_all_namespaces()
+        for pod in pods.items:
+            self.handle(pod)
+        for event in w.stream(self.core.list_pod_for_all_namespaces, resource_version=pods.metadata.resource_version,
+                              timeout_seconds=300, allow_watch_bookmarks=True):
+            if event["type"] in ("ADDED", "MODIFIED"):
+                self.handle(event["object"])
+            elif event["type"] == "DELETED":
+                run = self.runs.pop(event["object"].metadata.uid, None)
+                if run is not None:
+                    run.stop(0)
 
     def shutdown(self, *_: Any) -> None:
         self._stop.set()

@@ -153,10 +153,24 @@ def test_quickstart_end_to_end(e2e: Harness, quickstart: QuickstartRun, capsys: 
     assert any(s and s >= 1 for s in steps), run.metrics[-1]
     assert metric(run.metrics[-1], "packtrain_train_loss") is not None
 
+    rows = [
+        ("PackJob phases", " → ".join(run.pack_phases)),
+        ("samples in / packed / rejected", f"{stats['samplesIn']} / {stats['samplesPacked']} / {stats['samplesRejected']}"),
+        ("sequences / shards / tokens", f"{stats['sequences']} / {stats['shards']} / {stats['tokens']}"),
+        ("fill ratio / padding saved", f"{stats['fillRatio']} / {stats['paddingSaved']}"),
+        ("SFTJob phases", " → ".join(run.sft_phases)),
+        ("PyTorchJob", f"{run.pytorchjob['metadata']['name']}: Succeeded, pod {master[0].metadata.name} on "
+                       f"{master[0].spec.node_name}, created by the training-operator"),
+        ("steps / final loss / tokens/s", f"{progress['step']} / {progress['loss']:.4f} / "
+                                          f"{progress['tokensPerSecond']:.1f}"),
+        ("trainer /metrics", f"{len(run.metrics)} scrapes during the run, last packtrain_train_step {steps[-1]}"),
+        ("wall time (apply → SFTJob Succeeded)", f"{run.seconds:.0f} s"),
+    ]
     with capsys.disabled():
         print("\n\n".join(["", "=== kubectl get packjobs,sftjobs during the quickstart run ===", *run.transcript]))
-        print(f"\nquickstart end to end: {run.seconds:.0f} s; pack stats {json.dumps(stats)}; "
-              f"train progress {json.dumps(progress)}; {len(run.metrics)} /metrics scrapes, last step {steps[-1]}")
+        print("\n| quickstart on the local cluster | |\n| --- | --- |")
+        for what, value in rows:
+            print(f"| {what} | {value} |")
 
 
 def _write_corrupt_dataset(folder: Path) -> dict[str, str]:
