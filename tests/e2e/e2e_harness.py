@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from cluster.controlplane import ControlPlane, free_port, tail
+from cluster.controlplane import ControlPlane, _die_with_parent, free_port, tail
 from kubernetes import client, watch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -133,6 +133,7 @@ class Harness:
             self.operator = subprocess.Popen(
                 [str(packtrain), "operator", *container["args"]], env=env, cwd=REPO,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_die_with_parent,  # no orphaned operator when pytest is killed
             )
 
     def stop_operator(self) -> None:
