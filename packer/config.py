@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -124,7 +124,7 @@ class PackConfig(CamelModel):
         return hashlib.sha256(blob).hexdigest()
 
 
-PACK_FIELDS = set(PackConfig.model_fields) | {to_camel(k) for k in PackConfig.model_fields}
+M = TypeVar("M", bound=BaseModel)
 
 
 def spec_from_document(doc: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -136,12 +136,22 @@ def spec_from_document(doc: dict[str, Any], kind: str) -> dict[str, Any]:
     return dict(doc)
 
 
-def load_pack_config(path: str | Path) -> PackConfig:
-    """Read a `PackJob` manifest or spec (the first PackJob of a multi-document YAML)."""
+def load_spec_section(path: str | Path, kind: str, model: type[M]) -> M:
+    """The part of a `kind` manifest or bare spec that `model` describes.
+
+    Takes the first document of that kind in a multi-document YAML (else the
+    first document) and ignores cluster-only keys, so the YAML that is applied to
+    a cluster also runs locally.
+    """
     docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
     if not docs:
-        raise ValueError(f"{path}: empty YAML; expected a PackJob manifest or spec")
-    chosen = next((d for d in docs if d.get("kind") == "PackJob"), docs[0])
-    spec = spec_from_document(chosen, "PackJob")
-    spec = {k: v for k, v in spec.items() if k in PACK_FIELDS}
-    return PackConfig.model_validate(spec)
+        raise ValueError(f"{path}: empty YAML; expected a {kind} manifest or spec")
+    chosen = next((d for d in docs if d.get("kind") == kind), docs[0])
+    spec = spec_from_document(chosen, kind)
+    fields = set(model.model_fields) | {to_camel(k) for k in model.model_fields}
+    return model.model_validate({k: v for k, v in spec.items() if k in fields})
+
+
+def load_pack_config(path: str | Path) -> PackConfig:
+    """Read a `PackJob` manifest or spec (the first PackJob of a multi-document YAML)."""
+    return load_spec_section(path, "PackJob", PackConfig)

@@ -10,11 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field, model_validator
-from pydantic.alias_generators import to_camel
 
-from packtrain.packer.config import CamelModel, Family, spec_from_document
+from packtrain.packer.config import CamelModel, Family, load_spec_section
 
 Init = Literal["auto", "pretrained", "random"]
 Attention = Literal["auto", "flash", "sdpa", "flex"]
@@ -108,14 +106,6 @@ class SFTSpecCore(CamelModel):
     training: TrainingSpec = Field(default_factory=TrainingSpec)
 
 
-SFT_FIELDS = set(SFTSpecCore.model_fields) | {to_camel(k) for k in SFTSpecCore.model_fields}
-
-
 def load_train_config(path: str | Path) -> SFTSpecCore:
     """Read an `SFTJob` manifest or bare spec (the first SFTJob of a multi-document YAML)."""
-    docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
-    if not docs:
-        raise ValueError(f"{path}: empty YAML; expected an SFTJob manifest or spec")
-    chosen = next((d for d in docs if d.get("kind") == "SFTJob"), docs[0])
-    spec = spec_from_document(chosen, "SFTJob")
-    return SFTSpecCore.model_validate({k: v for k, v in spec.items() if k in SFT_FIELDS})
+    return load_spec_section(path, "SFTJob", SFTSpecCore)

@@ -43,3 +43,20 @@ def test_bench_planner_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert bench.main(["--huge", "--huge-n", "50000", "--results-dir", str(tmp_path)]) in (0, 1)
     result = json.loads((tmp_path / "bench_planner_huge.json").read_text())["result"]
     assert result["valid"] and result["n"] == 50000 and result["peak_rss_gib_after_plan"] > 0
+
+
+def test_bench_shard_format_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load("bench_shard_format")
+    assert bench.main(["--quick"]) == 0
+    rows = json.loads((bench.RESULTS / "bench_shard_format.json").read_text())["rows"]
+    assert rows[0]["format"].startswith("arrow-ipc") and rows[0]["size_vs_ipc"] == 1.0
+    assert {r["format"].split()[0] for r in rows} == {"arrow-ipc", "parquet"}
+    assert "random read time/ipc" in capsys.readouterr().out
+
+
+def test_bench_convert_scaling_quick(shared_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load("bench_convert_scaling")
+    assert bench.main(["--quick", "--samples", "60", "--workers", "1", "2"]) == 0
+    rows = json.loads((bench.RESULTS / "bench_convert_scaling.quick.json").read_text())["rows"]
+    assert [r["workers"] for r in rows] == [1, 2] and rows[0]["speedup"] == pytest.approx(1.0)
+    assert "efficiency" in capsys.readouterr().out
