@@ -391,6 +391,14 @@ def _train_metadata(name: str, namespace: str, spec: SFTJobSpec) -> dict[str, An
     return {"name": training_job_name(name), "namespace": namespace, "labels": labels}
 
 
+def _train_scheduling(spec: SFTJobSpec, defaults: OperatorDefaults) -> dict[str, Any]:
+    """The training pods' placement: the SFTJob's own, else the operator's GPU pool."""
+    res = spec.resources
+    return _scheduling(
+        res.node_selector, res.tolerations, res.affinity, defaults.gpu_node_selector, defaults.gpu_tolerations
+    )
+
+
 def _train_command(name: str, spec: SFTJobSpec, data: DataSource) -> list[str]:
     return train_command(
         f"{CONFIG_DIR}/{TRAIN_CONFIG_FILE}",
@@ -425,13 +433,7 @@ def pytorch_job(
         container["resources"] = resources
     res = spec.resources
     pod_spec: dict[str, Any] = {
-        **_scheduling(
-            res.node_selector,
-            res.tolerations,
-            res.affinity,
-            defaults.gpu_node_selector,
-            defaults.gpu_tolerations,
-        ),
+        **_train_scheduling(spec, defaults),
         "containers": [container],
         "volumes": volumes,
     }
@@ -482,13 +484,7 @@ def train_job(
     volumes, mounts = _train_volumes(name, spec, data)
     res = spec.resources
     override_spec: dict[str, Any] = {
-        **_scheduling(
-            res.node_selector,
-            res.tolerations,
-            res.affinity,
-            defaults.gpu_node_selector,
-            defaults.gpu_tolerations,
-        ),
+        **_train_scheduling(spec, defaults),
         "volumes": volumes,
         "containers": [{"name": TRAINJOB_CONTAINER, "volumeMounts": mounts}],
     }

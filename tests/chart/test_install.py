@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 from cluster.controlplane import ControlPlane, free_port
+from cluster.waiting import wait_for
 from kubernetes import client
 
 from packtrain.operator import rbac
@@ -30,17 +30,6 @@ from .helm import CHART, NAMESPACE, RELEASE, REPO, helm_install, helm_uninstall,
 pytestmark = pytest.mark.cluster
 
 CRD_NAMES = [f"packjobs.{GROUP}", f"sftjobs.{GROUP}"]
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 60, every: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 def adopt_crds(cluster: ControlPlane, release: str, namespace: str) -> None:

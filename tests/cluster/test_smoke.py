@@ -3,30 +3,23 @@
 from __future__ import annotations
 
 import re
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from . import waiting
 from .controlplane import BUILD_SCRIPT, ControlPlane
 
 pytestmark = pytest.mark.cluster
 
 
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 90, every: float = 0.5) -> Any:
-    """Poll until ``probe`` returns something truthy; the timeout error shows the last value."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+# Pods here wait on the real scheduler and controllers: 90 s unless a test says otherwise.
+wait_for = partial(waiting.wait_for, timeout=90, every=0.5)
 
 
 @pytest.fixture

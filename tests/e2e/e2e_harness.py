@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 from cluster.controlplane import ControlPlane, _die_with_parent, free_port, tail
+from cluster.waiting import wait_for
 from kubernetes import client, watch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -213,20 +214,6 @@ class Harness:
             if comp.name in ("training-operator", "node-agent"):
                 parts.append(f"--- {comp.name} log\n{tail(comp.log, 40)}")
         return "\n".join(parts)
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 60, every: float = 0.5,
-             diagnostics: Callable[[], str] | None = None) -> Any:
-    """Poll until `probe` returns something truthy; on timeout fail with `diagnostics()`."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(every)
-    extra = f"\n{diagnostics()}" if diagnostics else ""
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r}){extra}")
 
 
 @dataclass

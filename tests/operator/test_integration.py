@@ -21,12 +21,14 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from cluster import waiting
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 from operator_fixtures import PACKJOB, SFTJOB
@@ -43,15 +45,8 @@ EXIT_CODE = "packtrain.dev/node-agent-exit-code"
 CLAIM = "packtrain-data"
 
 
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 90, every: float = 0.25) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+# The operator reacts within a watch event: poll often, 90 s unless a test says otherwise.
+wait_for = partial(waiting.wait_for, timeout=90, every=0.25)
 
 
 def _free_port() -> int:
