@@ -30,7 +30,7 @@ class DataSpec(CamelModel):
     )
     num_workers: int = Field(2, ge=0, description="Dataloader worker processes per rank (media decoding).")
     prefetch_factor: int = Field(2, ge=1, description="Micro-batches each worker decodes ahead.")
-    verify_checksums: bool = Field(True, description="Check shard sha256 against the manifest on open.")
+    verify_checksums: bool = Field(True, description="Check shard sha256 against the manifest on open (local rank 0 of each node).")
 
     @model_validator(mode="after")
     def _one_source(self) -> DataSpec:

@@ -119,7 +119,8 @@ def _train(
         seed=t.seed,
         mode=t.mode,
         pad_token_id=DEFAULT_PAD_TOKEN_ID if pad_id is None else pad_id,
-        verify_checksums=cfg.data.verify_checksums,
+        # One process per node reads every shard to check it; its peers share that filesystem.
+        verify_checksums=cfg.data.verify_checksums and env.local_rank == 0,
     )
     pack_family = dataset.manifest.get("family")
     if pack_family not in (None, family.name):
