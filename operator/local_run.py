@@ -40,14 +40,25 @@ class Named:
 
 
 class PipelineError(RuntimeError):
-    """A stage failed; the message names it and where its log is."""
+    """A stage failed; the message names it and where its log is. `exit_code`: what `packtrain run`
+    returns (EXIT_CONFIG when the stage reported a configuration error, else 1)."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def load_documents(path: Path) -> tuple[list[Named], list[Named]]:
     """PackJobs and SFTJobs of a (multi-document) YAML, validated like the operator validates them."""
     packs: list[Named] = []
     sfts: list[Named] = []
-    for n, doc in enumerate(d for d in yaml.safe_load_all(path.read_text()) if d):
+    try:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from exc
+    for n, doc in enumerate(docs):
+        if not isinstance(doc, dict):
+            raise ValueError(f"{path} document {n}: a {type(doc).__name__}; expected a PackJob or SFTJob manifest")
         kind = doc.get("kind")
         meta = doc.get("metadata") or {}
         name = meta.get("name")
@@ -108,7 +119,8 @@ def _run_stage(
         if proc.returncode != 0:
             tail = "\n".join(log.read_text().splitlines()[-15:])
             hint = "fix the configuration" if proc.returncode == EXIT_CONFIG else "see the log"
-            raise PipelineError(f"{label} failed (exit {proc.returncode}; {hint}): {log}\n{tail}")
+            raise PipelineError(f"{label} failed (exit {proc.returncode}; {hint}): {log}\n{tail}",
+                                EXIT_CONFIG if proc.returncode == EXIT_CONFIG else 1)
         results.append(json.loads(term.read_text()) if term.is_file() else {})
     return results
 
@@ -198,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-steps", type=int, help="override training.maxSteps")
     args = ap.parse_args(argv)
     path = Path(args.file)
+    if args.workers < 1 or args.nproc < 1:
+        console.print(f"[red]error:[/] --workers ({args.workers}) and --nproc ({args.nproc}) must be at least 1")
+        return EXIT_CONFIG
     try:
         packs, sfts = load_documents(path)
     except (OSError, ValueError) as exc:
@@ -218,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             trained[job.name] = run_train(job, data_dir, out, args.nproc, args.max_steps, env)
     except PipelineError as exc:
         console.print(f"[red]error:[/] {exc}")
-        return 1
+        return exc.exit_code
     Console().print(summary_table(packed, trained))
     return 0
 

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from .config import PackConfig, load_pack_config
 from .records import ConfigError
 from .report import report
+from .shards import ShardFormatError
 
 EXIT_CONFIG = 2
 
@@ -135,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return _run(args)
+    except ShardFormatError as exc:  # inspect/unpack pointed at something that is not a finished pack
+        print(f"packtrain pack {args.cmd}: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except (ConfigError, ValidationError, FileNotFoundError) as exc:
         msg = str(exc)
         print(f"packtrain pack {args.cmd}: configuration error: {msg}", file=sys.stderr)

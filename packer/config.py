@@ -16,6 +16,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from .records import ConfigError
+
 
 class CamelModel(BaseModel):
     """Base: camelCase in YAML/JSON (Kubernetes style), snake_case in Python; unknown keys are errors."""
@@ -131,7 +133,7 @@ def spec_from_document(doc: dict[str, Any], kind: str) -> dict[str, Any]:
     """Accept a whole manifest (apiVersion/kind/metadata/spec) or a bare spec."""
     if "spec" in doc and ("kind" in doc or "apiVersion" in doc):
         if doc.get("kind") not in (None, kind):
-            raise ValueError(f"expected a {kind} manifest, got kind {doc.get('kind')!r}")
+            raise ConfigError(f"expected a {kind} manifest, got kind {doc.get('kind')!r}")
         return dict(doc["spec"])
     return dict(doc)
 
@@ -143,9 +145,14 @@ def load_spec_section(path: str | Path, kind: str, model: type[M]) -> M:
     first document) and ignores cluster-only keys, so the YAML that is applied to
     a cluster also runs locally.
     """
-    docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
+    try:
+        docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if not docs:
-        raise ValueError(f"{path}: empty YAML; expected a {kind} manifest or spec")
+        raise ConfigError(f"{path}: empty YAML; expected a {kind} manifest or spec")
+    if not all(isinstance(d, dict) for d in docs):
+        raise ConfigError(f"{path}: every YAML document must be a mapping (a {kind} manifest or spec)")
     chosen = next((d for d in docs if d.get("kind") == kind), docs[0])
     spec = spec_from_document(chosen, kind)
     fields = set(model.model_fields) | {to_camel(k) for k in model.model_fields}

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from . import stages
 from .config import PackConfig
-from .records import iter_records
+from .records import ConfigError, iter_records
 
 
 def _convert_job(cfg_json: dict[str, Any], out: str, index: int, count: int, queue: Any) -> dict[str, Any]:
@@ -55,9 +55,11 @@ def _run_parallel(
 
 def run_all(cfg: PackConfig, out: Path, workers: int = 1, show_progress: bool = True) -> dict[str, Any]:
     """convert (N processes) → plan → materialize (N processes); returns the manifest."""
+    if workers < 1:
+        raise ConfigError(f"--workers {workers}: give at least 1 worker process")
     out.mkdir(parents=True, exist_ok=True)
     stages.check_output_config(cfg, out)
-    total = sum(1 for _ in iter_records(cfg.source.paths))
+    total = sum(1 for _ in iter_records(cfg.source.paths, select=lambda _: False))  # counted, not parsed
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, disable=not show_progress, transient=False) as progress:
         converted = _run_parallel(_convert_job, cfg, out, workers, progress, "convert", total)

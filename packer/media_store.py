@@ -7,12 +7,14 @@ become PNGs of exactly height x width, videos the sampled frames as PNGs.
 
 from __future__ import annotations
 
+import hashlib
 import io
 from pathlib import Path
 from typing import Any
 
 from PIL import Image
 
+from .records import ConfigError
 from .vision import upright
 
 
@@ -51,15 +53,43 @@ def video_frames(path: Path, indices: list[int]) -> list[Image.Image]:
     return [frames[i] for i in indices]
 
 
+def _checked_bytes(path: Path, key: str, keep: bool = True) -> bytes:
+    """The file's bytes (b"" when not `keep`: then the file is only hashed, streaming).
+
+    Refuses a file that changed or vanished since convert measured it: its token count
+    and grid came from the bytes that `key` hashes.
+    """
+    try:
+        if keep:
+            data = path.read_bytes()
+            digest = hashlib.sha256(data).hexdigest()
+        else:
+            data = b""
+            with path.open("rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as exc:
+        raise ConfigError(
+            f"media file {path} was readable at convert time but not now ({exc}); restore it, "
+            "or re-pack into a new output folder"
+        ) from exc
+    if digest != key:
+        raise ConfigError(
+            f"media file {path} changed since the convert stage measured it (sha256 differs); its "
+            "vision-token count would be wrong. Restore it, or re-pack into a new output folder"
+        )
+    return data
+
+
 def media_blob(ref: dict[str, Any], storage: str) -> dict[str, Any]:
     """The MEDIA_SCHEMA row for one media reference of a converted sample."""
     path = Path(ref["path"])
+    data = _checked_bytes(path, ref["key"], keep=storage == "original" or ref["kind"] == "image")
     if storage == "original":
         return {"key": ref["key"], "kind": ref["kind"], "encoding": "original",
-                "data": path.read_bytes(), "frames": []}
+                "data": data, "frames": []}
     h, w = ref["height"], ref["width"]
     if ref["kind"] == "image":
-        with Image.open(path) as img:
+        with Image.open(io.BytesIO(data)) as img:
             return {"key": ref["key"], "kind": "image", "encoding": "resized",
                     "data": _png(resize_rgb(img, h, w)), "frames": []}
     frames = [_png(resize_rgb(f, h, w)) for f in video_frames(path, list(ref["frames"]))]

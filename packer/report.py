@@ -31,7 +31,17 @@ def compact(summary: dict[str, Any]) -> str:
         return text
     slim = {k: v for k, v in summary.items() if not isinstance(v, (dict, list))}
     slim["truncated"] = True
-    return json.dumps(slim, separators=(",", ":"), sort_keys=True)[:LIMIT]
+    text = json.dumps(slim, separators=(",", ":"), sort_keys=True)
+    # Still too long (a long error, or one whose characters JSON escapes to 6 bytes each): shorten
+    # the longest strings rather than cut the JSON, which the operator could then not parse.
+    while len(text.encode()) > LIMIT:
+        key = max((k for k, v in slim.items() if isinstance(v, str) and v), key=lambda k: len(slim[k]), default=None)
+        if key is None:
+            return json.dumps({"truncated": True})
+        value = slim[key]
+        slim[key] = value[: len(value) * LIMIT // len(text.encode()) * 9 // 10]
+        text = json.dumps(slim, separators=(",", ":"), sort_keys=True)
+    return text
 
 
 def report(summary: dict[str, Any]) -> None:

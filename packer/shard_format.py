@@ -40,7 +40,8 @@ SEQUENCE_SCHEMA = pa.schema(
         ("labels", pa.list_(pa.int32())),  # -100 where not trained
         ("seq_lens", pa.list_(pa.int32())),  # lengths of the sub-samples, in order; sum = len(input_ids)
         ("sample_ids", pa.list_(pa.string())),  # each sub-sample's id (record `id`, else "<file>:<index>")
-        ("sources", pa.list_(pa.string())),  # each sub-sample's dataset file name
+        ("sources", pa.list_(pa.string())),  # each sub-sample's dataset file name (files sharing a name:
+        # their paths relative to their common folder, e.g. "a/train.jsonl", "b/train.jsonl")
         ("indices", pa.list_(pa.int64())),  # each sub-sample's 0-based index in its file
         ("media", pa.list_(MEDIA_REF)),  # in order of appearance in input_ids
     ]

@@ -9,13 +9,14 @@ sha256 against the manifest before handing out a single row.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import json
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import pyarrow as pa
 
@@ -37,19 +38,26 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` via a temp file in the same folder + fsync + rename."""
+@contextlib.contextmanager
+def atomic_writer(path: Path) -> Iterator[BinaryIO]:
+    """A binary file that appears at `path` (fsync + rename) only when the block ends without error."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` via a temp file in the same folder + fsync + rename."""
+    with atomic_writer(path) as f:
+        f.write(data)
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -70,10 +78,25 @@ def table_bytes(table: pa.Table) -> bytes:
 
 
 def write_table(path: Path, table: pa.Table) -> str:
-    """Atomically write an Arrow IPC file and return its sha256."""
-    data = table_bytes(table)
-    atomic_write(path, data)
-    return hashlib.sha256(data).hexdigest()
+    """Atomically write an Arrow IPC file and return its sha256.
+
+    Streams to the temp file (the same bytes as `table_bytes`) instead of building the
+    file in memory: a convert part can hold gigabytes.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            with pa.ipc.new_file(pa.PythonFile(f, mode="w"), table.schema) as writer:
+                writer.write_table(table)
+            f.flush()
+            os.fsync(f.fileno())
+        digest = sha256_file(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return digest
 
 
 def read_table(path: Path) -> pa.Table:
@@ -139,6 +162,7 @@ class ShardReader:
         self._tables: dict[int, pa.Table] = {}
         self._media_tables: dict[int, pa.Table] = {}
         self._media_index: dict[str, tuple[int, int]] | None = None
+        self._media_rows: dict[int, dict[str, int]] = {}
 
     def verify(self) -> None:
         """Check every shard file against the manifest's sha256; raise on the first mismatch."""
@@ -202,10 +226,12 @@ class ShardReader:
     def media(self, key: str, shard: int | None = None) -> dict[str, Any]:
         """A media blob by sha256 key (looked up in `shard` when given, else across the pack)."""
         if shard is not None:
-            table = self._media_table(shard)
-            keys = table.column("key").to_pylist()
-            if key in keys:
-                return table.slice(keys.index(key), 1).to_pylist()[0]
+            rows = self._media_rows.get(shard)
+            if rows is None:  # built once per shard: the trainer asks for every media item of a sample
+                keys = self._media_table(shard).column("key").to_pylist()
+                rows = self._media_rows[shard] = {k: i for i, k in reversed(list(enumerate(keys)))}
+            if key in rows:
+                return self._media_table(shard).slice(rows[key], 1).to_pylist()[0]
         if self._media_index is None:
             self._media_index = {}
             for s in range(self.num_shards):

@@ -9,8 +9,12 @@ global position in the input before planning.
 
 from __future__ import annotations
 
+import contextlib
+import heapq
 import json
+import os
 import re
+import threading
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +34,8 @@ from .shards import (
     REJECTS,
     atomic_write,
     atomic_write_json,
+    atomic_writer,
+    canonical_json,
     read_table,
     sha256_file,
     shard_paths,
@@ -39,6 +45,7 @@ from .shards import (
 from .tokenize import Reject, SampleTokenizer, TokenizedSample, truncate_sample
 
 WORK = "work"
+PART_BATCH_TOKENS = 1 << 20
 Progress = Callable[[int], None]
 
 PART_MEDIA = pa.struct(
@@ -84,20 +91,41 @@ def _work(out: Path) -> Path:
     return out / WORK
 
 
-def check_output_config(cfg: PackConfig, out: Path) -> None:
-    """Refuse to mix two configs in one output folder (a re-run with the same config is fine)."""
+def check_output_config(cfg: PackConfig, out: Path, record: bool = False) -> None:
+    """Refuse to mix two configs in one output folder (a re-run with the same config is fine).
+
+    `record` claims a free folder for `cfg`: convert does it once its slice has converted, so a
+    config error (a wrong model or path, `overlong: error`) does not lock the folder to the bad config.
+    """
     path = _work(out) / "config.json"
-    record = {"config_hash": cfg.config_hash(), "config": cfg.dump()}
-    if path.is_file():
-        existing = json.loads(path.read_text())
-        if existing.get("config_hash") != record["config_hash"]:
-            raise ConfigError(
-                f"{out} already holds a pack made with a different configuration "
-                f"(hash {existing.get('config_hash', '?')[:12]}… vs {record['config_hash'][:12]}…). "
-                "Use a new output folder, or delete this one to re-pack."
-            )
-        return
-    atomic_write_json(path, record)
+    want = {"config_hash": cfg.config_hash(), "config": cfg.dump()}
+    if not path.is_file():
+        if not record:
+            return
+        _create_once(path, canonical_json(want))
+    existing = json.loads(path.read_text())
+    if existing.get("config_hash") != want["config_hash"]:
+        raise ConfigError(
+            f"{out} already holds a pack made with a different configuration "
+            f"(hash {existing.get('config_hash', '?')[:12]}… vs {want['config_hash'][:12]}…). "
+            "Use a new output folder, or delete this one to re-pack."
+        )
+
+
+def _create_once(path: Path, data: bytes) -> None:
+    """Publish `path` atomically unless it exists: of workers racing to create it, exactly one wins
+    (a hard link fails on an existing name, where a rename would replace it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.new-{os.getpid()}-{threading.get_ident()}")
+    atomic_write(tmp, data)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    except OSError:  # a filesystem without hard links: a rename (last writer wins) is the best left
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _media_row(m: Any) -> dict[str, Any]:
@@ -161,49 +189,66 @@ def convert(
         return json.loads(summary_path.read_text())
 
     tokenizer = SampleTokenizer(cfg.source, cfg.model, cfg.packing)
+    # Converted rows go to Arrow record batches every PART_BATCH_TOKENS tokens: Python int lists cost
+    # ~80 bytes a token (Arrow: 8), and one batch's list offsets are int32 (2^31 tokens at most).
+    batches: list[pa.RecordBatch] = []
     rows: list[dict[str, Any]] = []
-    rejects: list[dict[str, Any]] = []
-    seen = 0
-    for position, raw in enumerate(iter_records(cfg.source.paths)):
-        if position % count != index:
-            continue
-        seen += 1
-        result = tokenizer(raw)
-        if isinstance(result, TokenizedSample):
-            result = _apply_overlong(cfg, result, position)
-        if isinstance(result, Reject):
-            rejects.append(_reject_row(result, position))
-        else:
-            rows.append(
-                {
-                    "position": position,
-                    "sample_id": result.sample_id,
-                    "source": result.source,
-                    "index": result.index,
-                    "length": len(result.input_ids),
-                    "input_ids": result.input_ids,
-                    "labels": result.labels,
-                    "media": [_media_row(m) for m in result.media],
-                }
-            )
-        if progress is not None and seen % 64 == 0:
-            progress(64)
-    if progress is not None and seen % 64:
-        progress(seen % 64)
+    pending_tokens = converted = tokens = 0
+    rejected = seen = 0
+    mine: Callable[[int], bool] = lambda position: position % count == index  # noqa: E731
+    # Rejects stream to their file (a worker may reject millions: a missing media folder).
+    with atomic_writer(work / "convert" / f"rejects-{name}.jsonl") as reject_file:
+        for position, raw in enumerate(iter_records(cfg.source.paths, select=mine)):
+            if not mine(position):
+                continue  # another worker's record, yielded unparsed
+            seen += 1
+            result = tokenizer(raw)
+            if isinstance(result, TokenizedSample):
+                result = _apply_overlong(cfg, result, position)
+            if isinstance(result, Reject):
+                row = _reject_row(result, position)
+                reject_file.write((json.dumps(row, sort_keys=True, ensure_ascii=False) + "\n").encode())
+                rejected += 1
+            else:
+                rows.append(
+                    {
+                        "position": position,
+                        "sample_id": result.sample_id,
+                        "source": result.source,
+                        "index": result.index,
+                        "length": len(result.input_ids),
+                        "input_ids": result.input_ids,
+                        "labels": result.labels,
+                        "media": [_media_row(m) for m in result.media],
+                    }
+                )
+                pending_tokens += len(result.input_ids)
+                if pending_tokens >= PART_BATCH_TOKENS:
+                    batches.append(pa.RecordBatch.from_pylist(rows, schema=PART_SCHEMA))
+                    converted += len(rows)
+                    tokens += pending_tokens
+                    rows, pending_tokens = [], 0
+            if progress is not None and seen % 64 == 0:
+                progress(64)
+        if progress is not None and seen % 64:
+            progress(seen % 64)
+        # Claim the folder only now, before publishing anything: a config that fails (bad model
+        # or paths, `overlong: error`) leaves it free for the corrected config.
+        check_output_config(cfg, out, record=True)
 
-    write_table(work / "convert" / f"part-{name}.arrow", pa.Table.from_pylist(rows, schema=PART_SCHEMA))
-    atomic_write(
-        work / "convert" / f"rejects-{name}.jsonl",
-        "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in rejects).encode(),
-    )
+    if rows:
+        batches.append(pa.RecordBatch.from_pylist(rows, schema=PART_SCHEMA))
+        converted += len(rows)
+        tokens += pending_tokens
+    write_table(work / "convert" / f"part-{name}.arrow", pa.Table.from_batches(batches, schema=PART_SCHEMA))
     summary = {
         "stage": "convert",
         "index": index,
         "count": count,
         "samples": seen,
-        "converted": len(rows),
-        "rejected": len(rejects),
-        "tokens": int(sum(r["length"] for r in rows)),
+        "converted": converted,
+        "rejected": rejected,
+        "tokens": tokens,
     }
     atomic_write_json(summary_path, summary)
     return summary
@@ -230,11 +275,12 @@ def _convert_parts(out: Path) -> int:
 
 
 def _input_fingerprints(cfg: PackConfig) -> list[dict[str, Any]]:
-    from .records import expand_paths
+    from .records import expand_paths, source_names
 
+    files = expand_paths(cfg.source.paths)
     return [
-        {"name": p.name, "path": str(p), "bytes": p.stat().st_size, "sha256": sha256_file(p)}
-        for p in expand_paths(cfg.source.paths)
+        {"name": name, "path": str(p), "bytes": p.stat().st_size, "sha256": sha256_file(p)}
+        for p, name in zip(files, source_names(files), strict=True)
     ]
 
 
@@ -248,7 +294,6 @@ def plan(cfg: PackConfig, out: Path) -> dict[str, Any]:
 
     count = _convert_parts(out)
     positions, parts, rows, lengths = [], [], [], []
-    rejects: list[dict[str, Any]] = []
     converted_total = 0
     for i in range(count):
         name = _part_name(i, count)
@@ -259,8 +304,6 @@ def plan(cfg: PackConfig, out: Path) -> dict[str, Any]:
         rows.append(np.arange(len(pos), dtype=np.int32))
         lengths.append(table.column("length").to_numpy().astype(np.int64))
         converted_total += len(pos)
-        text = (work / "convert" / f"rejects-{name}.jsonl").read_text()
-        rejects.extend(json.loads(line) for line in text.splitlines() if line)
 
     position = np.concatenate(positions) if positions else np.zeros(0, np.int64)
     order = np.argsort(position, kind="stable")
@@ -286,22 +329,25 @@ def plan(cfg: PackConfig, out: Path) -> dict[str, Any]:
     )
     write_table(work / "plan.arrow", plan_table)
 
-    rejects.sort(key=lambda r: r["position"])
-    atomic_write(
-        out / REJECTS,
-        "".join(
-            json.dumps({k: r[k] for k in ("source", "index", "id", "reason", "detail")}, ensure_ascii=False) + "\n"
-            for r in rejects
-        ).encode(),
-    )
+    # Each worker's rejects are in position order: merge them, streaming, into input order.
+    reasons: Counter[str] = Counter()
+    with contextlib.ExitStack() as stack, atomic_writer(out / REJECTS) as f:
+        files = [stack.enter_context((work / "convert" / f"rejects-{_part_name(i, count)}.jsonl").open("rb"))
+                 for i in range(count)]
+        streams = ((json.loads(line) for line in fh if line.strip()) for fh in files)
+        for r in heapq.merge(*streams, key=lambda r: r["position"]):
+            reasons[r["reason"]] += 1
+            keep = {k: r[k] for k in ("source", "index", "id", "reason", "detail")}
+            f.write((json.dumps(keep, ensure_ascii=False) + "\n").encode())
+    rejected = sum(reasons.values())
     tokens = int(length.sum())
     shards = -(-sequences // p.sequences_per_shard)
     summary = {
         "stage": "plan",
-        "samples": converted_total + len(rejects),
+        "samples": converted_total + rejected,
         "packed": converted_total,
-        "rejected": len(rejects),
-        "rejectedByReason": dict(sorted(Counter(r["reason"] for r in rejects).items())),
+        "rejected": rejected,
+        "rejectedByReason": dict(sorted(reasons.items())),
         "sequences": sequences,
         "shards": shards,
         "tokens": tokens,

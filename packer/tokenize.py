@@ -69,7 +69,7 @@ class MediaItem:
 @dataclass
 class TokenizedSample:
     sample_id: str
-    source: str  # dataset file name
+    source: str  # dataset file name (see `records.source_names`)
     index: int
     input_ids: list[int]
     labels: list[int]
@@ -118,7 +118,10 @@ class SampleTokenizer:
         self.model: LoadedModel = load_model(model)
         self._backend = self.model.tokenizer.backend_tokenizer
         self._encode = _fast_encoder(self._backend)
-        root = Path(source.media_root).expanduser() if source.media_root else None
+        try:
+            root = Path(source.media_root).expanduser() if source.media_root else None
+        except RuntimeError as exc:  # "~someone/…" naming an unknown user
+            raise ConfigError(f"source.mediaRoot: {source.media_root}: {exc}") from exc
         if root is not None and not root.is_absolute() and base_dir is not None:
             root = base_dir / root
         if root is not None and not root.is_dir():
@@ -129,7 +132,7 @@ class SampleTokenizer:
         self._header_ids, self._end_id = self._assistant_markers()
 
     def __call__(self, raw: RawRecord) -> TokenizedSample | Reject:
-        name = raw.source.name
+        name = raw.source_name
         if raw.record is None:
             return Reject(
                 name, raw.index, None, raw.reason or "malformed_record", raw.error or "unreadable record"
@@ -167,7 +170,7 @@ class SampleTokenizer:
     def _sample_id(self, raw: RawRecord) -> str:
         value = raw.record.get(self.source.field_map.id) if raw.record else None
         if value is None or value == "" or isinstance(value, dict | list):
-            return f"{raw.source.name}:{raw.index}"
+            return f"{raw.source_name}:{raw.index}"
         return str(value)
 
     def _check_turns(self, turns: list[Turn]) -> None:
@@ -289,11 +292,16 @@ class SampleTokenizer:
                 "unsupported_media", f"{ref[:80]}: remote or inline media are not fetched; use local files"
             )
         ref = ref.removeprefix("file://")
+        if "\0" in ref:
+            raise MediaError("missing_media", f"{ref[:80]!r}: a path cannot contain a NUL character")
         for old, new in self.source.media_path_map.items():
             if ref.startswith(old):
                 ref = new + ref[len(old) :]
                 break
-        path = Path(ref).expanduser()
+        try:
+            path = Path(ref).expanduser()
+        except RuntimeError as exc:  # "~someone/…" naming an unknown user
+            raise MediaError("missing_media", f"{ref[:80]}: {exc}") from exc
         if not path.is_absolute():
             path = (self._media_root or dataset_dir) / path
         return path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import sys
 from collections import Counter
@@ -150,7 +151,9 @@ def _check_inputs(manifest: dict[str, Any], seen: Counter[tuple[str, int]]) -> l
         for p, i in zip(paths, manifest["inputs"], strict=True)
         if sha256_file(p) != i["sha256"]
     ]
-    expected = {(raw.source.name, raw.index) for raw in iter_records([str(p) for p in paths])}
+    # Escaped: these are file names, not patterns. Only (source, index) is needed, so nothing is parsed.
+    records = iter_records([glob.escape(str(p)) for p in paths], select=lambda _: False)
+    expected = {(raw.source_name, raw.index) for raw in records}
     missing = expected - seen.keys()
     extra = seen.keys() - expected
     if missing:
