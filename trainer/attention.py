@@ -53,8 +53,10 @@ def _flex_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """flex_attention with our BlockMask for the language model; the vision tower calls this per
-    image chunk without a mask (bidirectional), which SDPA serves."""
+    """flex_attention with our BlockMask for the language model; SDPA for everything else: the
+    vision tower's per-image chunks (no mask, `is_causal=False`: bidirectional) and the padded
+    baseline's language model, which transformers calls without a mask for a custom backend, so
+    it must be causal there (right padding: no real token sees a pad)."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     if isinstance(attention_mask, BlockMask):
@@ -62,10 +64,18 @@ def _flex_attention(
         fn = _compiled_flex() if query.is_cuda else flex_attention
         out = fn(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=True)
     else:
+        is_causal = kwargs.get("is_causal")
+        if is_causal is None:
+            is_causal = bool(getattr(module, "is_causal", False))
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
         out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=False
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            scale=scaling,
+            is_causal=is_causal and attention_mask is None,
         )
     return out.transpose(1, 2).contiguous(), None
 

@@ -10,7 +10,14 @@ import argparse
 import json
 import sys
 
+from pydantic import ValidationError
+
+from packtrain.packer.records import ConfigError
+from packtrain.packer.shards import ShardFormatError
+
 from .config import load_train_config
+
+EXIT_CONFIG = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,19 +34,27 @@ def main(argv: list[str] | None = None) -> int:
     if args[:1] == ["train"]:
         args = args[1:]
     opts = build_parser().parse_args(args)
-    cfg = load_train_config(opts.config)
-    if opts.data:
-        cfg.data.path = opts.data
-    if opts.output:
-        cfg.training.output_dir = opts.output
-    if opts.max_steps is not None:
-        cfg.training.max_steps = opts.max_steps
-    cfg = type(cfg).model_validate(cfg.model_dump())
+    try:
+        cfg = load_train_config(opts.config)
+        if opts.data:
+            cfg.data.path = opts.data
+        if opts.output:
+            cfg.training.output_dir = opts.output
+        if opts.max_steps is not None:
+            cfg.training.max_steps = opts.max_steps
+        cfg = type(cfg).model_validate(cfg.model_dump())
+    except (ConfigError, ValidationError, FileNotFoundError) as exc:
+        print(f"packtrain train: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
 
     from . import distributed
     from .loop import train
 
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    except ShardFormatError as exc:  # data.path is not a finished pack
+        print(f"packtrain train: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     if distributed.environ().is_main:
         print(json.dumps(summary), flush=True)
         # On Kubernetes the operator reads the summary from the pod's termination message.

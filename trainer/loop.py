@@ -25,7 +25,7 @@ from .data import DEFAULT_PAD_TOKEN_ID, PackedDataset
 from .loss import global_label_tokens, micro_batch_objective
 from .media import PixelSpec
 from .metrics import ModelShape, Stopwatch, TrainMetrics, device_peak_tflops, step_flops
-from .model import VLMForTraining, build_model, move_batch, parameter_groups
+from .model import VLMForTraining, build_model, load_config, move_batch, parameter_groups
 from .rope import family_from_config
 
 
@@ -50,7 +50,12 @@ def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
 
 
 def batches(dataset: PackedDataset, num_workers: int, prefetch: int, pin: bool) -> Iterator[dict[str, Any]]:
-    """Micro-batches forever, epoch after epoch, starting at the dataset's saved position."""
+    """Micro-batches forever, epoch after epoch, starting at the dataset's saved position.
+
+    Each loader gets its own generator: a DataLoader iterator draws its workers' base seed from
+    the generator it is given, else from the global torch RNG, and a resumed run (which starts a
+    loader at the resume point) would then leave the global RNG one draw off the straight run.
+    """
     while True:
         loader = DataLoader(
             dataset.view(),
@@ -59,6 +64,7 @@ def batches(dataset: PackedDataset, num_workers: int, prefetch: int, pin: bool) 
             num_workers=num_workers,
             prefetch_factor=prefetch if num_workers else None,
             pin_memory=pin,
+            generator=torch.Generator().manual_seed(dataset.seed),
         )
         yield from loader
 
@@ -86,28 +92,13 @@ def _train(
     torch.manual_seed(t.seed)
     dtype = resolve_dtype(t.dtype, device)
     backend = resolve_attention(t.attention, device)
-
-    # -- model ---------------------------------------------------------------------------
-    hf = build_model(
-        cfg.model.path,
-        init=cfg.model.init,
-        overrides=cfg.model.config_overrides,
-        dtype=dtype,
-        attention=backend,
-        seed=t.seed,
-        device=device,
-    )
-    family = family_from_config(hf.config)
+    config = load_config(cfg.model.path, cfg.model.config_overrides)
+    family = family_from_config(config)
     if cfg.model.family is not None and cfg.model.family != family.name:
         raise ValueError(f"model.family is {cfg.model.family} but {cfg.model.path} is a {family.name} model")
-    if cfg.model.gradient_checkpointing:
-        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    core = VLMForTraining(hf, backend, always_run_vision=env.distributed).to(device)
-    shape = ModelShape.from_model(hf, parameter_groups(core))
-    model = distributed.parallelize(core, t.strategy, env, device)
 
-    # -- data ----------------------------------------------------------------------------
-    pad_id = hf.config.text_config.pad_token_id
+    # -- data (first: a folder that is not a pack, or too small a pack, fails before the model) ---
+    pad_id = config.text_config.pad_token_id
     dataset = PackedDataset(
         cfg.data.path,
         family,
@@ -125,6 +116,23 @@ def _train(
     pack_family = dataset.manifest.get("family")
     if pack_family not in (None, family.name):
         raise ValueError(f"the pack was made for {pack_family} but the model is {family.name}")
+    dataset.balance()  # plans the epoch: raises if the pack holds less than one global step
+
+    # -- model ---------------------------------------------------------------------------
+    hf = build_model(
+        cfg.model.path,
+        init=cfg.model.init,
+        overrides=cfg.model.config_overrides,
+        dtype=dtype,
+        attention=backend,
+        seed=t.seed,
+        device=device,
+    )
+    if cfg.model.gradient_checkpointing:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    core = VLMForTraining(hf, backend, always_run_vision=env.distributed).to(device)
+    shape = ModelShape.from_model(hf, parameter_groups(core))
+    model = distributed.parallelize(core, t.strategy, env, device)
 
     # -- optimizer, schedule, resume -----------------------------------------------------
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
@@ -142,7 +150,7 @@ def _train(
         env.rank, device, None if t.metrics_port is None else t.metrics_port + env.local_rank
     )
     metrics.enable_mfu(device_peak_tflops(device, t.peak_tflops))
-    balance = dataset.balance()
+    balance = dataset.balance()  # of the epoch this run starts in
     metrics.update({"attention_imbalance": balance["max"]})
     stream = batches(dataset, cfg.data.num_workers, cfg.data.prefetch_factor, device.type == "cuda")
 
@@ -220,7 +228,9 @@ def _train(
             )
 
     # -- end -----------------------------------------------------------------------------
-    if t.checkpoint_at_end:
+    # A rerun that found every step done has nothing new to save, and re-saving would delete and
+    # rewrite the checkpoint it resumed from (the only one with keepCheckpoints: 1).
+    if t.checkpoint_at_end and step > start_step:
         checkpoint.save(
             out, step, model, optimizer, scheduler, {"data": dataset.state_dict()}, env, t.keep_checkpoints
         )

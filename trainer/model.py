@@ -79,7 +79,9 @@ def build_model(
         torch.manual_seed(seed)
         with torch.device(device):
             model = AutoModelForImageTextToText.from_config(config, attn_implementation=impl, dtype=dtype)
-    return model.to(device=device, dtype=dtype)
+    # Parameters are already in `dtype`; `.to(dtype=...)` would also cast the rotary `inv_freq`
+    # buffers that transformers deliberately keeps in fp32 (bf16 ones skew long-range positions).
+    return model.to(device=device)
 
 
 class VLMForTraining(nn.Module):

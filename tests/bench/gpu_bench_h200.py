@@ -8,7 +8,8 @@ fixtures beside the checkout. Steps:
 2. pack it at 8192 tokens with the real packer;
 3. train a random-init model from the shared Qwen2.5-VL-3B config in bf16, first
    packed (one 8192-token packed sequence per step, per-sample attention), then
-   the padded baseline (one sample per row, padded per batch) on the same pack;
+   the padded baseline (one sample per row, padded per batch, accumulated over micro-batches so
+   that an optimizer step holds about the effective tokens of a packed one) on the same pack;
 4. print tokens/s, effective tokens/s, padding, MFU (attention FLOPs from the real
    sub-sample lengths, H200 dense bf16 peak 989 TFLOP/s), SM utilisation (NVML
    GPM on Hopper, else the utilisation rate) and peak memory, and the targets:
@@ -58,8 +59,25 @@ def make_pack(work: Path, samples: int, max_length: int, workers: int) -> Path:
     return out
 
 
+def padded_grad_accum(manifest: dict, padded_batch: int) -> int:
+    """Micro-batches per padded step so that a padded optimizer step holds about the effective
+    tokens of a packed one (one packed sequence): otherwise the padded run pays the per-step
+    cost (optimizer update, gradient clipping, synchronisation) on several times fewer tokens
+    and the speedup measures step granularity, not padding."""
+    per_sequence = manifest["tokens"] / manifest["sequences"]
+    per_sample = manifest["tokens"] / manifest["counts"]["packed"]
+    return max(1, round(per_sequence / (padded_batch * per_sample)))
+
+
 def run(
-    pack: Path, out: Path, mode: str, steps: int, padded_batch: int, attention: str, workers: int
+    pack: Path,
+    out: Path,
+    mode: str,
+    steps: int,
+    padded_batch: int,
+    attention: str,
+    workers: int,
+    grad_accum: int = 1,
 ) -> dict:
     cfg = SFTSpecCore.model_validate(
         {
@@ -70,6 +88,7 @@ def run(
                 "mode": mode,
                 "microBatchSequences": 1,
                 "paddedBatchSize": padded_batch,
+                "gradAccum": grad_accum,
                 "lr": 1e-5,
                 "dtype": "bf16",
                 "attention": attention,
@@ -94,6 +113,11 @@ def main() -> None:
     # Padded rows reach 8192 tokens when a long sample is drawn: 2 rows keep the baseline in memory
     # without activation checkpointing (which would slow both modes alike).
     p.add_argument("--padded-batch", type=int, default=2)
+    p.add_argument(
+        "--padded-accum",
+        type=int,
+        help="micro-batches per padded step (default: as many as give the effective tokens of one packed sequence)",
+    )
     p.add_argument("--attention", default="auto")
     p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
     p.add_argument("--out", type=Path, help="also write the results as JSON here")
@@ -111,11 +135,13 @@ def main() -> None:
             f"fill {manifest['fill_ratio']:.3f} ({time.perf_counter() - t0:.0f}s)",
             flush=True,
         )
+        accum = {"packed": 1, "padded": args.padded_accum or padded_grad_accum(manifest, args.padded_batch)}
+        print(f"padded: {args.padded_batch} samples x {accum['padded']} micro-batches per step", flush=True)
         results = {}
         for mode in ("packed", "padded"):
             t1 = time.perf_counter()
             results[mode] = run(
-                pack, work / mode, mode, args.steps, args.padded_batch, args.attention, args.workers
+                pack, work / mode, mode, args.steps, args.padded_batch, args.attention, args.workers, accum[mode]
             )
             print(f"{mode}: {time.perf_counter() - t1:.0f}s", flush=True)
     header = (
@@ -139,6 +165,7 @@ def main() -> None:
         "packed_mfu": mfu,
         "mfu_target_met": mfu >= 0.40,
         "attention": results["packed"]["attention"],
+        "padded_grad_accum": accum["padded"],
     }
     print(
         f"\npacked/padded effective tokens/s: {ratio:.2f}x (target >= 2x); packed MFU {mfu:.1%} (target >= 40%)"
