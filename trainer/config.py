@@ -86,7 +86,11 @@ class TrainingSpec(CamelModel):
     strategy: Strategy = Field(
         "ddp", description="ddp (replicated), or fsdp (FSDP2, sharded) for large models."
     )
-    dtype: DType = Field("auto", description="auto: bf16 on GPU, fp32 on CPU.")
+    dtype: DType = Field(
+        "auto",
+        description="Compute dtype; auto: bf16 on GPU, fp32 on CPU. bf16 is mixed precision: fp32 weights and "
+        "optimizer state, bf16 autocast (the final export is saved in bf16).",
+    )
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="Serve Prometheus /metrics on this port + local rank; null: off."
     )

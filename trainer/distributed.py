@@ -115,10 +115,15 @@ def environ() -> DistEnv:
 
 
 def parallelize(
-    module: torch.nn.Module, strategy: str, env: DistEnv, device: torch.device
+    module: torch.nn.Module,
+    strategy: str,
+    env: DistEnv,
+    device: torch.device,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> torch.nn.Module:
     """DDP (replicated weights) or FSDP2 (`fully_shard` per decoder layer / vision block, then the
-    root); a single process trains the module as is."""
+    root); a single process trains the module as is. FSDP2 gathers parameters in `compute_dtype`
+    and reduces gradients in fp32, so its shards keep fp32 master weights."""
     if not env.distributed:
         return module
     if strategy == "ddp":
@@ -126,14 +131,15 @@ def parallelize(
 
         return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
     if strategy == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         hf = module.hf  # type: ignore[attr-defined]
         for block in hf.model.visual.blocks:
-            fully_shard(block)
+            fully_shard(block, mp_policy=policy)
         for layer in hf.model.language_model.layers:
-            fully_shard(layer)
-        fully_shard(module)
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(module, mp_policy=policy)
         return module
     raise ValueError(f"unknown strategy {strategy!r}")
 

@@ -119,11 +119,13 @@ def _train(
     dataset.balance()  # plans the epoch: raises if the pack holds less than one global step
 
     # -- model ---------------------------------------------------------------------------
+    # Mixed precision: weights and AdamW state stay fp32 (bf16 weights would round most small
+    # updates away); matmuls run in `dtype` under autocast.
     hf = build_model(
         cfg.model.path,
         init=cfg.model.init,
         overrides=cfg.model.config_overrides,
-        dtype=dtype,
+        dtype=torch.float32,
         attention=backend,
         seed=t.seed,
         device=device,
@@ -132,7 +134,7 @@ def _train(
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     core = VLMForTraining(hf, backend, always_run_vision=env.distributed).to(device)
     shape = ModelShape.from_model(hf, parameter_groups(core))
-    model = distributed.parallelize(core, t.strategy, env, device)
+    model = distributed.parallelize(core, t.strategy, env, device, compute_dtype=dtype)
 
     # -- optimizer, schedule, resume -----------------------------------------------------
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
@@ -169,7 +171,8 @@ def _train(
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for i, batch in enumerate(micro):
             with distributed.set_grad_sync(model, i == len(micro) - 1):
-                result = model(move_batch(batch, device, dtype))
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                    result = model(move_batch(batch, device, dtype))
                 micro_batch_objective(result["loss_sum"], global_tokens, env.world_size).backward()
             loss_sum += result["loss_sum"].detach().double()
         if t.max_grad_norm is not None:
