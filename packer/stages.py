@@ -494,3 +494,16 @@ def finalize(cfg: PackConfig, out: Path) -> dict[str, Any] | None:
 def _label_tokens(out: Path, entry: dict[str, Any]) -> int:
     labels = read_table(out / entry["file"]).column("labels").combine_chunks().flatten()
     return int(pc.sum(pc.not_equal(labels, IGNORE_INDEX).cast(pa.int64())).as_py() or 0)
+
+
+def run_in_process(cfg: PackConfig, out: Path, workers: int = 1) -> dict[str, Any]:
+    """Every stage in this process, worker slice by worker slice; returns the manifest.
+
+    The same slicing as parallel pods, without processes: for tests and debugging.
+    """
+    for i in range(workers):
+        convert(cfg, out, i, workers)
+    plan(cfg, out)
+    for i in range(workers):
+        materialize(cfg, out, i, workers)
+    return json.loads((out / MANIFEST).read_text())

@@ -43,13 +43,7 @@ def _cfg(paths: list[Path], **packing: object) -> PackConfig:
     )
 
 
-def _run(cfg: PackConfig, out: Path, workers: int) -> dict:
-    for i in range(workers):
-        stages.convert(cfg, out, i, workers)
-    stages.plan(cfg, out)
-    for i in range(workers):
-        stages.materialize(cfg, out, i, workers)
-    return json.loads((out / MANIFEST).read_text())
+_run = stages.run_in_process
 
 
 def test_same_file_name_in_two_folders_is_accounted_for(tmp_path: Path) -> None:

@@ -45,13 +45,7 @@ def _config(tmp_path: Path, **packing: object) -> PackConfig:
     )
 
 
-def _run(cfg: PackConfig, out: Path, workers: int) -> dict:
-    for i in range(workers):
-        stages.convert(cfg, out, i, workers)
-    stages.plan(cfg, out)
-    for i in range(workers):
-        stages.materialize(cfg, out, i, workers)
-    return json.loads((out / MANIFEST).read_text())
+_run = stages.run_in_process
 
 
 @pytest.fixture(scope="module")

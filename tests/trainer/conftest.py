@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -70,3 +71,19 @@ def job_spec(data: Path, output: Path, family: str = "qwen2-vl", **training: Any
 def write_job(path: Path, spec: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(spec))
     return path
+
+
+def straight_and_resumed(spec: dict[str, Any], tmp_path: Path) -> tuple[dict, dict, Path]:
+    """Train `spec` straight to the end, then again from only its step-2 checkpoint (an interrupted run)."""
+    from packtrain.trainer.config import load_train_config
+    from packtrain.trainer.loop import train
+
+    straight = train(load_train_config(write_job(tmp_path / "a.yaml", spec)), log=lambda _: None)
+    resumed_dir = tmp_path / "resumed"
+    (resumed_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(
+        tmp_path / "straight" / "checkpoints" / "step-00000002", resumed_dir / "checkpoints" / "step-00000002"
+    )
+    spec["spec"]["training"]["outputDir"] = str(resumed_dir)
+    resumed = train(load_train_config(write_job(tmp_path / "b.yaml", spec)), log=lambda _: None)
+    return straight, resumed, resumed_dir

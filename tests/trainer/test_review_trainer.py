@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
-from conftest import job_spec, write_job
+from conftest import job_spec, straight_and_resumed, write_job
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 from vlm_fixtures import FOLDER, TINY
@@ -37,14 +35,7 @@ def test_resume_is_bit_for_bit_with_dropout(pack_dir, tmp_path):
         **spec["spec"]["model"]["configOverrides"],
         "attention_dropout": 0.5,
     }
-    straight = train(load_train_config(write_job(tmp_path / "a.yaml", spec)), log=lambda _: None)
-    resumed_dir = tmp_path / "resumed"
-    (resumed_dir / "checkpoints").mkdir(parents=True)
-    shutil.copytree(
-        tmp_path / "straight" / "checkpoints" / "step-00000002", resumed_dir / "checkpoints" / "step-00000002"
-    )
-    spec["spec"]["training"]["outputDir"] = str(resumed_dir)
-    resumed = train(load_train_config(write_job(tmp_path / "b.yaml", spec)), log=lambda _: None)
+    straight, resumed, resumed_dir = straight_and_resumed(spec, tmp_path)
     assert resumed["steps_this_run"] == 2
     assert resumed["final_loss"] == straight["final_loss"]
     a = load_file(tmp_path / "straight" / "final" / "model.safetensors")

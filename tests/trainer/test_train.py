@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import job_spec, write_job
+from conftest import job_spec, straight_and_resumed, write_job
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
@@ -54,15 +53,8 @@ def test_cli_trains_and_exports_a_loadable_hf_model(pack_dir, tmp_path, capsys):
 
 def test_2n_steps_equal_n_steps_resume_n_steps_bit_for_bit(pack_dir, tmp_path, capsys):
     spec = job_spec(pack_dir, tmp_path / "straight", maxSteps=4, checkpointEvery=2, warmup=1)
-    straight = train(load_train_config(write_job(tmp_path / "a.yaml", spec)), log=lambda _: None)
     # Interrupted after step 2: only the step-2 checkpoint exists; the rerun resumes from it.
-    resumed_dir = tmp_path / "resumed"
-    (resumed_dir / "checkpoints").mkdir(parents=True)
-    shutil.copytree(
-        tmp_path / "straight" / "checkpoints" / "step-00000002", resumed_dir / "checkpoints" / "step-00000002"
-    )
-    spec["spec"]["training"]["outputDir"] = str(resumed_dir)
-    resumed = train(load_train_config(write_job(tmp_path / "b.yaml", spec)), log=lambda _: None)
+    straight, resumed, resumed_dir = straight_and_resumed(spec, tmp_path)
     assert resumed["resumed_from"].endswith("step-00000002") and resumed["steps_this_run"] == 2
     assert resumed["final_loss"] == straight["final_loss"]
     a = load_file(tmp_path / "straight" / "final" / "model.safetensors")
