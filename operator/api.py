@@ -17,9 +17,10 @@ same path, so the pack is found where the PackJob wrote it.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+import re
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from packtrain.packer.config import CamelModel, ModelConfig, PackingConfig, SourceConfig
 from packtrain.trainer.config import DataSpec, ModelSpec, TrainingSpec
@@ -42,6 +43,42 @@ NAME_RULE = {
     "the Jobs, pods and Services the operator creates",
 }
 _ABS_PATH = r"^/"
+
+# A Kubernetes resource quantity (`2`, `500m`, `8Gi`, `1e3`): the grammar of k8s.io/apimachinery's
+# resource.Quantity without a sign, so the API server refuses `cpu: "lots"` when the CR is applied
+# instead of when the operator creates the pod.
+_DECIMAL = r"(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+QUANTITY_PATTERN = rf"^\+?{_DECIMAL}(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?{_DECIMAL}))?$"
+Quantity = Annotated[int, Field(ge=0)] | Annotated[str, Field(pattern=QUANTITY_PATTERN, max_length=64)]
+
+# A folder inside a claim: relative and without `..`, so a mount or output path stays inside the claim.
+# The same regex is the CEL rule the API server checks and the pydantic check of local runs.
+PARENT_SEGMENT = r"(^|/)[.][.](/|$)"
+SUB_PATH_MESSAGE = "must be a relative path inside the claim: no leading / and no .. segment"
+
+
+def _sub_path(value: str) -> str:
+    if value.startswith("/") or re.search(PARENT_SEGMENT, value):
+        raise ValueError(f"{value!r} {SUB_PATH_MESSAGE}")
+    return value
+
+
+SubPath = Annotated[
+    str,
+    AfterValidator(_sub_path),
+    Field(
+        min_length=1,
+        max_length=1024,
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"!self.startsWith('/') && !self.matches('{PARENT_SEGMENT}')",
+                    "message": SUB_PATH_MESSAGE,
+                }
+            ]
+        },
+    ),
+]
 
 
 def immutable_rules(kind: str, fields: list[str], required: frozenset[str]) -> list[dict[str, str]]:
@@ -75,8 +112,8 @@ def immutable_rules(kind: str, fields: list[str], required: frozenset[str]) -> l
 class ResourceRequirements(CamelModel):
     """Container requests/limits, as in a Pod spec (quantities: `2`, `500m`, `8Gi`)."""
 
-    requests: dict[str, int | str] | None = None
-    limits: dict[str, int | str] | None = None
+    requests: dict[str, Quantity] | None = Field(None, max_length=16)
+    limits: dict[str, Quantity] | None = Field(None, max_length=16)
 
 
 class Toleration(CamelModel):
@@ -105,7 +142,7 @@ class Scheduling(CamelModel):
     affinity: dict[str, Any] | None = Field(None, description="A Pod affinity, passed through unchanged.")
 
 
-RESERVED_VOLUMES = ("output", "config")
+RESERVED_VOLUMES = ("output", "config", "tmp")
 
 
 class ClaimMount(CamelModel):
@@ -126,7 +163,7 @@ class ClaimMount(CamelModel):
     name: str = Field(..., pattern=_NAME, max_length=50, description="Volume name in the pod.")
     claim_name: str = Field(..., min_length=1)
     mount_path: str = Field(..., pattern=_ABS_PATH)
-    sub_path: str | None = None
+    sub_path: SubPath | None = None
     read_only: bool = True
 
     @model_validator(mode="after")
@@ -147,9 +184,7 @@ class PackOutput(CamelModel):
     claim_name: str = Field(
         ..., min_length=1, description="PersistentVolumeClaim (ReadWriteMany for >1 worker)."
     )
-    sub_path: str | None = Field(
-        None, pattern=r"^[^/]", description="Folder inside the claim; default: the PackJob's name."
-    )
+    sub_path: SubPath | None = Field(None, description="Folder inside the claim; default: the PackJob's name.")
     mount_path: str = Field("/data", pattern=_ABS_PATH, description="Where the claim is mounted in the pods.")
 
 
@@ -266,15 +301,17 @@ class SFTResources(Scheduling):
     gpus_per_node: int = Field(
         1, ge=0, le=64, description="nvidia.com/gpu per pod = torchrun processes per node."
     )
-    cpu: int | str | None = Field(None, description="CPU request and limit per pod, e.g. 16 or 15500m.")
-    memory: str | None = Field(None, description="Memory request and limit per pod, e.g. 200Gi.")
+    cpu: Quantity | None = Field(None, description="CPU request and limit per pod, e.g. 16 or 15500m.")
+    memory: Annotated[str, Field(pattern=QUANTITY_PATTERN, max_length=64)] | None = Field(
+        None, description="Memory request and limit per pod, e.g. 200Gi."
+    )
 
 
 class VolumeClaim(CamelModel):
     """A PersistentVolumeClaim and the folder of it to use."""
 
     claim_name: str = Field(..., min_length=1)
-    sub_path: str | None = None
+    sub_path: SubPath | None = None
 
 
 class SFTVolumes(CamelModel):

@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
-from .api import API_VERSION, ClaimMount, PackJobSpec, SFTJobSpec
+from .api import API_VERSION, ClaimMount, PackJobSpec, ResourceRequirements, SFTJobSpec
 from .commands import EXIT_CONFIG, INDEXED_STAGES, PackStage, pack_stage_command, train_command
+from .policy import Policy
 
 PACK_CONTAINER = "packer"
 TRAIN_CONTAINER = "pytorch"  # the name the Kubeflow training-operator requires
@@ -38,6 +40,9 @@ SFTJOB_LABEL = "packtrain.dev/sftjob"
 STAGE_LABEL = "packtrain.dev/stage"
 PYTORCHJOB_API = "kubeflow.org/v1"
 TRAINJOB_API = "trainer.kubeflow.org/v1alpha1"
+TMP_DIR = "/tmp"
+# The uid/gid of the `packtrain` user in images/packer and images/trainer.
+WORKLOAD_ID = 65532
 
 
 def _version() -> str:
@@ -59,6 +64,13 @@ def _json_env(env: Mapping[str, str], key: str, default: Any) -> Any:
         raise ValueError(f"environment variable {key} must be JSON, got {raw!r}: {exc}") from exc
 
 
+def _policy(raw: Any) -> Policy:
+    try:
+        return Policy.model_validate(raw)
+    except ValidationError as exc:
+        raise ValueError(f"environment variable PACKTRAIN_POLICY (the chart's `policy` values) is invalid: {exc}") from exc
+
+
 @dataclass(frozen=True)
 class OperatorDefaults:
     """What a spec may leave out: images and the CPU/GPU pools, set by the Helm chart through env."""
@@ -71,10 +83,31 @@ class OperatorDefaults:
     gpu_tolerations: list[dict[str, Any]] = field(
         default_factory=lambda: [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     )
+    # Requests of the pods whose spec sets none (a quota or a scheduler needs them on every pod).
+    cpu_resources: dict[str, Any] = field(default_factory=lambda: {"requests": {"cpu": "1", "memory": "2Gi"}})
+    gpu_resources: dict[str, Any] = field(default_factory=lambda: {"requests": {"cpu": "4", "memory": "16Gi"}})
+    # The identity every workload pod runs as (the images' own non-root user by default).
+    run_as_user: int = WORKLOAD_ID
+    run_as_group: int = WORKLOAD_ID
+    fs_group: int = WORKLOAD_ID
+    # What a CR may put into its pods (the chart's `policy` values); checked before any child is created.
+    policy: Policy = field(default_factory=Policy)
+
+    def __post_init__(self) -> None:
+        for name in ("run_as_user", "run_as_group", "fs_group"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer (a non-root id), got {value!r}")
+        for name in ("cpu_resources", "gpu_resources"):
+            try:
+                ResourceRequirements.model_validate(getattr(self, name))
+            except ValidationError as exc:
+                raise ValueError(f"{name} must be a container `resources` with Kubernetes quantities: {exc}") from exc
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorDefaults:
-        """`PACKTRAIN_PACKER_IMAGE`, `PACKTRAIN_TRAINER_IMAGE`, and JSON `PACKTRAIN_{CPU,GPU}_{NODE_SELECTOR,TOLERATIONS}`."""
+        """`PACKTRAIN_PACKER_IMAGE`, `PACKTRAIN_TRAINER_IMAGE`, JSON `PACKTRAIN_{CPU,GPU}_{NODE_SELECTOR,TOLERATIONS,
+        RESOURCES}` and `PACKTRAIN_{RUN_AS_USER,RUN_AS_GROUP,FS_GROUP}`."""
         env = os.environ if env is None else env
         base = cls()
         return cls(
@@ -84,6 +117,12 @@ class OperatorDefaults:
             cpu_tolerations=_json_env(env, "PACKTRAIN_CPU_TOLERATIONS", base.cpu_tolerations),
             gpu_node_selector=_json_env(env, "PACKTRAIN_GPU_NODE_SELECTOR", base.gpu_node_selector),
             gpu_tolerations=_json_env(env, "PACKTRAIN_GPU_TOLERATIONS", base.gpu_tolerations),
+            cpu_resources=_json_env(env, "PACKTRAIN_CPU_RESOURCES", base.cpu_resources),
+            gpu_resources=_json_env(env, "PACKTRAIN_GPU_RESOURCES", base.gpu_resources),
+            run_as_user=_json_env(env, "PACKTRAIN_RUN_AS_USER", base.run_as_user),
+            run_as_group=_json_env(env, "PACKTRAIN_RUN_AS_GROUP", base.run_as_group),
+            fs_group=_json_env(env, "PACKTRAIN_FS_GROUP", base.fs_group),
+            policy=_policy(_json_env(env, "PACKTRAIN_POLICY", {})),
         )
 
 
@@ -150,11 +189,66 @@ def _scheduling(
 
 def _env() -> list[dict[str, str]]:
     # Where packtrain writes its JSON summary (the kubelet's default path, named so tools that run
-    # the command outside a kubelet, like the test node agent, can redirect it).
+    # the command outside a kubelet, like the test node agent, can redirect it). HOME is the writable
+    # /tmp: the root filesystem is read-only, and caches (Hugging Face, Triton) live under HOME.
     return [
         {"name": "PYTHONUNBUFFERED", "value": "1"},
         {"name": "PACKTRAIN_TERMINATION_LOG", "value": TERMINATION_LOG},
+        {"name": "HOME", "value": TMP_DIR},
     ]
+
+
+# Pod security: every pod the operator builds meets the `restricted` Pod Security Standard, so a
+# namespace that enforces it runs PackJobs and SFTJobs, and a CR author cannot loosen it (no spec
+# field reaches these settings; the identity is the admin's, from the chart's values).
+
+
+def pod_security_context(defaults: OperatorDefaults) -> dict[str, Any]:
+    """Pod level: a numeric non-root identity and the container runtime's default seccomp profile."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": defaults.run_as_user,
+        "runAsGroup": defaults.run_as_group,
+        "fsGroup": defaults.fs_group,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security_context() -> dict[str, Any]:
+    """Container level: no privilege escalation, no capabilities, a read-only root filesystem."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+    }
+
+
+def _tmp_volume() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The writable /tmp the read-only root filesystem leaves out (torchrun, tokenizers and caches use it)."""
+    return {"name": "tmp", "emptyDir": {}}, _mount("tmp", TMP_DIR)
+
+
+def with_default_requests(own: Mapping[str, Any] | None, default: Mapping[str, Any]) -> dict[str, Any]:
+    """Container resources that always carry requests (a namespace quota refuses pods without them).
+
+    Each resource the spec names (as a request or a limit) is the spec's alone, a limit without a
+    request requesting as much (what the API server would default); every other resource takes
+    the pool's default request and limit.
+    """
+    own = own or {}
+    requests = dict(own.get("requests") or {})
+    limits = dict(own.get("limits") or {})
+    touched = set(requests) | set(limits)
+    requests.update({k: v for k, v in limits.items() if k not in requests})
+    for part, target in (("requests", requests), ("limits", limits)):
+        target.update({k: v for k, v in (default.get(part) or {}).items() if k not in touched})
+    out: dict[str, Any] = {}
+    if limits:
+        out["limits"] = limits
+    if requests:
+        out["requests"] = requests
+    return out
 
 
 def _pod_metadata(labels: dict[str, str], annotations: dict[str, str] | None) -> dict[str, Any]:
@@ -228,6 +322,7 @@ def pack_job(
     job_name = pack_job_name(name, stage)
     config_path = f"{CONFIG_DIR}/{PACK_CONFIG_FILE}"
     extra_volumes, extra_mounts = _extra_volumes(spec.volumes)
+    tmp_volume, tmp_mount = _tmp_volume()
     container: dict[str, Any] = {
         "name": PACK_CONTAINER,
         "image": workers.image or defaults.packer_image,
@@ -241,15 +336,22 @@ def pack_job(
         "volumeMounts": [
             _mount("output", spec.output.mount_path),
             _mount("config", CONFIG_DIR, read_only=True),
+            tmp_mount,
             *extra_mounts,
         ],
+        "resources": with_default_requests(
+            workers.resources.model_dump(mode="json", by_alias=True, exclude_none=True)
+            if workers.resources is not None
+            else None,
+            defaults.cpu_resources,
+        ),
+        "securityContext": container_security_context(),
     }
-    if workers.resources is not None:
-        container["resources"] = workers.resources.model_dump(mode="json", by_alias=True, exclude_none=True)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         # Packer pods never call the API: stats travel in the termination message.
         "automountServiceAccountToken": False,
+        "securityContext": pod_security_context(defaults),
         **_scheduling(
             workers.node_selector,
             workers.tolerations,
@@ -261,6 +363,7 @@ def pack_job(
         "volumes": [
             _claim_volume("output", spec.output.claim_name),
             {"name": "config", "configMap": {"name": pack_config_name(name)}},
+            tmp_volume,
             *extra_volumes,
         ],
     }
@@ -351,7 +454,8 @@ def train_config_map(name: str, namespace: str, spec: SFTJobSpec, data: DataSour
     )
 
 
-def _train_resources(spec: SFTJobSpec) -> dict[str, Any]:
+def _train_resources(spec: SFTJobSpec, defaults: OperatorDefaults) -> dict[str, Any]:
+    """GPUs, cpu and memory as set, as requests and limits; the GPU pool's default requests for the rest."""
     res = spec.resources
     limits: dict[str, Any] = {}
     if res.gpus_per_node:
@@ -360,23 +464,25 @@ def _train_resources(spec: SFTJobSpec) -> dict[str, Any]:
         limits["cpu"] = res.cpu
     if res.memory is not None:
         limits["memory"] = res.memory
-    requests = dict(limits)
-    return {"limits": limits, "requests": requests} if limits else {}
+    return with_default_requests({"limits": limits, "requests": dict(limits)}, defaults.gpu_resources)
 
 
 def _train_volumes(name: str, spec: SFTJobSpec, data: DataSource) -> tuple[list[dict], list[dict]]:
+    tmp_volume, tmp_mount = _tmp_volume()
     volumes = [
         _claim_volume("data", data.claim_name, read_only=True),
         _claim_volume("checkpoints", spec.volumes.checkpoints.claim_name),
         {"name": "config", "configMap": {"name": train_config_name(name)}},
         # NCCL and dataloader workers share tensors through /dev/shm; the default 64 MiB is too small.
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        tmp_volume,
     ]
     mounts = [
         _mount("data", data.mount_path, read_only=True, sub_path=data.sub_path),
         _mount("checkpoints", SFT_CHECKPOINT_MOUNT, sub_path=spec.volumes.checkpoints.sub_path),
         _mount("config", CONFIG_DIR, read_only=True),
         _mount("dshm", "/dev/shm"),
+        tmp_mount,
     ]
     if spec.volumes.model is not None:
         volumes.append(_claim_volume("model", spec.volumes.model.claim_name, read_only=True))
@@ -427,12 +533,14 @@ def pytorch_job(
         "ports": [{"name": "metrics", "containerPort": spec.metrics_port, "protocol": "TCP"}],
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": mounts,
+        "resources": _train_resources(spec, defaults),
+        "securityContext": container_security_context(),
     }
-    resources = _train_resources(spec)
-    if resources:
-        container["resources"] = resources
     res = spec.resources
     pod_spec: dict[str, Any] = {
+        # Trainer pods never call the API either.
+        "automountServiceAccountToken": False,
+        "securityContext": pod_security_context(defaults),
         **_train_scheduling(spec, defaults),
         "containers": [container],
         "volumes": volumes,
@@ -476,7 +584,8 @@ def train_job(
     """A `trainer.kubeflow.org/v1alpha1` TrainJob against a (Cluster)TrainingRuntime, default torch-distributed.
 
     The runtime owns the pod template; volumes and scheduling go in as
-    `podTemplateOverrides` on its `node` job.
+    `podTemplateOverrides` on its `node` job. Trainer v2 lets a TrainJob override neither
+    securityContext nor automountServiceAccountToken: the (admin-owned) runtime sets them.
     """
     runtime = spec.runtime
     runtime_name = runtime.name if runtime else "torch-distributed"
@@ -497,9 +606,7 @@ def train_job(
         "numNodes": res.nodes,
         "numProcPerNode": max(res.gpus_per_node, 1),
     }
-    resources = _train_resources(spec)
-    if resources:
-        trainer["resourcesPerNode"] = resources
+    trainer["resourcesPerNode"] = _train_resources(spec, defaults)
     return {
         "apiVersion": TRAINJOB_API,
         "kind": "TrainJob",

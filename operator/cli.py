@@ -3,6 +3,7 @@
     packtrain pack …       the packer (convert, plan, materialize, run, inspect, …)
     packtrain train …      the trainer (run under torchrun for several processes)
     packtrain run …        a PackJob/SFTJob YAML on this machine, same commands as the operator
+    packtrain render …     the objects the operator would create for a PackJob/SFTJob YAML
     packtrain operator …   the Kubernetes operator (kopf)
     packtrain crds …       write the CustomResourceDefinitions generated from the API models
 
@@ -25,6 +26,10 @@ DELEGATES: dict[str, tuple[str, str]] = {
     ),
     "train": ("packtrain.trainer.cli", "train on a pack (packtrain train -c SFTJOB.yaml)"),
     "run": ("packtrain.operator.local_run", "run a PackJob/SFTJob YAML locally with the operator's commands"),
+    "render": (
+        "packtrain.operator.render",
+        "print the objects the operator would create for a PackJob/SFTJob YAML (--values: chart values)",
+    ),
 }
 
 

@@ -15,17 +15,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import urllib.request
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+import aiohttp
 import kopf
 import kubernetes
 from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
-from . import builders, metrics
+from . import builders, metrics, policy, scrape
 from . import status as st
 from .api import GROUP, VERSION, PackJobSpec, SFTJobSpec
 
@@ -99,10 +99,28 @@ class Kube:
         return [self.client.sanitize_for_serialization(p) for p in pods]
 
 
+class ChildRefused(Exception):
+    """The API server refused a child for good (a quota or an admission policy, an invalid object)."""
+
+
 def _create_owned(kube: Kube, owner: Mapping[str, Any], child: dict[str, Any]) -> None:
     kopf.adopt(child, owner=dict(owner))
-    if kube.create(child):
+    try:
+        created = kube.create(child)
+    except ApiException as exc:
+        if exc.status in st.REFUSED_CODES:
+            meta = child["metadata"]
+            raise ChildRefused(
+                st.refusal_message(child["kind"], meta["name"], exc.status, exc.reason, exc.body)
+            ) from exc
+        raise
+    if created:
         log.info("created %s %s/%s", child["kind"], child["metadata"]["namespace"], child["metadata"]["name"])
+
+
+def _child_refused(kind: str, body: Mapping[str, Any], exc: ChildRefused) -> dict[str, Any]:
+    """Status for a child the API server would not create: Failed with its message (and a Warning Event)."""
+    return _failed(body, "ChildRefused", f"{exc}. Fix that, then delete and re-create the {kind}.")
 
 
 def _invalid(kind: str, body: Mapping[str, Any], exc: ValidationError) -> dict[str, Any]:
@@ -111,11 +129,22 @@ def _invalid(kind: str, body: Mapping[str, Any], exc: ValidationError) -> dict[s
         f"spec.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False)
     )
     message = f"invalid {kind} spec: {errors}. Fix it, then delete and re-create the {kind}."
+    return _failed(body, "InvalidSpec", message)
+
+
+def _refused(kind: str, body: Mapping[str, Any], violations: list[policy.Violation]) -> dict[str, Any]:
+    """Status for a spec the cluster policy refuses (created while the admission policy was absent)."""
+    return _failed(body, "PolicyViolation", f"{policy.summary(kind, violations)}. Fix it, then delete "
+                                            f"and re-create the {kind}.")
+
+
+def _failed(body: Mapping[str, Any], reason: str, message: str) -> dict[str, Any]:
+    """A terminal `Failed` status; `_post_transition` turns it into a Warning Event."""
     prev = body.get("status") or {}
     generation = body["metadata"].get("generation")
     conds = prev.get("conditions") or []
     for ctype, value in (("Ready", False), ("Succeeded", False), ("Failed", True)):
-        conds = st.set_condition(conds, ctype, value, "InvalidSpec", message, now(), generation)
+        conds = st.set_condition(conds, ctype, value, reason, message, now(), generation)
     return {
         "phase": "Failed",
         "observedGeneration": generation,
@@ -163,8 +192,13 @@ def reconcile_packjob(
     }
     decision = st.pack_status(name, meta.get("generation"), spec, jobs, pods, prev, now())
     if decision.create is not None:
-        _create_owned(kube, body, builders.pack_config_map(name, namespace, spec))
-        _create_owned(kube, body, builders.pack_job(name, namespace, spec, decision.create, defaults))
+        if violations := policy.check(spec, defaults):
+            return _refused("PackJob", body, violations)
+        try:
+            _create_owned(kube, body, builders.pack_config_map(name, namespace, spec))
+            _create_owned(kube, body, builders.pack_job(name, namespace, spec, decision.create, defaults))
+        except ChildRefused as exc:
+            return _child_refused("PackJob", body, exc)
     prev_phase = prev.get("phase")
     for stage, seconds in decision.stage_durations.items():
         if prev_phase == st.STAGE_PHASE[stage] and decision.status.get("phase") != prev_phase:
@@ -260,6 +294,8 @@ def reconcile_sftjob(
     child = kube.get(group, version, plural, namespace, builders.training_job_name(name))
     data_path = prev.get("dataPath")
     if child is None:
+        if violations := policy.check(spec, defaults):
+            return _refused("SFTJob", body, violations)
         pack_spec, pack_status = None, None
         if spec.data.pack_job_ref is not None:
             packjob = kube.get(GROUP, VERSION, "packjobs", namespace, spec.data.pack_job_ref)
@@ -269,10 +305,12 @@ def reconcile_sftjob(
             pack_spec, pack_status = PackJobSpec.model_validate(packjob["spec"]), packjob.get("status")
         data = builders.data_source(spec, pack_spec, pack_status)
         data_path = data.path
-        _create_owned(kube, body, builders.train_config_map(name, namespace, spec, data))
         child = builders.training_job(name, namespace, spec, data, defaults)
         try:
+            _create_owned(kube, body, builders.train_config_map(name, namespace, spec, data))
             _create_owned(kube, body, child)
+        except ChildRefused as exc:
+            return _child_refused("SFTJob", body, exc)
         except ApiException as exc:
             if exc.status == 404:
                 raise kopf.TemporaryError(
@@ -367,8 +405,8 @@ def _track_running(memo: kopf.Memo, body: Mapping[str, Any], status: Mapping[str
         running.discard(key)
 
 
-def update_progress(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
-    """Scrape the master pod's trainer metrics into `status.progress`; None when there is nothing to read."""
+def _metrics_target(kube: Kube, namespace: str, name: str) -> tuple[str, int] | None:
+    """(the running master pod's /metrics URL, maxSteps), or None when there is nothing to scrape."""
     body = kube.get(GROUP, VERSION, "sftjobs", namespace, name)
     if body is None or (body.get("status") or {}).get("phase") != "Running":
         return None
@@ -376,28 +414,55 @@ def update_progress(kube: Kube, namespace: str, name: str) -> dict[str, Any] | N
     pod = st.master_pod(kube.pods(namespace, f"{builders.SFTJOB_LABEL}={name}"))
     if pod is None:
         return None
-    url = f"http://{pod['status']['podIP']}:{spec.metrics_port}/metrics"
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            text = response.read().decode()
-    except OSError as exc:
-        log.debug("no metrics from %s/%s at %s: %s", namespace, name, url, exc)
+    return f"http://{pod['status']['podIP']}:{spec.metrics_port}/metrics", spec.training.max_steps
+
+
+async def update_progress(
+    kube: Kube, client: aiohttp.ClientSession, namespace: str, name: str
+) -> dict[str, Any] | None:
+    """Scrape the master pod's trainer metrics into `status.progress`; None when there is nothing to read.
+
+    The API calls and the parsing run in threads; the scrape itself is bounded in size and time (`scrape`).
+    """
+    loop = asyncio.get_running_loop()
+    target = await loop.run_in_executor(None, _metrics_target, kube, namespace, name)
+    if target is None:
         return None
-    progress = st.progress_from_metrics(text, spec.training.max_steps, now())
+    url, max_steps = target
+    try:
+        text = await scrape.fetch(client, url)
+    except scrape.ScrapeError as exc:
+        log.info("no progress for SFTJob %s/%s from %s: %s", namespace, name, url, exc)
+        return None
+    # Parsing up to MAX_BYTES of text takes a while: off the event loop kopf's handlers share.
+    progress = await loop.run_in_executor(None, st.progress_from_metrics, text, max_steps, now())
     if progress is not None:
-        kube.merge_status("sftjobs", namespace, name, {"progress": progress})
+        await loop.run_in_executor(None, kube.merge_status, "sftjobs", namespace, name, {"progress": progress})
     return progress
 
 
-async def _progress_loop(memo: kopf.Memo) -> None:
-    loop = asyncio.get_running_loop()
-    while True:
-        await asyncio.sleep(PROGRESS_INTERVAL)
-        for namespace, name in sorted(memo.get("running", ())):
+async def progress_round(
+    kube: Kube, client: aiohttp.ClientSession, jobs: list[tuple[str, str]], limit: asyncio.Semaphore
+) -> list[dict[str, Any] | None]:
+    """Scrape every running SFTJob at once, at most `limit` at a time; one failure stops no other."""
+
+    async def one(namespace: str, name: str) -> dict[str, Any] | None:
+        async with limit:
             try:
-                await loop.run_in_executor(None, update_progress, memo.kube, namespace, name)
+                return await update_progress(kube, client, namespace, name)
             except Exception:  # progress is best-effort; never stop the loop
                 log.exception("progress of SFTJob %s/%s", namespace, name)
+                return None
+
+    return await asyncio.gather(*(one(namespace, name) for namespace, name in jobs))
+
+
+async def _progress_loop(memo: kopf.Memo) -> None:
+    limit = asyncio.Semaphore(scrape.CONCURRENCY)
+    async with scrape.session() as client:
+        while True:
+            await asyncio.sleep(PROGRESS_INTERVAL)
+            await progress_round(memo.kube, client, sorted(memo.get("running", ())), limit)
 
 
 # Operator lifecycle

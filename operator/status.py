@@ -82,6 +82,27 @@ def _outcome_conditions(
     return set_condition(conds, "Failed", phase == "Failed", reason, message, now, generation)
 
 
+# Children the API server refuses
+
+# 403: a ResourceQuota, an admission policy or webhook, RBAC; 422: an object the server finds invalid.
+# Retrying would be refused the same way, so the parent fails with the server's own words.
+REFUSED_CODES = frozenset({400, 403, 422})
+
+
+def refusal_message(kind: str, name: str, code: int | None, reason: str | None, body: Any) -> str:
+    """What the API server said when it refused to create a child (its Status message, else its reason)."""
+    said = ""
+    try:
+        doc = json.loads(body) if isinstance(body, str | bytes) else body
+    except ValueError:
+        doc = None
+    if isinstance(doc, Mapping):
+        said = str(doc.get("message") or "")
+    said = said or (body.decode(errors="replace") if isinstance(body, bytes) else str(body or ""))
+    said = said.strip() or str(reason or "no message")
+    return f"the API server refused to create {kind} {name} ({code} {reason or ''}".rstrip() + f"): {said}"
+
+
 # Pods: termination messages
 
 
@@ -483,11 +504,14 @@ def progress_from_metrics(text: str, max_steps: int | None, now: str) -> dict[st
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, Any] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = PROGRESS_GAUGES.get(sample.name)
-            if key is not None and sample.labels.get("rank", "0") == "0":
-                out[key] = int(sample.value) if key == "step" else float(sample.value)
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                key = PROGRESS_GAUGES.get(sample.name)
+                if key is not None and sample.labels.get("rank", "0") == "0":
+                    out[key] = int(sample.value) if key == "step" else float(sample.value)
+    except (ValueError, OverflowError):  # not Prometheus text (the endpoint is the CR author's image)
+        return None
     if "step" not in out:
         return None
     if max_steps is not None:

@@ -96,7 +96,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--plot", help="write a PNG with the length histogram and per-sequence fill")
     p.add_argument("--json", action="store_true")
-    p = sub.add_parser("verify", help="checksums, lengths, and that every input sample is accounted for")
+    p = sub.add_parser(
+        "verify",
+        help="everything a trainer trusts: checksums, config hash, counts, token ids, labels, media grids "
+        "(exit 2 when anything is off)",
+    )
     p.add_argument("path")
     p = sub.add_parser("unpack", help="the original samples back, one JSON line each")
     p.add_argument("path")

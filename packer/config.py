@@ -55,8 +55,12 @@ class FieldMap(CamelModel):
     system_roles: list[str] = Field(default_factory=lambda: ["system"])
     function_call_roles: list[str] = Field(default_factory=lambda: ["function_call"])
     observation_roles: list[str] = Field(default_factory=lambda: ["observation", "tool"])
-    image_placeholder: str = "<image>"
-    video_placeholder: str = "<video>"
+    image_placeholder: str = Field(
+        "<image>", min_length=1, max_length=64, description="Marks where an image goes in a turn's text."
+    )
+    video_placeholder: str = Field(
+        "<video>", min_length=1, max_length=64, description="Marks where a video goes in a turn's text."
+    )
 
 
 class SourceConfig(CamelModel):
@@ -71,35 +75,105 @@ class SourceConfig(CamelModel):
     media_path_map: dict[str, str] = Field(
         default_factory=dict,
         description="Prefix rewrites applied to media paths before resolving (first match wins), for data "
-        "written for another layout, e.g. {'data/mllm_demo_data/': 'mllm_demo_data/'} or {'/mnt/old/': '/data/'}.",
+        "written for another layout, e.g. {'data/mllm_demo_data/': 'mllm_demo_data/'} or {'/mnt/old/': '/data/'}. "
+        "Each target is also a folder media may come from (a target ending inside a file name: its folder).",
     )
+    max_image_bytes: int = Field(
+        64 * 2**20,
+        ge=1,
+        le=2**31 - 1,
+        description="Largest image file read, in bytes (default 64 MiB), enforced while reading; larger "
+        "files are rejected as media_too_large.",
+    )
+    max_video_bytes: int = Field(
+        2**30,
+        ge=1,
+        le=2**31 - 1,
+        description="Largest video file read, in bytes (default 1 GiB; a shard row holds under 2 GiB), "
+        "enforced while reading; larger files are rejected as media_too_large.",
+    )
+    max_image_source_pixels: int = Field(
+        89_478_485,
+        ge=1,
+        le=178_956_970,
+        description="Most pixels (width x height, read from the header before decoding) of a source image "
+        "(default 89478485, Pillow's decompression-bomb threshold; at most twice that); larger images are "
+        "rejected as media_too_large.",
+    )
+    max_video_source_pixels: int = Field(
+        2**28,
+        ge=1,
+        le=2**34,
+        description="Most decoded work of one video: source width x height x sampled frames, read from the "
+        "container before decoding (default 2^28, e.g. 128 full-HD frames or 768 frames of 590x590); "
+        "larger videos are rejected as video_too_large.",
+    )
+
+
+# Ceilings of the numbers a (possibly untrusted) config may ask for; each bounds a worker's memory.
+# Pixels: the Qwen2-VL / Qwen2.5-VL processors' own default maximum (16384 patches of 28x28).
+MAX_PIXELS_CEILING = 16384 * 28 * 28
+# Frames: the processors' own frame cap (FPS_MAX_FRAMES).
+MAX_FRAMES_CEILING = 768
+# Tokens per packed sequence: far beyond any context these models train with.
+MAX_LENGTH_CEILING = 262144
+SEQUENCES_PER_SHARD_CEILING = 16384
+
+
+def _ordered(low: str, high: str) -> dict[str, str]:
+    """A CEL rule `low <= high` for two optional fields, with the message pydantic gives too."""
+    return {
+        "rule": f"!has(self.{low}) || !has(self.{high}) || self.{low} <= self.{high}",
+        "message": f"{low} must not exceed {high}",
+        "fieldPath": f".{low}",
+    }
+
+
+_PIXEL_ORDER = (("min_pixels", "max_pixels"), ("video_min_pixels", "video_max_pixels"))
 
 
 class ModelConfig(CamelModel):
     """Model family and its processor settings: these decide the exact vision-token counts."""
 
+    model_config = CamelModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                *(_ordered(to_camel(lo), to_camel(hi)) for lo, hi in _PIXEL_ORDER),
+                _ordered("minFrames", "maxFrames"),
+            ]
+        }
+    }
+
     family: Family = "qwen2-vl"
     path: str = Field(..., description="Folder with tokenizer, chat template and preprocessor config.")
     chat_template: str | None = Field(None, description="Path to a Jinja template overriding the folder's.")
-    min_pixels: int | None = Field(None, ge=1, description="Default: the folder's preprocessor config.")
-    max_pixels: int | None = Field(None, ge=1, description="Default: the folder's preprocessor config.")
-    video_min_pixels: int | None = Field(None, ge=1)
-    video_max_pixels: int | None = Field(None, ge=1)
+    min_pixels: int | None = Field(
+        None, ge=1, le=MAX_PIXELS_CEILING, description="Default: the folder's preprocessor config."
+    )
+    max_pixels: int | None = Field(
+        None, ge=1, le=MAX_PIXELS_CEILING, description="Default: the folder's preprocessor config."
+    )
+    video_min_pixels: int | None = Field(None, ge=1, le=MAX_PIXELS_CEILING)
+    video_max_pixels: int | None = Field(None, ge=1, le=MAX_PIXELS_CEILING)
     fps: float = Field(2.0, gt=0, description="Video frame sampling rate.")
     min_frames: int = Field(4, ge=1)
-    max_frames: int = Field(768, ge=1)
+    max_frames: int = Field(768, ge=1, le=MAX_FRAMES_CEILING)
 
     @model_validator(mode="after")
     def _frames_order(self) -> ModelConfig:
         if self.min_frames > self.max_frames:
             raise ValueError(f"minFrames ({self.min_frames}) must not exceed maxFrames ({self.max_frames})")
+        for low, high in _PIXEL_ORDER:
+            lo, hi = getattr(self, low), getattr(self, high)
+            if lo is not None and hi is not None and lo > hi:
+                raise ValueError(f"{to_camel(low)} ({lo}) must not exceed {to_camel(high)} ({hi})")
         return self
 
 
 class PackingConfig(CamelModel):
     """How samples become fixed-length sequences."""
 
-    max_length: int = Field(4096, ge=16, description="Tokens per packed sequence.")
+    max_length: int = Field(4096, ge=16, le=MAX_LENGTH_CEILING, description="Tokens per packed sequence.")
     algorithm: Algorithm = Field("bfd", description="bfd (default), or a baseline: next_fit, swift, knapsack.")
     overlong: OverlongPolicy = Field("drop", description="Samples longer than maxLength: drop, truncate, error.")
     partial_threshold: int | None = Field(
@@ -107,7 +181,7 @@ class PackingConfig(CamelModel):
     )
     seed: int = 0
     label_mode: LabelMode = Field("all_assistant", description="Which turns are trained on.")
-    sequences_per_shard: int = Field(1024, ge=1)
+    sequences_per_shard: int = Field(1024, ge=1, le=SEQUENCES_PER_SHARD_CEILING)
     media_storage: MediaStorage = Field(
         "original", description="original bytes, or pre-resized images / sampled frames (less decode on GPUs)."
     )

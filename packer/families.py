@@ -106,18 +106,27 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def _read_template(path: Path, key: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            f"{key}: {path} is not a readable UTF-8 Jinja chat template ({exc}); point it at one"
+        ) from exc
+
+
 def _chat_template(folder: Path, override: str | None, tokenizer: Any) -> str:
     """Custom file, else the folder's `chat_template.json` (the VL one), else the tokenizer's own."""
     if override:
         path = Path(override)
         if not path.is_file():
             raise ConfigError(f"model.chatTemplate: {override} is not a file")
-        return path.read_text(encoding="utf-8")
+        return _read_template(path, "model.chatTemplate")
     for name in ("chat_template.jinja", "chat_template.json"):
         path = folder / name
         if path.is_file():
             if name.endswith(".jinja"):
-                return path.read_text(encoding="utf-8")
+                return _read_template(path, "model.path")
             template = _read_json(path).get("chat_template")
             if isinstance(template, str):
                 return template
@@ -184,7 +193,14 @@ def _renderer(tokenizer: Any, template: str) -> Callable[[list[dict[str, Any]]],
         return lambda messages: tokenizer.apply_chat_template(
             messages, chat_template=template, tokenize=False
         )
-    compiled = _compile_jinja_template(template)
+    try:
+        compiled = _compile_jinja_template(template)
+    except Exception as exc:  # jinja2.TemplateSyntaxError and whatever a hostile template's parse raises
+        line = getattr(exc, "lineno", None)
+        raise ConfigError(
+            f"chat template does not compile{f' (line {line})' if line else ''}: {exc}. "
+            "Fix model.chatTemplate (or the model folder's template)."
+        ) from exc
     context = dict(tokenizer.special_tokens_map)
 
     def render(messages: list[dict[str, Any]]) -> str:

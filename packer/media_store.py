@@ -10,12 +10,13 @@ from __future__ import annotations
 import hashlib
 import io
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from PIL import Image
 
+from .media import MediaLimits, hash_capped, open_regular, read_capped, sniff_container
 from .records import ConfigError
-from .vision import upright
+from .vision import MediaError, upright
 
 
 def _png(img: Image.Image) -> bytes:
@@ -34,13 +35,18 @@ def resize_rgb(img: Image.Image, height: int, width: int) -> Image.Image:
     return img
 
 
-def video_frames(path: Path, indices: list[int]) -> list[Image.Image]:
-    """Decode the frames at `indices` (decode order) with PyAV."""
+def video_frames(f: BinaryIO, indices: list[int], name: str = "video") -> list[Image.Image]:
+    """Decode the frames at `indices` (decode order) with PyAV, through an allowed demuxer only."""
     import av
 
+    f.seek(0)
+    demuxer = sniff_container(f.read(512))
+    if demuxer is None:
+        raise ValueError(f"{name}: not a video in an allowed container")
+    f.seek(0)
     wanted = set(indices)
     frames: dict[int, Image.Image] = {}
-    with av.open(str(path)) as container:
+    with av.open(f, format=demuxer) as container:
         stream = container.streams.video[0]
         for i, frame in enumerate(container.decode(stream)):
             if i in wanted:
@@ -49,48 +55,55 @@ def video_frames(path: Path, indices: list[int]) -> list[Image.Image]:
                 break
     missing = wanted - frames.keys()
     if missing:
-        raise ValueError(f"{path}: frames {sorted(missing)[:5]} could not be decoded")
+        raise ValueError(f"{name}: frames {sorted(missing)[:5]} could not be decoded")
     return [frames[i] for i in indices]
 
 
-def _checked_bytes(path: Path, key: str, keep: bool = True) -> bytes:
-    """The file's bytes (b"" when not `keep`: then the file is only hashed, streaming).
+def _checked_open(
+    path: Path, kind: str, key: str, limits: MediaLimits, keep: bool
+) -> tuple[BinaryIO, bytes]:
+    """The open file and its bytes (b"" when not `keep`: then it is only hashed, streaming), read
+    with the same regular-file rule and size caps as convert.
 
-    Refuses a file that changed or vanished since convert measured it: its token count
-    and grid came from the bytes that `key` hashes.
+    Refuses a file that changed, vanished or turned into something else (a FIFO, a device, a bigger
+    file) since convert measured it: its token count and grid came from the bytes that `key` hashes.
     """
+    cap = limits.image_bytes if kind == "image" else limits.video_bytes
     try:
-        if keep:
-            data = path.read_bytes()
-            digest = hashlib.sha256(data).hexdigest()
-        else:
-            data = b""
-            with path.open("rb") as f:
-                digest = hashlib.file_digest(f, "sha256").hexdigest()
-    except OSError as exc:
+        f = open_regular(path, kind, cap)
+        try:
+            data = read_capped(f, cap, kind) if keep else b""
+            digest = hashlib.sha256(data).hexdigest() if keep else hash_capped(f, cap, kind)
+        except BaseException:
+            f.close()
+            raise
+    except (OSError, MediaError) as exc:
+        detail = exc.detail if isinstance(exc, MediaError) else str(exc)
         raise ConfigError(
-            f"media file {path} was readable at convert time but not now ({exc}); restore it, "
+            f"media file {path} was readable at convert time but not now ({detail}); restore it, "
             "or re-pack into a new output folder"
         ) from exc
     if digest != key:
+        f.close()
         raise ConfigError(
             f"media file {path} changed since the convert stage measured it (sha256 differs); its "
             "vision-token count would be wrong. Restore it, or re-pack into a new output folder"
         )
-    return data
+    return f, data
 
 
-def media_blob(ref: dict[str, Any], storage: str) -> dict[str, Any]:
+def media_blob(ref: dict[str, Any], storage: str, limits: MediaLimits) -> dict[str, Any]:
     """The MEDIA_SCHEMA row for one media reference of a converted sample."""
     path = Path(ref["path"])
-    data = _checked_bytes(path, ref["key"], keep=storage == "original" or ref["kind"] == "image")
-    if storage == "original":
-        return {"key": ref["key"], "kind": ref["kind"], "encoding": "original",
-                "data": data, "frames": []}
-    h, w = ref["height"], ref["width"]
-    if ref["kind"] == "image":
-        with Image.open(io.BytesIO(data)) as img:
-            return {"key": ref["key"], "kind": "image", "encoding": "resized",
-                    "data": _png(resize_rgb(img, h, w)), "frames": []}
-    frames = [_png(resize_rgb(f, h, w)) for f in video_frames(path, list(ref["frames"]))]
+    kind = ref["kind"]
+    f, data = _checked_open(path, kind, ref["key"], limits, keep=storage == "original" or kind == "image")
+    with f:
+        if storage == "original":
+            return {"key": ref["key"], "kind": kind, "encoding": "original", "data": data, "frames": []}
+        h, w = ref["height"], ref["width"]
+        if kind == "image":
+            with Image.open(io.BytesIO(data)) as img:
+                return {"key": ref["key"], "kind": "image", "encoding": "resized",
+                        "data": _png(resize_rgb(img, h, w)), "frames": []}
+        frames = [_png(resize_rgb(fr, h, w)) for fr in video_frames(f, list(ref["frames"]), str(path))]
     return {"key": ref["key"], "kind": "video", "encoding": "resized", "data": b"", "frames": frames}

@@ -1,8 +1,9 @@
 """Reading dataset files: JSON arrays and JSONL, one `RawRecord` per record, never failing on bad data.
 
-A bad line becomes a RawRecord with `error` set, so the convert stage turns it
-into a reject and goes on; only configuration mistakes (a path that matches
-nothing) stop the job.
+A bad line or array item becomes a RawRecord with `error` set, so the convert stage
+turns it into a reject and goes on; only configuration mistakes (a path that matches
+nothing) stop the job. Files are streamed: memory holds one record (at most
+`MAX_RECORD_BYTES` of JSON text) and one read chunk, never a whole file.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import glob
 import itertools
 import json
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 
 class ConfigError(ValueError):
@@ -97,7 +99,7 @@ def iter_records(
 
     With `select`, a record whose global position it refuses is yielded as a placeholder
     (reason `SKIPPED`) without decoding or parsing it, so a convert worker parses only its
-    own share of a JSONL file; positions stay those of the full iteration.
+    own share of a file (JSONL or JSON array); positions stay those of the full iteration.
     """
     files = expand_paths(paths, base_dir)
     want: Want | None = None
@@ -116,7 +118,7 @@ def _skipped(path: Path, index: int) -> RawRecord:
 def _read_file(path: Path, want: Want | None = None) -> Iterator[RawRecord]:
     with path.open("rb") as f:
         head = f.read(4096).lstrip()
-    if head.startswith(b"\xef\xbb\xbf"):
+    if head.startswith(_BOM):
         head = head[3:].lstrip()
     if head.startswith(b"["):
         yield from _read_array(path, want)
@@ -124,54 +126,300 @@ def _read_file(path: Path, want: Want | None = None) -> Iterator[RawRecord]:
         yield from _read_lines(path, want)
 
 
-def _read_array(path: Path, want: Want | None = None) -> Iterator[RawRecord]:
-    """A JSON array: a syntax error loses the whole file, reported as one bad record."""
-    try:
-        text = path.read_bytes().decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        error = RawRecord(path, 0, None, f"{path.name}: not valid UTF-8 ({exc})", "bad_utf8")
-        yield error if want is None or want() else _skipped(path, 0)
-        return
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, too-long ints, too-deep nesting
-        error = RawRecord(path, 0, None, f"{path.name}: the JSON array does not parse ({exc})", "bad_json")
-        yield error if want is None or want() else _skipped(path, 0)
-        return
-    escapes = "\\ud" in text or "\\uD" in text
-    for index, item in enumerate(data):
-        if want is None or want():
-            yield _as_record(path, index, item, f"item {index}", escapes)
+MAX_RECORD_BYTES = 64 << 20
+"""Largest record read, in bytes of its JSON text (one JSONL line, one item of a JSON array).
+
+A larger one is a `record_too_large` reject, counted but never decoded or parsed, and never held
+in memory whole: a line is read in bounded pieces, an array item scanned chunk by chunk. Real
+samples are far smaller (media are files, not inline), so this only stops a hostile record from
+taking a worker's memory."""
+
+MAX_NESTING_DEPTH = 64
+"""Deepest nesting of objects and arrays a record may have; deeper is a `bad_json` reject.
+
+Found by counting brackets before anything is parsed, so neither `json.loads` nor a later stage
+(chat templates render `tools`) recurses towards Python's limit; real records nest ~10 deep."""
+
+READ_CHUNK_BYTES = 1 << 20
+"""Bytes read at a time while streaming a JSON array (and discarding an over-long line)."""
+
+_BOM = b"\xef\xbb\xbf"
+# Each pattern below matches the empty string: `.match()` never returns None.
+_WS = re.compile(rb"[ \t\n\r]*")
+_CHARS = rb'[^"\\]*+(?:\\.[^"\\]*+)*+'  # a string's content: unrolled, possessive (fastest in `re`)
+_STRING_BODY = re.compile(_CHARS, re.DOTALL)  # up to the closing quote
+# Up to the next bracket, past whole strings: one regex call per bracket, not per string.
+_TO_BRACKET = re.compile(rb'[^"\[\]{}]*+(?:"' + _CHARS + rb'"[^"\[\]{}]*+)*+', re.DOTALL)
+_OPENERS = re.compile(rb"[\[{]*")
+_CLOSERS = re.compile(rb"[\]}]*")
+_SCALAR = re.compile(rb'[^ \t\n\r,:"\[\]{}]*')  # a number, true, false, null (or junk json rejects)
+_QUOTE, _OPEN, _COMMA, _CLOSE = 0x22, b"[{", 0x2C, 0x5D
+
+
+def _scan(
+    buf: bytes | bytearray, pos: int, depth: int, deepest: int, in_string: bool
+) -> tuple[int, int, int, bool, bool]:
+    """Follow strings and brackets from `pos` until the value being scanned closes.
+
+    Returns (pos, depth, deepest, in_string, done); not done means `buf` ended first, and the
+    scan resumes from the returned state once more bytes are appended. Regexes do the per-byte
+    work and nothing is decoded, so skipping a record costs no Python objects. Only ASCII bytes
+    are structural, and UTF-8 never uses them inside a multi-byte character, so the scan is exact
+    for valid UTF-8 and deterministic for anything else.
+    """
+    end = len(buf)
+    while True:
+        if in_string:
+            pos = _STRING_BODY.match(buf, pos).end()
+            if pos == end or buf[pos] != _QUOTE:  # cut off, at most by a trailing backslash
+                return pos, depth, deepest, True, False
+            pos += 1
+            in_string = False
+            if depth == 0:
+                return pos, depth, deepest, False, True
+        pos = _TO_BRACKET.match(buf, pos).end()
+        if pos == end:
+            return pos, depth, deepest, False, False
+        c = buf[pos]
+        if c == _QUOTE:  # a string the buffer cuts off
+            pos += 1
+            in_string = True
+        elif c in _OPEN:  # a run of brackets is one step, so "[[[[..." costs no more than text
+            run = _OPENERS.match(buf, pos).end() - pos
+            pos += run
+            depth += run
+            deepest = max(deepest, depth)
         else:
-            yield _skipped(path, index)
+            run = _CLOSERS.match(buf, pos).end() - pos
+            if run >= depth:
+                return pos + max(depth, 1), 0, deepest, False, True
+            pos += run
+            depth -= run
+
+
+def _deepest(data: bytes) -> int:
+    """How deep the JSON value in `data` nests (0 for a scalar); cheap when it has few brackets."""
+    if data.count(b"[") + data.count(b"{") <= MAX_NESTING_DEPTH:
+        return 0  # cannot be too deep; the exact depth is not needed
+    return _scan(data, 0, 0, 0, False)[2]
+
+
+@dataclass(frozen=True)
+class _Item:
+    """Where one array item lies, and its bytes when they were kept."""
+
+    start: int  # file offset of its first byte
+    size: int  # bytes of JSON text
+    deepest: int
+    data: bytes | None  # None: not wanted, or larger than MAX_RECORD_BYTES
+
+
+class _ArrayReader:
+    """Finds the items of a JSON array in a file read chunk by chunk.
+
+    Memory holds one chunk plus the item being kept (at most MAX_RECORD_BYTES); an item that is
+    not wanted is scanned without being kept. Every worker runs this same scan over the whole
+    file, so all agree on every item's position, also where the file breaks.
+    """
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+        self.buf = bytearray()
+        self.base = 0  # file offset of buf[0]
+        self.pos = 0  # scan position in buf
+        self.eof = False
+
+    @property
+    def offset(self) -> int:
+        return self.base + self.pos
+
+    def more(self, keep_from: int) -> bool:
+        """Append a chunk, first dropping the bytes before file offset `keep_from`; False at the end."""
+        drop = keep_from - self.base
+        if drop > 0:
+            del self.buf[:drop]  # cheap: a bytearray drops its head without copying the rest
+            self.base += drop
+            self.pos -= drop
+        data = b"" if self.eof else self.f.read(READ_CHUNK_BYTES)
+        self.eof = not data
+        self.buf += data
+        return bool(data)
+
+    def peek(self) -> int | None:
+        """The next byte that is not JSON whitespace (left unread), or None at the end of the file."""
+        while True:
+            self.pos = _WS.match(self.buf, self.pos).end()
+            if self.pos < len(self.buf):
+                return self.buf[self.pos]
+            if not self.more(self.offset):
+                return None
+
+    def item(self, keep: bool) -> _Item | None:
+        """Scan the value at the next byte; None when the file ends inside it."""
+        start = self.offset
+        first = self.buf[self.pos]
+        scalar = first not in b'"[{'
+        depth = deepest = 0
+        in_string = first == _QUOTE
+        self.pos += in_string
+        while True:
+            if scalar:
+                self.pos = _SCALAR.match(self.buf, self.pos).end()
+                done = self.pos < len(self.buf)
+            else:
+                state = _scan(self.buf, self.pos, depth, deepest, in_string)
+                self.pos, depth, deepest, in_string, done = state
+            if done:
+                break
+            keep = keep and self.offset - start <= MAX_RECORD_BYTES
+            if not self.more(start if keep else self.offset):
+                return None
+        size = self.offset - start
+        data = None
+        if keep and size <= MAX_RECORD_BYTES:
+            data = bytes(memoryview(self.buf)[start - self.base : self.pos])  # one copy
+        return _Item(start, size, deepest, data)
+
+
+def _read_array(path: Path, want: Want | None = None) -> Iterator[RawRecord]:
+    """A JSON array, streamed: each item is one record, parsed only when wanted.
+
+    An item that does not parse is one `bad_json` reject, like a bad JSONL line. Where the array
+    itself breaks (the file ends early, a missing comma, data after the closing bracket) the rest
+    of the file cannot be split into items: it becomes one `bad_json` reject at the next position,
+    so the records read so far stay and every count still adds up.
+    """
+    index = 0
+    with path.open("rb") as f:
+        reader = _ArrayReader(f)
+        reader.more(0)
+        if reader.buf.startswith(_BOM):
+            reader.pos = len(_BOM)
+        if reader.peek() != ord("["):
+            yield _broken(path, 0, reader.offset, "it does not start with '['", _wants(want))
+            return
+        reader.pos += 1
+        if reader.peek() == _CLOSE:
+            reader.pos += 1
+        else:
+            while True:
+                c = reader.peek()
+                if c is None or c in b",:]}":
+                    what = "the file ends" if c is None else f"found {chr(c)!r} where an item should start"
+                    yield _broken(path, index, reader.offset, what, _wants(want))
+                    return
+                wanted, start = _wants(want), reader.offset
+                item = reader.item(wanted)
+                if item is None:
+                    yield _broken(path, index, start, f"the file ends inside item {index}", wanted)
+                    return
+                yield _array_record(path, index, item) if wanted else _skipped(path, index)
+                index += 1
+                c = reader.peek()
+                if c != _COMMA and c != _CLOSE:
+                    what = "the file ends" if c is None else f"found {chr(c)!r} after an item"
+                    yield _broken(path, index, reader.offset, f"{what}, expected ',' or ']'", _wants(want))
+                    return
+                reader.pos += 1
+                if c == _CLOSE:
+                    break
+        if reader.peek() is not None:
+            yield _broken(path, index, reader.offset, "data follows the closing ']'", _wants(want))
+
+
+def _wants(want: Want | None) -> bool:
+    return want is None or want()
+
+
+def _broken(path: Path, index: int, offset: int, what: str, wanted: bool) -> RawRecord:
+    """The rest of a JSON array that no longer splits into items, as one record at `index`."""
+    if not wanted:
+        return _skipped(path, index)
+    detail = (
+        f"{path.name}: the JSON array breaks at byte {offset}: {what}; "
+        "the rest of the file is this one reject"
+    )
+    return RawRecord(path, index, None, detail, "bad_json")
+
+
+def _array_record(path: Path, index: int, item: _Item) -> RawRecord:
+    where = f"item {index}"
+    if item.data is None:
+        return _too_large(path, index, f"{where} (at byte {item.start})", item.size)
+    if item.deepest > MAX_NESTING_DEPTH:
+        return _too_deep(path, index, where, item.deepest)
+    return _parse(path, index, item.data, where)
 
 
 def _read_lines(path: Path, want: Want | None = None) -> Iterator[RawRecord]:
     """JSONL: blank lines are skipped; `index` counts records, the detail names the line."""
     index = 0
     with path.open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            line = raw.strip()
-            if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):
-                line = line[3:]
-            if not line:
+        for lineno, (raw, size) in enumerate(_lines(f), 1):
+            line = None if raw is None else _line_content(raw, lineno)
+            if line is not None and not line:
                 continue
             if want is not None and not want():
                 yield _skipped(path, index)
-                index += 1
-                continue
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield RawRecord(path, index, None, f"line {lineno}: not valid UTF-8 ({exc})", "bad_utf8")
+            elif line is None:
+                yield _too_large(path, index, f"line {lineno}", size)
+            elif (deepest := _deepest(line)) > MAX_NESTING_DEPTH:
+                yield _too_deep(path, index, f"line {lineno}", deepest)
             else:
-                try:
-                    item = json.loads(text)
-                except (ValueError, RecursionError) as exc:  # also too-long ints, too-deep nesting
-                    yield RawRecord(path, index, None, f"line {lineno}: not valid JSON ({exc})", "bad_json")
-                else:
-                    yield _as_record(path, index, item, f"line {lineno}", _has_surrogate_escape(line))
+                yield _parse(path, index, line, f"line {lineno}")
             index += 1
+
+
+def _lines(f: BinaryIO) -> Iterator[tuple[bytes | None, int]]:
+    """Each line of `f` and its size; None for a line longer than MAX_RECORD_BYTES (not counting
+    its newline), which is read on in pieces and dropped, so no line is ever held whole beyond
+    the cap; b"" for such a line that is only whitespace."""
+    while piece := f.readline(READ_CHUNK_BYTES):
+        first, size = piece, len(piece)
+        kept: list[bytes] | None = [piece]
+        blank = True  # the pieces after the first
+        while len(piece) == READ_CHUNK_BYTES and not piece.endswith(b"\n"):  # a long line goes on
+            piece = f.readline(READ_CHUNK_BYTES)
+            size += len(piece)
+            blank = blank and not piece.strip()
+            if kept is not None:
+                kept.append(piece)
+                if size > MAX_RECORD_BYTES + 1:
+                    kept = None
+        if kept is not None and size - piece.endswith(b"\n") <= MAX_RECORD_BYTES:
+            yield (first if len(kept) == 1 else b"".join(kept)), size
+        else:
+            yield (b"" if blank and not first.strip() else None), size
+
+
+def _line_content(raw: bytes, lineno: int) -> bytes:
+    line = raw.strip()
+    if lineno == 1 and line.startswith(_BOM):
+        line = line[len(_BOM) :]
+    return line
+
+
+def _too_large(path: Path, index: int, where: str, size: int) -> RawRecord:
+    detail = f"{where}: {size} bytes of JSON, more than the {MAX_RECORD_BYTES} a record may have; not read"
+    return RawRecord(path, index, None, detail, "record_too_large")
+
+
+def _too_deep(path: Path, index: int, where: str, deepest: int) -> RawRecord:
+    detail = f"{where}: nested {deepest} levels deep, more than the {MAX_NESTING_DEPTH} a record may have"
+    return RawRecord(path, index, None, detail, "bad_json")
+
+
+def _parse(path: Path, index: int, data: bytes, where: str) -> RawRecord:
+    """One record's JSON text, decoded as `json.loads` does; any failure is a reject."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return RawRecord(path, index, None, f"{where}: not valid UTF-8 ({exc})", "bad_utf8")
+    try:
+        item = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # also too-long ints
+        return RawRecord(path, index, None, f"{where}: not valid JSON ({exc})", "bad_json")
+    return _as_record(path, index, item, where, _has_surrogate_escape(data))
 
 
 def _has_surrogate_escape(data: bytes) -> bool:

@@ -1,9 +1,13 @@
 """Writing and reading packed shards (see `shard_format` for the layout).
 
-Writers go through `atomic_write`, so a crash leaves at most a `*.tmp-*` file
-that no reader looks at, never a half shard under its final name. The reader is
-what the trainer uses: it memory-maps the Arrow IPC files and checks their
-sha256 against the manifest before handing out a single row.
+Writers go through `atomic_write`, so a crash leaves at most a `.NAME.tmp-*` file
+that no reader looks at, never a half shard under its final name; the temp name
+records the writer's process id and host, so the next run can tell a dead
+writer's leftovers from a live one's (`remove_stale_temps`). Files are created
+0666 less the umask, as `open()` would: the trainer may run as another user on
+the shared volume. The reader is what the trainer uses: it memory-maps the
+Arrow IPC files and checks their sha256 against the manifest before handing out
+a single row.
 """
 
 from __future__ import annotations
@@ -13,8 +17,11 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
-from collections.abc import Iterator
+import re
+import secrets
+import socket
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -26,8 +33,73 @@ MANIFEST = "manifest.json"
 REJECTS = "rejects.jsonl"
 
 
+# A writer that does not own its file's slice publishes in one go (a manifest, a config claim):
+# its temp file lives for milliseconds, so one this old has lost its writer.
+SHORT_WRITE_STALE_S = 600
+_TEMP = re.compile(r"^\.(?P<final>.+)\.(?:tmp|new)-(?P<writer>[^@]*(?:@[A-Za-z0-9.-]+)?)$")
+_WRITER = re.compile(r"^[0-9a-f]+-(?P<pid>\d+)@(?P<host>[A-Za-z0-9.-]+)$")
+SHARD_KEYS = ("file", "sha256", "rows", "media_file", "media_sha256")
+
+
 class ShardFormatError(RuntimeError):
     """The folder is not a complete pack this version can read."""
+
+
+def temp_path(path: Path, kind: str = "tmp") -> Path:
+    """`.NAME.KIND-RANDOM-PID@HOST` next to `path`: hidden, unique, and naming its writer."""
+    return path.with_name(f".{path.name}.{kind}-{secrets.token_hex(4)}-{os.getpid()}@{socket.gethostname()}")
+
+
+def create_new(path: Path) -> int:
+    """A new file's descriptor, mode 0666 less the umask (`mkstemp` would make it 0600)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+
+
+def _writer_dead(writer: str) -> bool:
+    """True only when the temp file's writer is provably gone: a process of this host that no longer runs."""
+    m = _WRITER.match(writer)
+    if m is None or m["host"] != socket.gethostname():
+        return False
+    pid = int(m["pid"])
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, as another user
+        return False
+    return False
+
+
+def remove_stale_temps(
+    folder: Path, owned: Callable[[str], bool], short_write: Callable[[str], bool] = lambda _: False
+) -> list[Path]:
+    """Remove the temp files in `folder` that no live writer can still publish; returns them.
+
+    A temp file for final name N goes when (1) N is `owned` by the caller (its slice has
+    one writer: this process, so any other writer of N is a killed run), or (2) its
+    writer ran on this host and its process is gone, or (3) N is a `short_write` file
+    (written in one go) and the temp is older than SHORT_WRITE_STALE_S. A temp of
+    another worker's slice written on another host stays: that worker may be running.
+    """
+    removed: list[Path] = []
+    if not folder.is_dir():
+        return removed
+    now = time.time()
+    for entry in os.scandir(folder):
+        m = _TEMP.match(entry.name)
+        if m is None or not entry.is_file(follow_symlinks=False):
+            continue
+        try:
+            old = now - entry.stat(follow_symlinks=False).st_mtime > SHORT_WRITE_STALE_S
+        except FileNotFoundError:
+            continue
+        if owned(m["final"]) or _writer_dead(m["writer"]) or (short_write(m["final"]) and old):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+    return removed
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -42,7 +114,8 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 def atomic_writer(path: Path) -> Iterator[BinaryIO]:
     """A binary file that appears at `path` (fsync + rename) only when the block ends without error."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+    tmp = temp_path(path)
+    fd = create_new(tmp)
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
@@ -50,7 +123,7 @@ def atomic_writer(path: Path) -> Iterator[BinaryIO]:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -84,17 +157,18 @@ def write_table(path: Path, table: pa.Table) -> str:
     file in memory: a convert part can hold gigabytes.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+    tmp = temp_path(path)
+    fd = create_new(tmp)
     try:
         with os.fdopen(fd, "wb") as f:
             with pa.ipc.new_file(pa.PythonFile(f, mode="w"), table.schema) as writer:
                 writer.write_table(table)
             f.flush()
             os.fsync(f.fileno())
-        digest = sha256_file(Path(tmp))
+        digest = sha256_file(tmp)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return digest
 
@@ -137,14 +211,42 @@ def read_manifest(path: Path) -> dict[str, Any]:
             f"{path} has no {MANIFEST}: it is not a finished pack. Run `packtrain pack run` "
             "(or wait for the PackJob to succeed) and point at its output folder."
         )
-    manifest = json.loads(mpath.read_text())
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ShardFormatError(
+            f"{mpath} is not readable JSON ({exc}): the pack is damaged. Re-run `packtrain pack materialize` "
+            "on its output folder (it rewrites the manifest), or re-pack."
+        ) from exc
+    if not isinstance(manifest, dict):
+        raise ShardFormatError(f"{mpath} is not a JSON object: the pack is damaged; re-pack the data.")
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise ShardFormatError(
             f"{path}: pack format version {version!r}, this packtrain reads version {FORMAT_VERSION}. "
             "Re-pack the data with this packtrain version."
         )
+    _check_shard_entries(mpath, manifest.get("shards"))
     return manifest
+
+
+def _check_shard_entries(mpath: Path, shards: Any) -> None:
+    """Every key a reader relies on, with its type: a hand-edited manifest fails here, not in a KeyError."""
+    if not isinstance(shards, list):
+        raise ShardFormatError(f"{mpath}: `shards` is missing or not a list; re-pack the data.")
+    for i, entry in enumerate(shards):
+        missing = [k for k in SHARD_KEYS if not isinstance(entry, dict) or k not in entry]
+        if missing:
+            raise ShardFormatError(
+                f"{mpath}: shards[{i}] lacks {', '.join(missing)}; the manifest was edited or damaged. "
+                "Re-run `packtrain pack materialize` on the output folder, or re-pack."
+            )
+        bad = [k for k in SHARD_KEYS if not isinstance(entry[k], int if k == "rows" else str)]
+        if bad or entry["rows"] < 0:
+            raise ShardFormatError(
+                f"{mpath}: shards[{i}] has a wrong type or value for {', '.join(bad or ['rows'])}; "
+                "re-run `packtrain pack materialize` on the output folder, or re-pack."
+            )
 
 
 class ShardReader:
@@ -189,15 +291,40 @@ class ShardReader:
     def __len__(self) -> int:
         return self.num_sequences
 
+    def table(self, shard: int) -> pa.Table:
+        """Shard `shard`'s sequences, memory-mapped."""
+        return self._table(shard)
+
+    def media_table(self, shard: int) -> pa.Table:
+        """Shard `shard`'s media blobs, memory-mapped."""
+        return self._media_table(shard)
+
+    def shard_file(self, shard: int) -> str:
+        return str(self._entries[shard]["file"])
+
     def _table(self, shard: int) -> pa.Table:
         if shard not in self._tables:
-            self._tables[shard] = read_table(self.path / self._entries[shard]["file"])
+            self._tables[shard] = self._open(self._entries[shard]["file"], SEQUENCE_SCHEMA)
         return self._tables[shard]
 
     def _media_table(self, shard: int) -> pa.Table:
         if shard not in self._media_tables:
-            self._media_tables[shard] = read_table(self.path / self._entries[shard]["media_file"])
+            self._media_tables[shard] = self._open(self._entries[shard]["media_file"], MEDIA_SCHEMA)
         return self._media_tables[shard]
+
+    def _open(self, rel: str, schema: pa.Schema) -> pa.Table:
+        """A shard file, refused unless it is an Arrow file of exactly the format's schema."""
+        path = self.path / rel
+        try:
+            table = read_table(path)
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise ShardFormatError(f"{path} is not a readable Arrow file ({exc}); re-pack the data") from exc
+        if not table.schema.equals(schema):
+            raise ShardFormatError(
+                f"{path}: columns {table.schema.names} are not those of pack format {FORMAT_VERSION}; "
+                "the file was replaced or edited. Re-pack the data."
+            )
+        return table
 
     def locate(self, i: int) -> tuple[int, int]:
         """Global sequence index → (shard, row)."""

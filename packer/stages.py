@@ -14,7 +14,7 @@ import heapq
 import json
 import os
 import re
-import threading
+import sys
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .config import PackConfig
+from .media import MediaLimits
 from .media_store import media_blob
 from .plan import lower_bound, plan_bins
 from .records import ConfigError, iter_records
@@ -37,14 +38,18 @@ from .shards import (
     atomic_writer,
     canonical_json,
     read_table,
+    remove_stale_temps,
     sha256_file,
     shard_paths,
+    temp_path,
     write_shard,
     write_table,
 )
 from .tokenize import Reject, SampleTokenizer, TokenizedSample, truncate_sample
 
 WORK = "work"
+CONFIG_CLAIM = "config.json"
+DUPLICATE_IDS = "duplicate_ids"  # manifest counts key: samples whose id an earlier sample already used
 PART_BATCH_TOKENS = 1 << 20
 Progress = Callable[[int], None]
 
@@ -97,7 +102,7 @@ def check_output_config(cfg: PackConfig, out: Path, record: bool = False) -> Non
     `record` claims a free folder for `cfg`: convert does it once its slice has converted, so a
     config error (a wrong model or path, `overlong: error`) does not lock the folder to the bad config.
     """
-    path = _work(out) / "config.json"
+    path = _work(out) / CONFIG_CLAIM
     want = {"config_hash": cfg.config_hash(), "config": cfg.dump()}
     if not path.is_file():
         if not record:
@@ -116,7 +121,7 @@ def _create_once(path: Path, data: bytes) -> None:
     """Publish `path` atomically unless it exists: of workers racing to create it, exactly one wins
     (a hard link fails on an existing name, where a rename would replace it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.new-{os.getpid()}-{threading.get_ident()}")
+    tmp = temp_path(path, "new")
     atomic_write(tmp, data)
     try:
         os.link(tmp, path)
@@ -185,6 +190,8 @@ def convert(
     name = _part_name(index, count)
     summary_path = work / "convert" / f"summary-{name}.json"
     check_output_config(cfg, out)
+    _sweep(work / "convert", lambda final: f"-{name}." in final)
+    _sweep(work, lambda _: False)
     if summary_path.is_file():
         return json.loads(summary_path.read_text())
 
@@ -254,6 +261,7 @@ def convert(
     return summary
 
 
+_SHARD_NAME = re.compile(r"^(\d{5})\.")
 _SUMMARY = re.compile(r"summary-(\d{5})-of-(\d{5})\.json$")
 
 
@@ -289,15 +297,18 @@ def plan(cfg: PackConfig, out: Path) -> dict[str, Any]:
     work = _work(out)
     summary_path = work / "plan.json"
     check_output_config(cfg, out)
+    _sweep(work, lambda final: final in ("plan.json", "plan.arrow"))  # plan runs as one process
+    _sweep(out, lambda final: final == REJECTS)
     if summary_path.is_file():
         return json.loads(summary_path.read_text())["summary"]
 
     count = _convert_parts(out)
-    positions, parts, rows, lengths = [], [], [], []
+    positions, parts, rows, lengths, ids = [], [], [], [], []
     converted_total = 0
     for i in range(count):
         name = _part_name(i, count)
         table = read_table(work / "convert" / f"part-{name}.arrow")
+        ids.append(table.column("sample_id"))
         pos = table.column("position").to_numpy()
         positions.append(pos)
         parts.append(np.full(len(pos), i, dtype=np.int32))
@@ -335,11 +346,22 @@ def plan(cfg: PackConfig, out: Path) -> dict[str, Any]:
         files = [stack.enter_context((work / "convert" / f"rejects-{_part_name(i, count)}.jsonl").open("rb"))
                  for i in range(count)]
         streams = ((json.loads(line) for line in fh if line.strip()) for fh in files)
+        reject_ids: list[str] = []
         for r in heapq.merge(*streams, key=lambda r: r["position"]):
             reasons[r["reason"]] += 1
+            if isinstance(r.get("id"), str):
+                reject_ids.append(r["id"])
             keep = {k: r[k] for k in ("source", "index", "id", "reason", "detail")}
             f.write((json.dumps(keep, ensure_ascii=False) + "\n").encode())
     rejected = sum(reasons.values())
+    duplicates, examples = count_duplicate_ids([*ids, pa.array(reject_ids, pa.string())])
+    if duplicates:
+        print(
+            f"packtrain pack plan: warning: {duplicates} samples reuse an earlier sample's id "
+            f"(e.g. {examples}); `unpack --sample ID` and per-sample reports cannot tell them apart. "
+            "Give every record a unique `id`.",
+            file=sys.stderr,
+        )
     tokens = int(length.sum())
     shards = -(-sequences // p.sequences_per_shard)
     summary = {
@@ -348,6 +370,7 @@ def plan(cfg: PackConfig, out: Path) -> dict[str, Any]:
         "packed": converted_total,
         "rejected": rejected,
         "rejectedByReason": dict(sorted(reasons.items())),
+        "duplicateIds": duplicates,
         "sequences": sequences,
         "shards": shards,
         "tokens": tokens,
@@ -362,6 +385,23 @@ def plan(cfg: PackConfig, out: Path) -> dict[str, Any]:
          "rejects_sha256": sha256_file(out / REJECTS)},
     )
     return summary
+
+
+def count_duplicate_ids(chunks: list[pa.Array | pa.ChunkedArray]) -> tuple[int, list[str]]:
+    """How many sample ids repeat an earlier one (packed and rejected samples alike), and a few of them."""
+    all_ids = pa.chunked_array(
+        [c for chunk in chunks for c in (chunk.chunks if isinstance(chunk, pa.ChunkedArray) else [chunk])],
+        pa.string(),
+    ).drop_null()
+    counts = pc.value_counts(all_ids)
+    repeated = pc.filter(counts, pc.greater(counts.field("counts"), 1))
+    extra = int(pc.sum(repeated.field("counts")).as_py() or 0) - len(repeated)
+    return extra, repeated.field("values").to_pylist()[:3]
+
+
+def _sweep(folder: Path, owned: Callable[[str], bool]) -> None:
+    """Remove temp files a killed run of this stage left in `folder` (rule: `shards.remove_stale_temps`)."""
+    remove_stale_temps(folder, owned, short_write=lambda final: final in (MANIFEST, CONFIG_CLAIM))
 
 
 def _load_plan(out: Path) -> tuple[dict[str, Any], pa.Table]:
@@ -393,7 +433,7 @@ def _build_shard(
             for m in sample["media"]:
                 seq["media"].append({k: v for k, v in m.items() if k != "path"} | {"sample": sub})
                 if m["key"] not in blobs:
-                    blobs[m["key"]] = media_blob(m, cfg.packing.media_storage)
+                    blobs[m["key"]] = media_blob(m, cfg.packing.media_storage, MediaLimits.of(cfg.source))
         sequences.append(seq)
     return sequences, [blobs[k] for k in sorted(blobs)]
 
@@ -408,6 +448,14 @@ def materialize(
     plan_info, plan_table = _load_plan(out)
     work = _work(out)
     n_shards = plan_info["summary"]["shards"]
+
+    def owned(final: str) -> bool:  # this worker's shards: NNNNN.arrow, NNNNN.media.arrow, NNNNN.json
+        m = _SHARD_NAME.match(final)
+        return m is not None and int(m[1]) % count == index
+
+    _sweep(out / "shards", owned)
+    _sweep(work / "shards", owned)
+    _sweep(out, lambda _: False)
     shard_col = plan_table.column("shard").to_numpy() if plan_table.num_rows else np.zeros(0, np.int32)
     mine = [s for s in range(n_shards) if s % count == index]
     part_tables: dict[int, pa.Table] = {}
@@ -475,6 +523,7 @@ def finalize(cfg: PackConfig, out: Path) -> dict[str, Any] | None:
             "packed": summary["packed"],
             "rejected": summary["rejected"],
             "rejected_by_reason": summary["rejectedByReason"],
+            DUPLICATE_IDS: summary.get("duplicateIds", 0),
         },
         "tokens": summary["tokens"],
         "label_tokens": sum(_label_tokens(out, e) for e in entries),

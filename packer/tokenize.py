@@ -16,8 +16,6 @@ vision tokens.
 
 from __future__ import annotations
 
-import hashlib
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,44 +24,18 @@ from typing import Any
 from .config import ModelConfig, PackingConfig, SourceConfig
 from .conversation import ConversationParser, MediaRef, SampleError, Turn
 from .families import LoadedModel, load_model
+from .media import MediaAccess, MediaItem
 from .records import ConfigError, RawRecord
 from .shard_format import IGNORE_INDEX
-from .vision import (
-    MediaError,
-    VisionSpec,
-    image_grid,
-    probe_image,
-    probe_video,
-    sample_frame_indices,
-    second_per_grid,
-    video_grid,
-)
+from .vision import MediaError
 
 QWEN_VISION_START_ID = 151652
 QWEN_VISION_END_ID = 151653
-_MEDIA_CACHE_SIZE = 65536
-_VIDEO_MAGIC = (b"\x1aE\xdf\xa3", b"OggS", b"FLV")  # Matroska/WebM, Ogg, FLV; MP4/MOV and AVI below
-
-
-@dataclass(frozen=True)
-class MediaItem:
-    """One image or video as the model will see it: resized size, patch grid and sampled frames."""
-
-    kind: str
-    path: Path
-    key: str  # sha256 of the file bytes
-    height: int
-    width: int
-    grid_t: int
-    grid_h: int
-    grid_w: int
-    frames: list[int]
-    second_per_grid: float
-    merge_size: int = 2
-
-    @property
-    def num_tokens(self) -> int:
-        return self.grid_t * self.grid_h * self.grid_w // self.merge_size**2
+# Normalizers that shrink text at most 3-fold (canonical or compatibility (de)composition: Hangul jamo
+# compose 9 bytes into 3); a margin of 4 keeps the cheap overlong bound sound under them.
+_BOUNDED_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD"})
+_NORMALIZER_SHRINK = 4
+_DETAIL_CHARS = 300
 
 
 @dataclass
@@ -77,19 +49,31 @@ class TokenizedSample:
 
 
 REJECT_REASONS: dict[str, str] = {
-    "bad_json": "a line or file is not valid JSON",
+    "bad_json": "a line or file is not valid JSON, or nests deeper than a record may",
     "bad_utf8": "a line or file is not valid UTF-8",
+    "record_too_large": "one record's JSON text is larger than records.MAX_RECORD_BYTES; it is not read",
     "malformed_record": "the record is not a conversation this packer can read (see detail)",
     "empty_conversation": "no turns, or nothing to train on",
-    "placeholder_mismatch": "<image>/<video> placeholders and listed media do not pair up",
+    "placeholder_mismatch": "image/video placeholders in the text and the listed media do not pair up",
     "reserved_token": "text contains a turn or vision control token of the model",
-    "missing_media": "a media file does not exist or cannot be read",
-    "corrupt_media": "a media file does not decode (truncated, not an image/video, too few frames)",
+    "remote_media": "a media reference is a URL (http://, s3://, file://, data: ...); only local files are read",
+    "media_outside_root": "a media path resolves (symlinks followed) outside the folders the job names: "
+    "source.mediaRoot, the dataset files' folders, source.mediaPathMap targets; whether it exists is not told",
+    "missing_media": "a media file inside the media folders does not exist or cannot be read",
+    "corrupt_media": "a media file does not decode, or is not an allowed image format or video container "
+    "(truncated, too few frames, text named as a video)",
     "media_type_mismatch": "a video used as an image, or an image used as a video",
-    "unsupported_media": "audio, remote URLs, or images too large to decode safely",
+    "unsupported_media": "audio, or a media path that is not a regular file (folder, FIFO, device)",
+    "media_too_large": "a media file over source.maxImageBytes / source.maxVideoBytes, or an image over "
+    "source.maxImageSourcePixels",
+    "video_too_large": "a video whose decoded work (source pixels x sampled frames) is over "
+    "source.maxVideoSourcePixels",
     "aspect_ratio": "an image or video more than 200 times wider than tall (or taller than wide)",
     "template_error": "the chat template failed on this record",
-    "overlong": "longer than packing.maxLength (set by the convert stage)",
+    "overlong": "longer than packing.maxLength (set by the convert stage, or before tokenizing when the "
+    "text alone cannot fit and packing.overlong is drop)",
+    "internal_error": "handling the record raised an unexpected error (detail: its type and message); the "
+    "worker goes on",
 }
 
 
@@ -118,40 +102,38 @@ class SampleTokenizer:
         self.model: LoadedModel = load_model(model)
         self._backend = self.model.tokenizer.backend_tokenizer
         self._encode = _fast_encoder(self._backend)
-        try:
-            root = Path(source.media_root).expanduser() if source.media_root else None
-        except RuntimeError as exc:  # "~someone/…" naming an unknown user
-            raise ConfigError(f"source.mediaRoot: {source.media_root}: {exc}") from exc
-        if root is not None and not root.is_absolute() and base_dir is not None:
-            root = base_dir / root
-        if root is not None and not root.is_dir():
-            raise ConfigError(f"source.mediaRoot: {source.media_root} is not a folder")
-        self._media_root = root
-        self._cache: OrderedDict[tuple[str, Path], MediaItem | MediaError] = OrderedDict()
+        self._media = MediaAccess(source, self.model.vision, base_dir=base_dir)
         self._parser = ConversationParser(source.format, source.field_map, self.model.family)
         self._header_ids, self._end_id = self._assistant_markers()
+        self._max_chars = self._fitting_chars()
 
     def __call__(self, raw: RawRecord) -> TokenizedSample | Reject:
+        """One sample or one reject; no record, however hostile, raises (except a ConfigError)."""
         name = raw.source_name
         if raw.record is None:
             return Reject(
                 name, raw.index, None, raw.reason or "malformed_record", raw.error or "unreadable record"
             )
-        sample_id = self._sample_id(raw)
+        sample_id: str | None = None
         try:
+            sample_id = self._sample_id(raw)
             turns = self._parser.parse(raw.record)
             self._check_turns(turns)
+            text = self._render_checked(turns)
             media = [
-                self._media(ref, raw.source.parent)
+                self._media.item(ref, raw.source.parent)
                 for t in turns
                 for ref in t.parts
                 if isinstance(ref, MediaRef)
             ]
-            input_ids, labels = self._tokenize(turns, media)
-        except SampleError as exc:
+            input_ids, labels = self._tokenize(text, media)
+        except (SampleError, MediaError) as exc:
             return Reject(name, raw.index, sample_id, exc.reason, exc.detail)
-        except MediaError as exc:
-            return Reject(name, raw.index, sample_id, exc.reason, exc.detail)
+        except ConfigError:
+            raise
+        except Exception as exc:  # one bad record is one reject (RecursionError, MemoryError, a decoder bug)
+            detail = f"{type(exc).__name__}: {exc}"[:_DETAIL_CHARS]
+            return Reject(name, raw.index, sample_id, "internal_error", detail)
         return TokenizedSample(sample_id, name, raw.index, input_ids, labels, media)
 
     def truncate(self, sample: TokenizedSample, max_length: int) -> TokenizedSample | None:
@@ -219,13 +201,51 @@ class SampleTokenizer:
             )
         return header_ids, end_id
 
-    def _tokenize(self, turns: list[Turn], media: list[MediaItem]) -> tuple[list[int], list[int]]:
-        """Ids and labels with pads expanded; plain list operations (slices share int objects), since
-        per-token Python or numpy work would cost as much as the tokenizer itself."""
+    def _fitting_chars(self) -> int | None:
+        """Most characters a rendered text may have and still fit `maxLength`, or None (no sound bound).
+
+        Every token covers at most `longest` bytes of normalized UTF-8 and a character
+        is at least one byte, so a text of n characters has at least
+        n / (longest * shrink) tokens, where `shrink` bounds how much the normalizer
+        can shorten text. Tokens that strip neighbouring whitespace cover unbounded
+        text, and other normalizers may drop characters: no bound then. Only
+        `overlong: drop` uses it; `truncate` must tokenize the whole text (a prefix
+        tokenizes differently at the cut) and `error` must report the exact count.
+        """
+        if self.packing.overlong != "drop":
+            return None
+        backend = self._backend
+        normalizer = backend.normalizer
+        kinds = (
+            [type(n).__name__ for n in getattr(normalizer, "normalizers", [normalizer])] if normalizer else []
+        )
+        added = backend.get_added_tokens_decoder().values()
+        if any(k not in _BOUNDED_NORMALIZERS for k in kinds) or any(t.lstrip or t.rstrip for t in added):
+            return None
+        longest = max(
+            max(len(tok.encode("utf-8")) for tok in backend.get_vocab(with_added_tokens=False)),
+            max((len(t.content.encode("utf-8")) for t in added), default=1),
+        )
+        return self.packing.max_length * longest * (_NORMALIZER_SHRINK if kinds else 1)
+
+    def _render_checked(self, turns: list[Turn]) -> str:
+        """The template text; an `overlong` reject, before any tokenizing or media work, if it cannot fit."""
         try:
             text = self.render(turns)
         except Exception as exc:  # Jinja raises arbitrary errors (raise_exception in templates)
             raise SampleError("template_error", f"chat template failed: {exc}") from exc
+        if self._max_chars is not None and len(text) > self._max_chars:
+            raise SampleError(
+                "overlong",
+                f"text of {len(text)} characters cannot fit maxLength {self.packing.max_length} "
+                f"(more than {self._max_chars} characters are more than {self.packing.max_length} tokens); "
+                "not tokenized",
+            )
+        return text
+
+    def _tokenize(self, text: str, media: list[MediaItem]) -> tuple[list[int], list[int]]:
+        """Ids and labels with pads expanded; plain list operations (slices share int objects), since
+        per-token Python or numpy work would cost as much as the tokenizer itself."""
         m = self.model
         ids = self._encode(text)
         n = len(ids)
@@ -267,44 +287,6 @@ class SampleTokenizer:
         out_ids += ids[prev:]
         out_labels += labels[prev:]
         return out_ids, out_labels
-
-    def _media(self, ref: MediaRef, dataset_dir: Path) -> MediaItem:
-        path = self._resolve(ref.ref, dataset_dir)
-        key = (ref.kind, path)
-        cached = self._cache.get(key)
-        if cached is None:
-            try:
-                cached = _measure(ref.kind, path, self.model.vision)
-            except MediaError as exc:
-                cached = exc
-            self._cache[key] = cached
-            if len(self._cache) > _MEDIA_CACHE_SIZE:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
-        if isinstance(cached, MediaError):
-            raise MediaError(cached.reason, cached.detail)
-        return cached
-
-    def _resolve(self, ref: str, dataset_dir: Path) -> Path:
-        if ("://" in ref and not ref.startswith("file://")) or ref.startswith("data:"):
-            raise MediaError(
-                "unsupported_media", f"{ref[:80]}: remote or inline media are not fetched; use local files"
-            )
-        ref = ref.removeprefix("file://")
-        if "\0" in ref:
-            raise MediaError("missing_media", f"{ref[:80]!r}: a path cannot contain a NUL character")
-        for old, new in self.source.media_path_map.items():
-            if ref.startswith(old):
-                ref = new + ref[len(old) :]
-                break
-        try:
-            path = Path(ref).expanduser()
-        except RuntimeError as exc:  # "~someone/…" naming an unknown user
-            raise MediaError("missing_media", f"{ref[:80]}: {exc}") from exc
-        if not path.is_absolute():
-            path = (self._media_root or dataset_dir) / path
-        return path
 
 
 def _fast_encoder(backend: Any) -> Callable[[str], list[int]]:
@@ -373,68 +355,6 @@ def _pad_positions(ids: list[int], image_pad: int, video_pad: int) -> list[int]:
             pos = ids.index(pad, pos) + 1
             found.append(pos - 1)
     return sorted(found)
-
-
-def _measure(kind: str, path: Path, spec: VisionSpec) -> MediaItem:
-    """Hash and measure one media file (called once per path per worker)."""
-    try:
-        if kind == "image":
-            data = path.read_bytes()
-            key = hashlib.sha256(data).hexdigest()
-        else:
-            with path.open("rb") as f:
-                key = hashlib.file_digest(f, "sha256").hexdigest()
-    except FileNotFoundError as exc:
-        raise MediaError("missing_media", f"{path}: no such file") from exc
-    except OSError as exc:
-        raise MediaError("missing_media", f"{path}: cannot read ({exc.strerror or exc})") from exc
-    try:
-        if kind == "image":
-            return _image_item(path, key, data, spec)
-        return _video_item(path, key, spec)
-    except MediaError as exc:
-        raise MediaError(exc.reason, f"{path}: {exc.detail}") from exc
-    except Exception as exc:  # decoders raise anything on hostile input; one file must not stop a worker
-        raise MediaError("corrupt_media", f"{path}: unreadable ({type(exc).__name__}: {exc})") from exc
-
-
-def _image_item(path: Path, key: str, data: bytes, spec: VisionSpec) -> MediaItem:
-    try:
-        info = probe_image(data)
-    except MediaError as exc:
-        if exc.reason == "corrupt_media" and _looks_like_video(data[:16]):
-            raise MediaError("media_type_mismatch", "a video file is used as an image") from exc
-        raise
-    g = image_grid(info, spec)
-    return MediaItem(
-        "image", path, key, g.height, g.width, g.grid_t, g.grid_h, g.grid_w, [], 0.0, spec.merge_size
-    )
-
-
-def _video_item(path: Path, key: str, spec: VisionSpec) -> MediaItem:
-    with path.open("rb") as f:
-        head = f.read(16)
-    if not _looks_like_video(head) and _looks_like_image(head):
-        raise MediaError("media_type_mismatch", "an image file is used as a video")
-    info = probe_video(path)
-    frames = sample_frame_indices(info.total_frames, info.fps, spec)
-    g = video_grid(info, len(frames), spec)
-    spg = second_per_grid(frames, info.total_frames, info.fps, spec)
-    return MediaItem(
-        "video", path, key, g.height, g.width, g.grid_t, g.grid_h, g.grid_w, frames, spg, spec.merge_size
-    )
-
-
-def _looks_like_video(head: bytes) -> bool:
-    return (
-        head[4:8] == b"ftyp"
-        or (head[:4] == b"RIFF" and head[8:12] == b"AVI ")
-        or head.startswith(_VIDEO_MAGIC)
-    )
-
-
-def _looks_like_image(head: bytes) -> bool:
-    return head.startswith((b"\xff\xd8\xff", b"\x89PNG", b"GIF8", b"BM")) or head[8:12] == b"WEBP"
 
 
 def truncate_sample(

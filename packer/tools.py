@@ -9,11 +9,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
 from .records import ConfigError, iter_records
 from .shards import REJECTS, ShardFormatError, ShardReader, read_manifest
+
+EXIT_DATA = 2  # a damaged or edited pack is bad input, like a configuration error
 
 
 def summary_line(manifest: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -94,47 +98,79 @@ def write_plot(path: Path, png: Path) -> None:
     plt.close(fig)
 
 
-def _rejects(path: Path) -> list[dict[str, Any]]:
-    text = (path / REJECTS).read_text()
-    return [json.loads(line) for line in text.splitlines() if line]
+def _rejects(path: Path, problems: list[str]) -> list[dict[str, Any]]:
+    out = []
+    for n, line in enumerate((path / REJECTS).read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            r = json.loads(line) if line else None
+        except ValueError:
+            r = None
+        if line and (not isinstance(r, dict) or not isinstance(r.get("source"), str)
+                     or not isinstance(r.get("index"), int)):
+            problems.append(f"{REJECTS} line {n}: not a reject record (JSON with source, index, reason)")
+        elif r is not None:
+            out.append(r)
+    return out
 
 
-def verify(path: Path) -> list[str]:
-    """Every problem found, as messages; empty means the pack is sound."""
+def verify(path: Path, notes: list[str] | None = None) -> list[str]:
+    """Every problem found, as messages; empty means the pack is sound. What could not be checked
+    (a model folder that is not readable here) goes to `notes`."""
+    from .config import PackConfig
+    from .integrity import model_facts, scan_rows, stored_config_hash
+    from .shards import sha256_file
+    from .stages import DUPLICATE_IDS, count_duplicate_ids
+
     problems: list[str] = []
     try:
         reader = ShardReader(path, verify_checksums=True)
     except ShardFormatError as exc:
         return [str(exc)]
     m = reader.manifest
-    max_length = m["max_length"]
-    seen: Counter[tuple[str, int]] = Counter()
-    tokens = 0
-    packed = 0
-    for i in range(reader.num_sequences):
-        row = reader.sequence(i)
-        n = len(row["input_ids"])
-        tokens += n
-        if n > max_length:
-            problems.append(f"sequence {i}: {n} tokens > max_length {max_length}")
-        if n != len(row["labels"]) or n != sum(row["seq_lens"]):
-            problems.append(f"sequence {i}: input_ids/labels/seq_lens lengths disagree")
-        packed += len(row["seq_lens"])
-        for src, idx in zip(row["sources"], row["indices"], strict=True):
-            seen[(src, idx)] += 1
-    rejects = _rejects(path)
+    try:
+        cfg = PackConfig.model_validate(m.get("config"))
+    except ValidationError as exc:
+        return [f"manifest config is not a valid pack configuration: {exc}"]
+    if (got := stored_config_hash(m.get("config"))) != m.get("config_hash"):
+        problems.append(
+            f"config_hash {str(m.get('config_hash'))[:12]}… is not the hash of the manifest's config "
+            f"({got[:12]}…): the manifest was edited"
+        )
+    max_length = cfg.packing.max_length
+    if m.get("max_length") != max_length:
+        problems.append(f"max_length {m.get('max_length')} differs from the config's maxLength {max_length}")
+    rejects_file = path / REJECTS
+    want_sha = (m.get("rejects") or {}).get("sha256")
+    if not rejects_file.is_file() or sha256_file(rejects_file) != want_sha:
+        problems.append(f"{REJECTS}: missing, or its sha256 does not match the manifest's rejects.sha256")
+    facts, note = model_facts(cfg.model.path)
+    if note and notes is not None:
+        notes.append(note)
+    found = scan_rows(reader, facts, max_length)
+    problems.extend(found.problems)
+    seen = found.seen
+    rejects = _rejects(path, problems) if rejects_file.is_file() else []
     for r in rejects:
         seen[(r["source"], r["index"])] += 1
     dupes = [k for k, v in seen.items() if v > 1]
     if dupes:
         problems.append(f"{len(dupes)} samples appear more than once, e.g. {dupes[:3]}")
-    c = m["counts"]
-    if packed != c["packed"] or len(rejects) != c["rejected"] or c["packed"] + c["rejected"] != c["input"]:
+    c = m.get("counts") or {}
+    if found.packed != c.get("packed") or len(rejects) != c.get("rejected") or (
+        found.packed + len(rejects) != c.get("input")
+    ):
         problems.append(
-            f"counts do not add up: manifest {c}, found packed={packed} rejected={len(rejects)}"
+            f"counts do not add up: manifest {c}, found packed={found.packed} rejected={len(rejects)}"
         )
-    if tokens != m["tokens"]:
-        problems.append(f"manifest says {m['tokens']} tokens, shards hold {tokens}")
+    if found.tokens != m.get("tokens"):
+        problems.append(f"manifest says {m.get('tokens')} tokens, shards hold {found.tokens}")
+    if found.label_tokens != m.get("label_tokens"):
+        problems.append(f"manifest says {m.get('label_tokens')} label tokens, shards hold {found.label_tokens}")
+    if DUPLICATE_IDS in c:
+        ids = [*(found.sample_ids or []), *(r["id"] for r in rejects if isinstance(r.get("id"), str))]
+        duplicates, _ = count_duplicate_ids([pa.array(ids, pa.string())])
+        if duplicates != c[DUPLICATE_IDS]:
+            problems.append(f"counts.{DUPLICATE_IDS} is {c[DUPLICATE_IDS]}, the pack holds {duplicates}")
     problems.extend(_check_inputs(m, seen))
     return problems
 
@@ -164,11 +200,15 @@ def _check_inputs(manifest: dict[str, Any], seen: Counter[tuple[str, int]]) -> l
 
 
 def verify_cmd(path: Path) -> int:
-    problems = verify(path)
+    """Exit 0 when the pack is sound, EXIT_DATA (2, as for any bad input) when anything is wrong."""
+    notes: list[str] = []
+    problems = verify(path, notes)
+    for n in notes:
+        print(f"NOTE {n}", file=sys.stderr)
     for p in problems:
         print(f"FAIL {p}", file=sys.stderr)
     if problems:
-        return 1
+        return EXIT_DATA
     m = read_manifest(path)
     c = m["counts"]
     print(f"OK {path}: {m['sequences']} sequences, {c['packed']} packed + {c['rejected']} rejected = {c['input']}")

@@ -14,8 +14,10 @@ import io
 import math
 import struct
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import av
 import numpy as np
@@ -150,24 +152,35 @@ def second_per_grid(indices: list[int], total_frames: int, video_fps: float, spe
     return spec.temporal_patch_size / sampled_fps
 
 
-def probe_image(data: bytes) -> ImageInfo:
+def probe_image(
+    data: bytes, *, formats: Sequence[str] | None = None, max_pixels: int | None = None
+) -> ImageInfo:
     """Upright size of an encoded image, read from its header, after a cheap integrity check.
 
     Orientation: the HF processor decodes paths with EXIF orientation applied
     (torchvision `decode_image(apply_exif_orientation=True)`, or PIL
     `exif_transpose`), so orientations 5-8 swap width and height here too. Only the
     EXIF block counts (XMP-only orientation is ignored, as torchvision does).
-    The file's content decides its type, not its extension.
+    The file's content decides its type, not its extension. `formats` restricts
+    the PIL plugins tried and `max_pixels` refuses a size before any pixel is
+    decoded (the packer's media module passes its allow-list and cap).
     """
     try:
-        img = Image.open(io.BytesIO(data))
+        img = Image.open(io.BytesIO(data), formats=formats)
     except Image.DecompressionBombError as exc:
-        raise MediaError("unsupported_media", f"image too large to decode safely: {exc}") from exc
+        raise MediaError("media_too_large", f"image too large to decode safely: {exc}") from exc
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-        raise MediaError("corrupt_media", f"not a readable image: {exc}") from exc
+        allowed = f" (allowed formats: {', '.join(formats)})" if formats else ""
+        raise MediaError("corrupt_media", f"not a readable image{allowed}: {exc}") from exc
     with img:
         fmt = img.format or "?"
         width, height = img.size
+        if max_pixels is not None and width * height > max_pixels:
+            raise MediaError(
+                "media_too_large",
+                f"{width}x{height} image has {width * height} pixels, over source.maxImageSourcePixels "
+                f"({max_pixels}); raise it to keep the image",
+            )
         exif = img.info.get("exif")
         if fmt == "PNG":
             _check_png(data)
@@ -265,37 +278,55 @@ def _check_png(data: bytes) -> None:
     raise MediaError("corrupt_media", "PNG is truncated (no IEND chunk)")
 
 
-def probe_video(path: Path) -> VideoInfo:
+def probe_video(
+    source: str | Path | BinaryIO,
+    *,
+    format: str | None = None,
+    demuxers: Sequence[str] | None = None,
+    check: Callable[[int, int, int, float], None] | None = None,
+) -> VideoInfo:
     """Frame count and rate as `read_video_pyav` reads them, checked against the packets present.
 
-    Only the first frame is decoded (for the frame size the processor sees); the
-    packets are demuxed, not decoded, so a truncated file is caught cheaply. A
-    container without a frame count in its header (e.g. some MKV/WebM) falls back
-    to the packet count, where the reference would fail.
+    The packets are demuxed, not decoded, so a truncated file is caught cheaply;
+    a container without a frame count in its header (e.g. some MKV/WebM) falls
+    back to the packet count, where the reference would fail. `check(width,
+    height, frames, fps)` sees the header's numbers before the only decode (the
+    first frame, for the size the processor sees) and again if that size differs.
+    `format` forces the demuxer and `demuxers` lists those allowed (the packer's
+    media module passes both, so FFmpeg never guesses).
     """
+    target = str(source) if isinstance(source, Path) else source
     try:
-        with av.open(str(path)) as container:
+        with av.open(target, format=format) as container:
+            opened = set(container.format.name.split(","))
+            if demuxers is not None and not opened & set(demuxers):
+                raise MediaError("corrupt_media", f"container {container.format.name!r} is not allowed")
             if not container.streams.video:
                 raise MediaError("media_type_mismatch", "file has no video stream")
             stream = container.streams.video[0]
             header_frames = int(stream.frames or 0)
             rate = stream.average_rate
+            if not rate:
+                raise MediaError("corrupt_media", "video has no frame rate in its header")
+            packets = sum(1 for p in container.demux(video=0) if p.size > 0)
+            total = header_frames or packets
+            width, height = stream.codec_context.width, stream.codec_context.height
+            if check is not None and width and height and total:
+                check(width, height, total, float(rate))
+            container.seek(0)
             first = next(container.decode(video=0), None)
             if first is None:
                 raise MediaError("corrupt_media", "video has no decodable frame")
+            if check is not None and (first.width, first.height) != (width, height):
+                check(first.width, first.height, total, float(rate))
             width, height = first.width, first.height
-            container.seek(0)
-            packets = sum(1 for p in container.demux(video=0) if p.size > 0)
     except MediaError:
         raise
     except (av.FFmpegError, OSError, ValueError, StopIteration) as exc:
         raise MediaError("corrupt_media", f"video does not open: {exc}") from exc
-    if not rate:
-        raise MediaError("corrupt_media", "video has no frame rate in its header")
     if header_frames and packets < header_frames:
         raise MediaError(
             "corrupt_media",
             f"video is truncated: the header lists {header_frames} frames, {packets} are present",
         )
-    total = header_frames or packets
     return VideoInfo(width, height, total, float(rate))

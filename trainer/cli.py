@@ -29,6 +29,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def worker_message(exc: BaseException) -> str:
+    """The message a DataLoader worker raised, without the traceback the loader wraps it in."""
+    text = str(exc)
+    if "Original Traceback" not in text:
+        return text
+    last = text.rstrip().splitlines()[-1]  # "module.ErrorClass: the worker's message"
+    return last.split(": ", 1)[1] if ": " in last else last
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["train"]:
@@ -52,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         summary = train(cfg)
-    except ShardFormatError as exc:  # data.path is not a finished pack
-        print(f"packtrain train: {exc}", file=sys.stderr)
+    except ShardFormatError as exc:  # data.path is not a finished pack, or one that was damaged or edited
+        print(f"packtrain train: {worker_message(exc)}", file=sys.stderr)
         return EXIT_CONFIG
     if distributed.environ().is_main:
         print(json.dumps(summary), flush=True)

@@ -19,6 +19,8 @@ Attention = Literal["auto", "flash", "sdpa", "flex"]
 Mode = Literal["packed", "padded"]
 Strategy = Literal["ddp", "fsdp"]
 DType = Literal["auto", "bf16", "fp32"]
+# Each dataloader worker is a process holding decoded media: more than this per rank only exhausts a node.
+MAX_NUM_WORKERS = 64
 
 
 class DataSpec(CamelModel):
@@ -28,7 +30,9 @@ class DataSpec(CamelModel):
     pack_job_ref: str | None = Field(
         None, description="Name of a PackJob in the same namespace; the operator mounts its output as `path`."
     )
-    num_workers: int = Field(2, ge=0, description="Dataloader worker processes per rank (media decoding).")
+    num_workers: int = Field(
+        2, ge=0, le=MAX_NUM_WORKERS, description="Dataloader worker processes per rank (media decoding)."
+    )
     prefetch_factor: int = Field(2, ge=1, description="Micro-batches each worker decodes ahead.")
     verify_checksums: bool = Field(True, description="Check shard sha256 against the manifest on open (local rank 0 of each node).")
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from packtrain.packer.integrity import PackIntegrityError, row_problem
 from packtrain.packer.shard_format import IGNORE_INDEX
 from packtrain.packer.shards import ShardReader
 
@@ -214,6 +215,7 @@ class PackedDataset(torch.utils.data.Dataset):
         mode: str = "packed",
         pad_token_id: int = DEFAULT_PAD_TOKEN_ID,
         verify_checksums: bool = True,
+        vocab_size: int | None = None,
     ) -> None:
         if mode not in ("packed", "padded"):
             raise ValueError(f"mode must be packed or padded, not {mode!r}")
@@ -225,6 +227,7 @@ class PackedDataset(torch.utils.data.Dataset):
         self.rank, self.world_size = rank, world_size
         self.units_per_micro_batch, self.grad_accum = units_per_micro_batch, grad_accum
         self.seed, self.mode, self.pad_token_id = seed, mode, pad_token_id
+        self.vocab_size = vocab_size
         self._reader: ShardReader | None = ShardReader(self.path, verify_checksums=verify_checksums)
         self.manifest = self._reader.manifest
         self.seq_lens = self._reader.seq_lens()
@@ -311,8 +314,26 @@ class PackedDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.micro_batches()) - self.start
 
-    def _decoded_row(self, seq: int, cache: dict[tuple[Any, ...], torch.Tensor]) -> dict[str, Any]:
+    def checked_row(self, seq: int) -> dict[str, Any]:
+        """Sequence `seq`, after the cheap invariants every packed row satisfies (`packer.integrity`):
+        a damaged or edited pack stops here, naming shard and row, instead of training on it."""
         row = self.reader.sequence(seq)
+        problem = row_problem(
+            np.asarray(row["input_ids"], dtype=np.int64),
+            np.asarray(row["labels"], dtype=np.int64),
+            np.asarray(row["seq_lens"], dtype=np.int64),
+            self.vocab_size,
+        )
+        if problem is not None:
+            shard, index = self.reader.locate(seq)
+            raise PackIntegrityError(
+                f"{self.path / self.reader.shard_file(shard)} row {index}: {problem}. The pack was damaged "
+                "or edited: run `packtrain pack verify` on it, and re-pack the data."
+            )
+        return row
+
+    def _decoded_row(self, seq: int, cache: dict[tuple[Any, ...], torch.Tensor]) -> dict[str, Any]:
+        row = self.checked_row(seq)
         pixels = []
         for ref in row["media"]:
             key = (ref["key"], ref["height"], ref["width"], tuple(ref["frames"] or ()))

@@ -112,6 +112,7 @@ def _train(
         pad_token_id=DEFAULT_PAD_TOKEN_ID if pad_id is None else pad_id,
         # One process per node reads every shard to check it; its peers share that filesystem.
         verify_checksums=cfg.data.verify_checksums and env.local_rank == 0,
+        vocab_size=config.text_config.vocab_size,
     )
     pack_family = dataset.manifest.get("family")
     if pack_family not in (None, family.name):

@@ -24,6 +24,7 @@ import torch
 from PIL import Image
 from torchvision.transforms.v2 import functional as tvF
 
+from packtrain.packer.media import sniff_container
 from packtrain.packer.vision import upright
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -113,16 +114,31 @@ def image_pixels(data: bytes, height: int, width: int, spec: PixelSpec) -> torch
     return patchify_image(_normalize(_resize(frame, height, width), spec), spec)
 
 
-def decode_video_frames(data: bytes, indices: Sequence[int]) -> np.ndarray:
-    """Decode the given frame indices (decode order, as the packer counted them) → (T, H, W, 3) uint8."""
+def decode_video_frames(
+    data: bytes, indices: Sequence[int], size: tuple[int, int] | None = None
+) -> np.ndarray:
+    """Decode the given frame indices (decode order, as the packer counted them) → (T, H, W, 3) uint8.
+
+    With `size` = (height, width) each wanted frame is resized as soon as it is decoded, the same
+    resize `video_pixels_from_frames` applies to the stack, so memory holds one source-size frame at
+    a time: a small file of many huge frames cannot make a data worker hold them all.
+    """
     wanted = sorted(set(indices))
     if not wanted:
         raise ValueError("a video media ref has no sampled frame indices")
+    demuxer = sniff_container(data[:512])
+    if demuxer is None:  # FFmpeg is never left to guess (its text, playlist and concat demuxers)
+        raise ValueError("video bytes are not in an allowed container; re-pack, or run `packtrain pack verify`")
+    want = set(wanted)
     got: dict[int, np.ndarray] = {}
-    with av.open(io.BytesIO(data)) as container:
+    with av.open(io.BytesIO(data), format=demuxer) as container:
         for i, frame in enumerate(container.decode(video=0)):
-            if i in wanted:
-                got[i] = frame.to_ndarray(format="rgb24")
+            if i in want:
+                rgb = frame.to_ndarray(format="rgb24")
+                if size is not None:
+                    chw = _resize(torch.from_numpy(rgb).permute(2, 0, 1), *size)
+                    rgb = chw.permute(1, 2, 0).contiguous().numpy()
+                got[i] = rgb
             if i >= wanted[-1]:
                 break
     missing = [i for i in wanted if i not in got]
@@ -151,7 +167,7 @@ def media_pixels(blob: dict[str, Any], ref: dict[str, Any], spec: PixelSpec) -> 
             pixels = video_pixels_from_frames(np.stack(frames), height, width, spec)
         else:
             pixels = video_pixels_from_frames(
-                decode_video_frames(blob["data"], ref["frames"]), height, width, spec
+                decode_video_frames(blob["data"], ref["frames"], (height, width)), height, width, spec
             )
     else:
         raise ValueError(f"unknown media kind {ref['kind']!r}")

@@ -65,6 +65,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
                     "podMonitor": {"enabled": True, "interval": "5s", "labels": {"release": "prom"}}},
         "argocd": {"healthChecks": {"enabled": True}},
+        "policy": {"allowedImages": ["registry.example.com/pt/*"], "allowTolerations": True,
+                   "allowedPodAnnotationPrefixes": ["example.com/"], "maxGpusPerJob": 1000000},
         "grafana": {"dashboard": {"enabled": True, "namespace": "monitoring",
                                   "annotations": {"grafana_folder": "ML"}}},
     },
@@ -160,7 +162,8 @@ def test_namespaced_objects_live_in_the_release_namespace(
     dashboard_ns = values.get("grafana", {}).get("dashboard", {}).get("namespace") or NAMESPACE
     for obj in objects:
         kind, ns = obj["kind"], obj["metadata"].get("namespace")
-        if kind in ("ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"):
+        if kind in ("ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "ValidatingAdmissionPolicy",
+                    "ValidatingAdmissionPolicyBinding"):
             assert ns is None
         elif kind in ("Role", "RoleBinding"):
             assert ns in roles_in

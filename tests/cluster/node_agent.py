@@ -496,12 +496,16 @@ def _expand(value: str, env: dict[str, str]) -> str:
 
 
 def _rewrite(value: str, mounts: dict[str, str]) -> str:
-    """Replace mount paths at path boundaries with their local folders, longest first."""
-    for mount in sorted(mounts, key=len, reverse=True):
-        if mount == "/":
-            continue
-        value = re.sub(rf"(?<![\w.-]){re.escape(mount)}(?=/|$|[^\w.-])", lambda _m, m=mount: mounts[m], value)
-    return value
+    """Replace mount paths at path boundaries with their local folders, longest first, in one pass.
+
+    One pass, so a local folder that itself lies under a mount path (the agent's work dir under
+    /tmp, and a pod that mounts an emptyDir at /tmp) is not rewritten a second time.
+    """
+    names = [m for m in sorted(mounts, key=len, reverse=True) if m != "/"]
+    if not names:
+        return value
+    alternatives = "|".join(map(re.escape, names))
+    return re.sub(rf"(?<![\w.-])(?:{alternatives})(?=/|$|[^\w.-])", lambda m: mounts[m.group(0)], value)
 
 
 def _names_service(value: str, services: set[str], ns: str) -> bool:

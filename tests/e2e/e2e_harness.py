@@ -36,6 +36,7 @@ QUICKSTART = REPO / "examples" / "quickstart.yaml"
 GROUP, VERSION = "packtrain.dev", "v1alpha1"
 RELEASE, RELEASE_NS = "packtrain", "packtrain-system"
 CLAIMS = ("packtrain-data", "packtrain-checkpoints")
+RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/enforce-version": "latest"}
 
 
 def stamp() -> str:
@@ -154,8 +155,12 @@ class Harness:
     # -- cluster helpers ---------------------------------------------------------------------
 
     def namespace_with_claims(self, ns: str) -> None:
-        """A namespace with the quickstart's claims, bound to hostPath volumes (the agent maps them)."""
-        self.core.create_namespace({"metadata": {"name": ns}})
+        """A namespace with the quickstart's claims, bound to hostPath volumes (the agent maps them).
+
+        It enforces the `restricted` Pod Security Standard, as a shared cluster's team namespaces
+        do: the API server's PodSecurity admission refuses any pod of ours that breaks it.
+        """
+        self.core.create_namespace({"metadata": {"name": ns, "labels": RESTRICTED}})
         for claim in CLAIMS:
             pv = f"{ns}-{claim}"
             self.core.create_persistent_volume({

@@ -23,6 +23,7 @@ import yaml
 from e2e_harness import (
     QUICKSTART,
     REPO,
+    RESTRICTED,
     Harness,
     MetricsScraper,
     Recorder,
@@ -128,6 +129,16 @@ def test_quickstart_end_to_end(e2e: Harness, quickstart: QuickstartRun, capsys: 
     assert len(rejects) == stats["samplesRejected"]
     assert stats["sequences"] == manifest["sequences"] and stats["tokens"] == manifest["tokens"]
     assert 0 < stats["fillRatio"] <= 1
+
+    # All of it ran in a namespace enforcing the restricted Pod Security Standard, as non-root.
+    assert e2e.core.read_namespace(ns).metadata.labels.items() >= RESTRICTED.items()
+    for pod in pods_of(e2e, ns, "app.kubernetes.io/name=packtrain"):
+        assert pod.spec.security_context.run_as_non_root and pod.spec.security_context.run_as_user, pod.metadata.name
+        assert pod.spec.automount_service_account_token is False, pod.metadata.name
+        for c in pod.spec.containers:
+            assert c.security_context.allow_privilege_escalation is False, (pod.metadata.name, c.name)
+            assert c.security_context.capabilities.drop == ["ALL"], (pod.metadata.name, c.name)
+            assert c.resources.requests.get("cpu") and c.resources.requests.get("memory"), (pod.metadata.name, c.name)
 
     # The SFTJob waited for the data, then ran through Kubeflow's own controller.
     assert run.sft_phases[0] == "WaitingForData" and run.sft_phases[-2:] == ["Running", "Succeeded"], (

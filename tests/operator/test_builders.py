@@ -73,7 +73,7 @@ def test_pack_pods_run_on_cpu_pool_with_output_and_config(packjob: dict[str, Any
     container = pod["containers"][0]
     assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert "/data/packs/demo" in container["command"]
-    assert {m["mountPath"] for m in container["volumeMounts"]} == {"/data", "/etc/packtrain"}
+    assert {m["mountPath"] for m in container["volumeMounts"]} == {"/data", "/etc/packtrain", "/tmp"}
 
 
 def test_pack_scheduling_overrides_and_extra_volumes(packjob: dict[str, Any]) -> None:

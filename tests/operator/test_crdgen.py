@@ -11,7 +11,7 @@ import yaml
 from operator_fixtures import PACKJOB, SFTJOB
 
 from packtrain.operator import crdgen
-from packtrain.operator.api import PackJob, PackJobSpec, SFTJob, SFTJobSpec
+from packtrain.operator.api import QUANTITY_PATTERN, PackJob, PackJobSpec, SFTJob, SFTJobSpec
 
 REPO = Path(__file__).resolve().parents[2]
 KINDS = [PackJob, SFTJob]
@@ -112,6 +112,9 @@ def test_embedded_configs_come_from_the_packer_and_trainer_models() -> None:
     assert sft["resources"]["properties"]["cpu"] == {
         "description": "CPU request and limit per pod, e.g. 16 or 15500m.",
         "x-kubernetes-int-or-string": True,
+        "pattern": QUANTITY_PATTERN,
+        "maxLength": 64,
+        "minimum": 0,
     }
     lr = sft["training"]["properties"]["lr"]
     assert lr["minimum"] == 0 and lr["exclusiveMinimum"] is True

@@ -236,6 +236,19 @@ packtrain_train_loss{rank="1"} 9.0
 """
 
 
+def scrape_progress(kube: FakeKube, namespace: str, name: str) -> dict[str, Any] | None:
+    """One `update_progress`, as the operator's progress loop runs it."""
+    import asyncio
+
+    from packtrain.operator import scrape
+
+    async def run() -> dict[str, Any] | None:
+        async with scrape.session() as client:
+            return await handlers.update_progress(kube, client, namespace, name)  # type: ignore[arg-type]
+
+    return asyncio.run(run())
+
+
 def test_progress_is_scraped_from_the_master_pod(sftjob: dict[str, Any]) -> None:
     import http.server
     import threading
@@ -269,10 +282,63 @@ def test_progress_is_scraped_from_the_master_pod(sftjob: dict[str, Any]) -> None
             "status": {"phase": "Running", "podIP": "127.0.0.1"},
         }
         kube.pod_list[f"{builders.SFTJOB_LABEL}=demo-sft"] = [worker, master]
-        progress = handlers.update_progress(kube, "ml", "demo-sft")  # type: ignore[arg-type]
+        progress = scrape_progress(kube, "ml", "demo-sft")
         assert progress is not None and progress["step"] == 42 and progress["loss"] == 1.5
         assert progress["maxSteps"] == 1000 and merged == [{"progress": progress}]
         kube.pod_list[f"{builders.SFTJOB_LABEL}=demo-sft"] = [worker]
-        assert handlers.update_progress(kube, "ml", "demo-sft") is None  # type: ignore[arg-type]
+        assert scrape_progress(kube, "ml", "demo-sft") is None
     finally:
         server.shutdown()
+
+
+# The Status body the API server sends with a ResourceQuota refusal (403), as the local cluster returns it.
+QUOTA_REFUSAL = {
+    "kind": "Status",
+    "apiVersion": "v1",
+    "metadata": {},
+    "status": "Failure",
+    "message": 'jobs.batch "demo-convert" is forbidden: exceeded quota: no-jobs, requested: count/jobs.batch=1, '
+    "used: count/jobs.batch=0, limited: count/jobs.batch=0",
+    "reason": "Forbidden",
+    "details": {"name": "demo-convert", "group": "batch", "kind": "jobs"},
+    "code": 403,
+}
+
+
+class RefusingKube(FakeKube):
+    """Refuses to create `kind` with `status`, as the API server does (body: a JSON Status string)."""
+
+    def __init__(self, kind: str, status: int, body: dict[str, Any]) -> None:
+        super().__init__()
+        self.refuse, self.status, self.body = kind, status, body
+
+    def create(self, body: dict[str, Any]) -> bool:
+        if body["kind"] == self.refuse:
+            exc = ApiException(status=self.status, reason="Forbidden" if self.status == 403 else "Invalid")
+            exc.body = json.dumps(self.body)
+            raise exc
+        return super().create(body)
+
+
+@pytest.mark.parametrize("code", [403, 422])
+def test_a_refused_child_fails_the_packjob_with_the_servers_message(packjob: dict[str, Any], code: int) -> None:
+    kube = RefusingKube("Job", code, {**QUOTA_REFUSAL, "code": code})
+    status = step(kube, packjob)
+    assert status["phase"] == "Failed" and status["completionTime"]
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["status"] == "True" and failed["reason"] == "ChildRefused"
+    assert failed["message"].startswith(f"the API server refused to create Job demo-convert ({code} ")
+    assert "exceeded quota: no-jobs" in failed["message"] and "re-create the PackJob" in failed["message"]
+    event = handlers.st.transition_event(None, None, status)
+    assert event is not None and event[:2] == ("Warning", "ChildRefused")
+    assert step(kube, packjob) == status  # terminal: nothing is retried
+
+
+def test_a_refused_training_job_fails_the_sftjob(sftjob: dict[str, Any]) -> None:
+    sftjob["spec"]["data"] = {"path": "/data/packs/x"}
+    sftjob["spec"]["volumes"]["data"] = {"claimName": "packs"}
+    kube = RefusingKube("PyTorchJob", 403, {**QUOTA_REFUSAL, "message": "pytorchjobs.kubeflow.org is forbidden"})
+    status = sft_step(kube, sftjob)
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert status["phase"] == "Failed" and failed["reason"] == "ChildRefused"
+    assert "PyTorchJob demo-sft (403 Forbidden): pytorchjobs.kubeflow.org is forbidden" in failed["message"]

@@ -136,6 +136,8 @@ class Operator:
             "PYTHONUNBUFFERED": "1",
             "PACKTRAIN_PACKER_IMAGE": "ghcr.io/packtrain/packer:test",
             "PACKTRAIN_TRAINER_IMAGE": "ghcr.io/packtrain/trainer:test",
+            # The node agent's opt-in annotations, which the default policy refuses.
+            "PACKTRAIN_POLICY": json.dumps({"allowedPodAnnotationPrefixes": ["packtrain.dev/node-agent"]}),
         }
         cmd = [
             sys.executable,
@@ -317,7 +319,7 @@ def test_invalid_specs_are_rejected_with_clear_messages(api: client.ApiClient, n
     assert "metadata.name must be at most 45 characters" in rejected(api, namespace, body)
     body = packjob("bad")
     body["spec"]["volumes"] = [{"name": "output", "claimName": "c", "mountPath": "/c"}]
-    assert "volume names output, config are the operator's own" in rejected(api, namespace, body)
+    assert "volume names output, config, tmp are the operator's own" in rejected(api, namespace, body)
     body = sftjob("bad-sft", "p")
     body["spec"]["data"]["path"] = "/data/p"
     assert "spec.data needs exactly one of path" in rejected(api, namespace, body)
@@ -561,6 +563,36 @@ def test_restart_mid_run_creates_no_duplicates(
         namespace, label_selector="packtrain.dev/packjob=restart"
     )
     assert [c.metadata.name for c in cms.items] == ["restart-pack-config"]
+
+
+@pytest.mark.parametrize("refusal", ["quota-403", "invalid-422"])
+def test_a_child_the_api_server_refuses_fails_the_packjob_with_its_message(
+    api: client.ApiClient, namespace: str, operator: Operator, refusal: str
+) -> None:
+    """The API server's own refusal: a ResourceQuota allowing no Jobs (403), or a Job it finds invalid (422)."""
+    name = f"refused-{refusal[-3:]}"
+    body = packjob(name, count=1)
+    if refusal == "quota-403":
+        client.CoreV1Api(api).create_namespaced_resource_quota(
+            namespace, {"metadata": {"name": "no-jobs"}, "spec": {"hard": {"count/jobs.batch": "0"}}}
+        )
+        said = "exceeded quota: no-jobs"
+    else:  # a mount over the pods' own /tmp: valid for the CRD, refused by the Job's validation
+        body["spec"]["volumes"] = [{"name": "scratch", "claimName": CLAIM, "mountPath": "/tmp"}]
+        said = "must be unique"
+    create(api, namespace, body)
+    wait_for(f"PackJob {name} to fail", lambda: phase(api, namespace, "packjobs", name) == "Failed", timeout=60)
+    failed = condition(get(api, namespace, "packjobs", name), "Failed")
+    code = refusal[-3:]
+    assert failed["status"] == "True" and failed["reason"] == "ChildRefused", failed
+    assert failed["message"].startswith(f"the API server refused to create Job {name}-convert ({code} "), failed
+    assert said in failed["message"], failed
+    warnings = wait_for(
+        "the Warning event",
+        lambda: [e for e in events(api, namespace, name) if e.type == "Warning" and e.reason == "ChildRefused"],
+    )
+    assert said in warnings[0].message
+    assert jobs(api, namespace, name) == []
 
 
 def test_unschedulable_pods_are_explained(api: client.ApiClient, namespace: str, operator: Operator) -> None:

@@ -84,3 +84,25 @@ def video(path: Path, frames: int, fps: int = 10, width: int = 64, height: int =
         for packet in stream.encode():
             out.mux(packet)
     return path
+
+
+def video_bomb(path: Path, frames: int = 120, size: int = 2048, fps: int = 2) -> Path:
+    """A tiny H.264 file that decodes to `frames` full frames of size x size (identical, so it compresses to
+    a few KB); at 2 fps every frame is sampled."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w", format="mp4") as out:
+        stream = out.add_stream("libx264", rate=Fraction(fps), options={"preset": "ultrafast"})
+        stream.width = stream.height = size
+        stream.pix_fmt = "yuv420p"
+        frame = av.VideoFrame.from_ndarray(np.zeros((size, size, 3), dtype=np.uint8), format="rgb24")
+        for _ in range(frames):
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return path
+
+
+def nested_tools(depth: int) -> str:
+    """A `tools` JSON value nested `depth` lists deep (parses, then overflows recursive serializers)."""
+    return "[" * depth + "]" * depth

@@ -62,7 +62,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str | 
         (json.dumps(_ask("<image>", videos=["clip.mp4"])), "placeholder_mismatch"),
         (json.dumps(_ask("<image>", ["clip.mp4"])), "media_type_mismatch"),
         (json.dumps(_ask("<video>", videos=["good.png"])), "media_type_mismatch"),
-        (json.dumps(_ask("<image>", ["https://example.com/a.png"])), "unsupported_media"),
+        (json.dumps(_ask("<image>", ["https://example.com/a.png"])), "remote_media"),
         (json.dumps({**_ask("<audio>"), "audios": ["a.wav"]}), "unsupported_media"),
         (json.dumps({"messages": []}), "empty_conversation"),
         (json.dumps({"messages": [{"role": "user", "content": "only a question"}]}), "empty_conversation"),
@@ -114,7 +114,8 @@ def test_every_record_gives_one_result_with_the_expected_reason(
 def test_reject_details_name_the_problem(results: list[TokenizedSample | Reject]) -> None:
     details = {r.reason: r.detail for r in results if isinstance(r, Reject)}
     assert "nowhere.png" in details["missing_media"]
-    assert "audio" in details["unsupported_media"] or "remote" in details["unsupported_media"]
+    assert "audio" in details["unsupported_media"]
+    assert "URL" in details["remote_media"]
     assert "line 25" in details["bad_json"]
     assert "UTF-8" in details["bad_utf8"]
     assert "<|im_end|>" in details["reserved_token"]

@@ -215,7 +215,9 @@ def test_media_path_map_packs_both_demo_layouts(tmp_path: Path) -> None:
         }
     )
     manifest = _run(cfg, tmp_path / "out", workers=1)
-    assert manifest["counts"] == {"input": 30, "packed": 30, "rejected": 0, "rejected_by_reason": {}}
+    assert manifest["counts"] == {
+        "input": 30, "packed": 30, "rejected": 0, "rejected_by_reason": {}, "duplicate_ids": 0,
+    }
     without_map = cfg.model_copy(update={"source": cfg.source.model_copy(update={"media_path_map": {}})})
     manifest = _run(without_map, tmp_path / "out2", workers=1)
     assert manifest["counts"]["rejected_by_reason"].get("missing_media", 0) > 0

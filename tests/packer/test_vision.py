@@ -159,7 +159,7 @@ def test_decompression_bomb_is_refused_not_raised(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
     with pytest.raises(MediaError) as err:
         probe_image(data)
-    assert err.value.reason == "unsupported_media"
+    assert err.value.reason == "media_too_large"
 
 
 def test_vision_spec_reads_the_folder_and_config_overrides() -> None:

@@ -1,0 +1,199 @@
+"""What every packed row must satisfy before anything trains on it.
+
+The trainer trusts a pack's rows: an id outside the vocabulary indexes past the
+embedding (a device-side assert on CUDA), a label that is not the input id at
+its position trains on text that is not there, and a sub-sample without a
+label token (all −100) trains on nothing and reports a loss of 0. The packer
+never writes such rows, so finding one means the pack was damaged or edited.
+`row_problem` is the cheap check the trainer runs on every row it reads;
+`pack verify` runs it and `grid_problem` (vision-token runs against the media
+grids) over the whole pack. numpy only: no torch in the packer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from .shard_format import IGNORE_INDEX
+from .shards import ShardFormatError, ShardReader
+
+
+class PackIntegrityError(ShardFormatError):
+    """A row breaks an invariant the packer guarantees: the pack was damaged or edited."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The few numbers of a model folder that rows are checked against (None: not known)."""
+
+    vocab_size: int | None
+    image_pad_id: int | None
+    video_pad_id: int | None
+    merge_size: int = 2
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def model_facts(folder: str | Path) -> tuple[ModelFacts, str | None]:
+    """Vocabulary size and vision pad ids from `config.json` (no tokenizer, no torch), merge size from
+    `preprocessor_config.json`; with a note saying what could not be read, else None."""
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        return ModelFacts(None, None, None), (
+            f"model folder {folder} has no readable config.json ({exc}): token ids are not checked "
+            "against the vocabulary, nor vision tokens against the media grids"
+        )
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    vocab = _int(config.get("vocab_size")) or _int(text.get("vocab_size"))
+    merge = 2
+    try:
+        pre = json.loads((folder / "preprocessor_config.json").read_text(encoding="utf-8"))
+        merge = _int(pre.get("merge_size")) or merge
+    except (OSError, ValueError, AttributeError):
+        pass
+    facts = ModelFacts(vocab, _int(config.get("image_token_id")), _int(config.get("video_token_id")), merge)
+    note = None if vocab else f"{folder}/config.json names no vocab_size: token ids are not checked against it"
+    return facts, note
+
+
+def stored_config_hash(config: Any) -> str:
+    """The hash `PackConfig.config_hash` gave the config as the manifest stores it (its dump).
+
+    Hashing the stored dict rather than a re-validated model keeps a pack made before a field was
+    added to the configuration verifiable; `test_pack_integrity` holds the two rules equal.
+    """
+    blob = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def row_problem(
+    input_ids: np.ndarray, labels: np.ndarray, seq_lens: np.ndarray, vocab_size: int | None
+) -> str | None:
+    """The first broken invariant of one packed row, in words; None when the row is sound. Vectorized."""
+    n = len(input_ids)
+    if len(labels) != n:
+        return f"{len(labels)} labels for {n} tokens"
+    if len(seq_lens) == 0 or int(seq_lens.min()) < 1 or int(seq_lens.sum()) != n:
+        return f"seq_lens {seq_lens.tolist()[:8]} do not split its {n} tokens into samples of at least 1 token"
+    if n == 0:
+        return "no tokens"
+    low = int(input_ids.min())
+    if low < 0:
+        return f"token id {low} at position {int(np.argmin(input_ids))} is negative"
+    if vocab_size is not None and int(input_ids.max()) >= vocab_size:
+        pos = int(np.argmax(input_ids >= vocab_size))
+        return f"token id {int(input_ids[pos])} at position {pos} is outside the vocabulary (size {vocab_size})"
+    trained = labels != IGNORE_INDEX
+    wrong = trained & (labels != input_ids)
+    if wrong.any():
+        pos = int(np.argmax(wrong))
+        return (
+            f"label {int(labels[pos])} at position {pos} is neither {IGNORE_INDEX} nor the input id "
+            f"{int(input_ids[pos])} there"
+        )
+    starts = np.concatenate(([0], np.cumsum(seq_lens)[:-1]))
+    per_sample = np.add.reduceat(trained.astype(np.int64), starts)
+    if (per_sample == 0).any():
+        k = int(np.argmax(per_sample == 0))
+        return f"sub-sample {k} has no label token: it trains on nothing"
+    return None
+
+
+def grid_problem(
+    input_ids: np.ndarray, seq_lens: Sequence[int], media: Sequence[dict[str, Any]], facts: ModelFacts
+) -> str | None:
+    """Each sub-sample's vision-token runs, in order, against its media refs: one run of
+    grid_t·grid_h·grid_w / merge² pad tokens per image or video."""
+    if facts.image_pad_id is None or facts.video_pad_id is None:
+        return None
+    pads = {facts.image_pad_id: "image", facts.video_pad_id: "video"}
+    m2 = facts.merge_size**2
+    offset = 0
+    for k, n in enumerate(seq_lens):
+        ids = input_ids[offset : offset + n]
+        offset += n
+        mark = np.where(np.isin(ids, list(pads)), ids, -1)  # a run ends where the pad id changes
+        starts = np.flatnonzero((mark != -1) & (mark != np.concatenate(([-1], mark[:-1]))))
+        ends = np.flatnonzero((mark != -1) & (mark != np.concatenate((mark[1:], [-1])))) + 1
+        runs = [(pads[int(ids[a])], int(b - a)) for a, b in zip(starts, ends, strict=True)]
+        want = []
+        for ref in (r for r in media if r["sample"] == k):
+            grid = [int(ref[g]) for g in ("grid_t", "grid_h", "grid_w")]
+            if min(grid) < 1 or (grid[1] * grid[2]) % m2:
+                return f"sub-sample {k}: media grid {grid} is not a whole number of merged patches"
+            want.append((ref["kind"], grid[0] * grid[1] * grid[2] // m2))
+        if runs != want:
+            return (
+                f"sub-sample {k}: vision-token runs {runs[:4]} do not match its media grids {want[:4]} "
+                f"(merge size {facts.merge_size})"
+            )
+    stray = [r["sample"] for r in media if not 0 <= r["sample"] < len(seq_lens)]
+    if stray:
+        return f"media refer to sub-sample {stray[0]}, but the row has {len(seq_lens)}"
+    return None
+
+
+@dataclass
+class Scan:
+    """What a pass over every row found: problems, and the totals the manifest must agree with."""
+
+    problems: list[str]
+    seen: Counter[tuple[str, int]]
+    tokens: int = 0
+    label_tokens: int = 0
+    packed: int = 0
+    sample_ids: list[str] | None = None
+
+
+def _lists(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """A list column as (offsets, flat values) numpy arrays: rows are slices, nothing is copied per row."""
+    col = table.column(name).combine_chunks()
+    return col.offsets.to_numpy(), col.values.to_numpy(zero_copy_only=False)
+
+
+def scan_rows(reader: ShardReader, facts: ModelFacts, max_length: int, limit: int = 50) -> Scan:
+    """Every row of every shard against `row_problem`, `grid_problem`, `max_length` and its shard's media
+    table; each problem names the shard file and row (at most `limit` are listed)."""
+    out = Scan([], Counter(), sample_ids=[])
+    for s, entry in enumerate(reader.manifest["shards"]):
+        table = reader.table(s)
+        keys = set(reader.media_table(s).column("key").to_pylist())
+        ids_off, ids = _lists(table, "input_ids")
+        lab_off, labels = _lists(table, "labels")
+        len_off, lens = _lists(table, "seq_lens")
+        media = table.column("media").to_pylist()
+        sources, indices = table.column("sources").to_pylist(), table.column("indices").to_pylist()
+        out.sample_ids.extend(x for row in table.column("sample_ids").to_pylist() for x in row)
+        for r in range(table.num_rows):
+            row_ids = ids[ids_off[r] : ids_off[r + 1]]
+            row_labels = labels[lab_off[r] : lab_off[r + 1]]
+            row_lens = lens[len_off[r] : len_off[r + 1]]
+            out.tokens += len(row_ids)
+            out.label_tokens += int((row_labels != IGNORE_INDEX).sum())
+            out.packed += len(row_lens)
+            out.seen.update(zip(sources[r], indices[r], strict=False))
+            problem = row_problem(row_ids, row_labels, row_lens, facts.vocab_size)
+            if problem is None and len(row_ids) > max_length:
+                problem = f"{len(row_ids)} tokens > max_length {max_length}"
+            if problem is None:
+                problem = grid_problem(row_ids, row_lens.tolist(), media[r], facts)
+            if problem is None and (lost := [m["key"] for m in media[r] if m["key"] not in keys]):
+                problem = f"media {lost[0][:12]}… is not in {entry['media_file']}"
+            if problem is not None and len(out.problems) < limit:
+                out.problems.append(f"{entry['file']} row {r}: {problem}")
+    return out

@@ -1,0 +1,371 @@
+"""The media a dataset names: where they may be, which files are opened, how much is read and decoded.
+
+Datasets come from the internet, so every rule that keeps a record from reaching
+beyond its data lives here, in one place:
+
+- Confinement: a media path, absolute or relative, after `source.mediaPathMap`,
+  is resolved with symlinks followed and must lie inside a root the job
+  configuration names (`source.mediaRoot`, each dataset file's folder, the
+  targets of `source.mediaPathMap`). Anything else is `media_outside_root`,
+  decided before the file is opened and with the same detail whether or not the
+  path exists, so a dataset cannot probe the file system. URLs are
+  `remote_media`: the packer never fetches over the network.
+- Only regular files are opened (`O_NONBLOCK`, then `fstat` on the open
+  descriptor): a FIFO cannot hang a worker, a device cannot feed it endless bytes.
+- Byte caps (`source.maxImageBytes`, `source.maxVideoBytes`) are enforced while
+  reading, not trusted from `stat`.
+- Formats: images through PIL's plugins for `IMAGE_FORMATS` only; videos through
+  an explicitly chosen FFmpeg demuxer of `VIDEO_DEMUXERS`, picked from the file's
+  magic bytes, so FFmpeg never guesses (its `tty` demuxer would open any text
+  file as a video; `concat`, playlists and image sequences would open other files).
+- Decoded work: images up to `source.maxImageSourcePixels`, videos up to
+  `source.maxVideoSourcePixels` (width x height x sampled frames), checked from
+  headers before any pixel is decoded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import stat
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from .config import SourceConfig
+from .conversation import MediaRef
+from .records import ConfigError, expand_paths
+from .vision import (
+    MediaError,
+    VisionSpec,
+    image_grid,
+    probe_image,
+    probe_video,
+    sample_frame_indices,
+    second_per_grid,
+    video_grid,
+)
+
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")  # PIL plugin names; JPEG includes MPO
+# Container magic -> the FFmpeg demuxer forced for it (the only demuxers ever used).
+VIDEO_DEMUXERS = ("mp4", "matroska", "avi", "ogg", "flv", "mpegts")
+_VIDEO_NAMES = "mp4/mov, Matroska/WebM, AVI, Ogg, FLV, MPEG-TS"
+_MEDIA_CACHE_SIZE = 65536
+_HEAD_BYTES = 512
+_CHUNK = 1 << 20
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    """One image or video as the model will see it: resized size, patch grid and sampled frames."""
+
+    kind: str
+    path: Path  # resolved: inside the job's media roots
+    key: str  # sha256 of the file bytes
+    height: int
+    width: int
+    grid_t: int
+    grid_h: int
+    grid_w: int
+    frames: list[int]
+    second_per_grid: float
+    merge_size: int = 2
+
+    @property
+    def num_tokens(self) -> int:
+        return self.grid_t * self.grid_h * self.grid_w // self.merge_size**2
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    """Per-file caps from `source` (their defaults and meaning are documented on the config fields)."""
+
+    image_bytes: int
+    video_bytes: int
+    image_pixels: int
+    video_pixels: int
+
+    @classmethod
+    def of(cls, source: SourceConfig) -> MediaLimits:
+        return cls(
+            source.max_image_bytes,
+            source.max_video_bytes,
+            source.max_image_source_pixels,
+            source.max_video_source_pixels,
+        )
+
+
+def is_url(ref: str) -> bool:
+    """A URL or inline data rather than a path (`file://` included: media are named by path)."""
+    return "://" in ref or ref[:5].lower() == "data:"
+
+
+def within(path: str, roots: frozenset[str]) -> bool:
+    """Whether the resolved `path` is one of `roots` or below one (checked per ancestor: no prefix tricks)."""
+    current = path
+    while True:
+        if current in roots:
+            return True
+        parent = os.path.dirname(current)
+        if parent == current:
+            return False
+        current = parent
+
+
+class MediaRoots:
+    """The folders a job's media may come from, and the rule that maps a record's reference into them."""
+
+    def __init__(self, source: SourceConfig, base_dir: Path | None = None) -> None:
+        try:
+            root = Path(source.media_root).expanduser() if source.media_root else None
+        except RuntimeError as exc:  # "~someone/…" naming an unknown user
+            raise ConfigError(f"source.mediaRoot: {source.media_root}: {exc}") from exc
+        if root is not None and not root.is_absolute() and base_dir is not None:
+            root = base_dir / root
+        if root is not None and not root.is_dir():
+            raise ConfigError(f"source.mediaRoot: {source.media_root} is not a folder")
+        self.media_root = root
+        self.path_map = source.media_path_map
+        fixed = [root] if root is not None else []
+        # Missing dataset files are reported by the record reader; each record's own folder is a root anyway.
+        with contextlib.suppress(ConfigError):
+            fixed += [p.parent for p in expand_paths(source.paths, base_dir)]
+        self._fixed = [_real(p) for p in fixed]
+        self._roots: dict[Path, frozenset[str]] = {}
+
+    def roots(self, dataset_dir: Path) -> frozenset[str]:
+        """Resolved roots for records of a dataset file in `dataset_dir` (relative map targets depend on it)."""
+        found = self._roots.get(dataset_dir)
+        if found is None:
+            base = self.media_root or dataset_dir
+            targets = [_target_root(base, new) for new in self.path_map.values()]
+            found = frozenset([*self._fixed, _real(dataset_dir), *targets])
+            self._roots[dataset_dir] = found
+        return found
+
+    def resolve(self, ref: str, dataset_dir: Path) -> Path:
+        """The resolved path of a media reference, or MediaError; nothing outside the roots is opened."""
+        if is_url(ref):
+            raise MediaError(
+                "remote_media", f"{ref[:80]!r}: URLs are not fetched; name a file below the media root"
+            )
+        if "\0" in ref:
+            raise MediaError("missing_media", f"{ref[:80]!r}: a path cannot contain a NUL character")
+        for old, new in self.path_map.items():
+            if ref.startswith(old):
+                ref = new + ref[len(old) :]
+                break
+        path = Path(ref)
+        if not path.is_absolute():
+            path = (self.media_root or dataset_dir) / path
+        try:
+            real = os.path.realpath(path)
+        except (OSError, ValueError):
+            real = ""
+        if not real or not within(real, self.roots(dataset_dir)):
+            raise MediaError("media_outside_root", f"{ref[:200]!r}: {_OUTSIDE}")
+        return Path(real)
+
+
+_OUTSIDE = (
+    "resolves outside the folders this job reads media from (source.mediaRoot, the dataset files' "
+    "folders, source.mediaPathMap targets); move the file there or name its folder in the job"
+)
+
+
+def _real(path: Path) -> str:
+    return os.path.realpath(path)
+
+
+def _target_root(base: Path, target: str) -> str:
+    """The folder a `mediaPathMap` target names: itself when it ends in `/` or is a folder, else its parent
+    (a prefix rewrite may end inside a file name, e.g. `imgs/train_`)."""
+    path = Path(target)
+    if not path.is_absolute():
+        path = base / path
+    if target.endswith(os.sep) or path.is_dir():
+        return _real(path)
+    return _real(path.parent)
+
+
+class MediaAccess:
+    """Resolves, reads and measures the media of one source, with a per-worker cache by resolved path."""
+
+    def __init__(self, source: SourceConfig, spec: VisionSpec, *, base_dir: Path | None = None) -> None:
+        self.roots = MediaRoots(source, base_dir)
+        self.limits = MediaLimits.of(source)
+        self.spec = spec
+        self._cache: OrderedDict[tuple[str, Path], MediaItem | MediaError] = OrderedDict()
+
+    def item(self, ref: MediaRef, dataset_dir: Path) -> MediaItem:
+        """The measured media item a reference names, or MediaError with a reject reason."""
+        path = self.roots.resolve(ref.ref, dataset_dir)
+        key = (ref.kind, path)
+        cached = self._cache.get(key)
+        if cached is None:
+            try:
+                cached = measure(ref.kind, path, self.spec, self.limits, self.roots.roots(dataset_dir))
+            except MediaError as exc:
+                cached = exc
+            self._cache[key] = cached
+            if len(self._cache) > _MEDIA_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        if isinstance(cached, MediaError):
+            raise MediaError(cached.reason, cached.detail)
+        return cached
+
+
+def measure(
+    kind: str, path: Path, spec: VisionSpec, limits: MediaLimits, roots: frozenset[str] | None = None
+) -> MediaItem:
+    """Hash and measure one media file (called once per path per worker); `path` is already resolved
+    inside `roots`, which are checked again on the opened file."""
+    cap = limits.image_bytes if kind == "image" else limits.video_bytes
+    f = open_regular(path, kind, cap, roots)
+    try:
+        with f:
+            if kind == "image":
+                return _image_item(path, read_capped(f, cap, kind), spec, limits)
+            return _video_item(path, f, cap, spec, limits)
+    except MediaError as exc:
+        raise MediaError(exc.reason, f"{path}: {exc.detail}") from exc
+    except OSError as exc:
+        raise MediaError("missing_media", f"{path}: cannot read ({exc.strerror or exc})") from exc
+    except Exception as exc:  # decoders raise anything on hostile input; one file must not stop a worker
+        raise MediaError("corrupt_media", f"{path}: unreadable ({type(exc).__name__}: {exc})") from exc
+
+
+def open_regular(path: Path, kind: str, cap: int, roots: frozenset[str] | None = None) -> BinaryIO:
+    """The open file, if it is a regular file of at most `cap` bytes (inside `roots`); else MediaError.
+
+    `O_NONBLOCK` keeps opening a FIFO from waiting for a writer; type and place are checked on
+    the open descriptor (`fstat`, and its /proc link where there is one), so a folder swapped
+    for a symlink after the path was resolved cannot lead outside.
+    """
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except FileNotFoundError as exc:
+        raise MediaError("missing_media", f"{path}: no such file") from exc
+    except OSError as exc:
+        raise MediaError("missing_media", f"{path}: cannot open ({exc.strerror or exc})") from exc
+    f = os.fdopen(fd, "rb")
+    try:
+        st = os.fstat(fd)
+        opened = _opened_path(fd)
+        if roots is not None and opened is not None and not within(opened, roots):
+            raise MediaError("media_outside_root", f"{path}: {_OUTSIDE}")
+        if not stat.S_ISREG(st.st_mode):
+            raise MediaError(
+                "unsupported_media", f"{path}: not a regular file (a folder, FIFO, socket or device)"
+            )
+        if st.st_size > cap:
+            raise MediaError("media_too_large", f"{path}: {_too_large(kind, st.st_size, cap).detail}")
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def _opened_path(fd: int) -> str | None:
+    """Where an open descriptor really points (Linux /proc), or None where that cannot be told."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+
+
+def read_capped(f: BinaryIO, cap: int, kind: str) -> bytes:
+    """All bytes of an open file, reading at most `cap + 1` (a file may grow after `fstat`)."""
+    data = f.read(cap + 1)
+    if len(data) > cap:
+        raise _too_large(kind, len(data), cap, at_least=True)
+    return data
+
+
+def hash_capped(f: BinaryIO, cap: int, kind: str) -> str:
+    digest = hashlib.sha256()
+    total = 0
+    while chunk := f.read(min(_CHUNK, cap + 1 - total)):
+        total += len(chunk)
+        if total > cap:
+            raise _too_large(kind, total, cap, at_least=True)
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _too_large(kind: str, size: int, cap: int, at_least: bool = False) -> MediaError:
+    setting = "source.maxImageBytes" if kind == "image" else "source.maxVideoBytes"
+    more = "more than " if at_least else ""
+    return MediaError(
+        "media_too_large", f"{kind} file has {more}{size} bytes, over {setting} ({cap}); raise it to keep it"
+    )
+
+
+def _image_item(path: Path, data: bytes, spec: VisionSpec, limits: MediaLimits) -> MediaItem:
+    key = hashlib.sha256(data).hexdigest()
+    try:
+        info = probe_image(data, formats=IMAGE_FORMATS, max_pixels=limits.image_pixels)
+    except MediaError as exc:
+        if exc.reason == "corrupt_media" and sniff_container(data[:_HEAD_BYTES]) is not None:
+            raise MediaError("media_type_mismatch", "a video file is used as an image") from exc
+        raise
+    g = image_grid(info, spec)
+    return MediaItem(
+        "image", path, key, g.height, g.width, g.grid_t, g.grid_h, g.grid_w, [], 0.0, spec.merge_size
+    )
+
+
+def _video_item(path: Path, f: BinaryIO, cap: int, spec: VisionSpec, limits: MediaLimits) -> MediaItem:
+    head = f.read(_HEAD_BYTES)
+    demuxer = sniff_container(head)
+    if demuxer is None:
+        if looks_like_image(head):
+            raise MediaError("media_type_mismatch", "an image file is used as a video")
+        raise MediaError("corrupt_media", f"not a video in an allowed container ({_VIDEO_NAMES})")
+    f.seek(0)
+    key = hash_capped(f, cap, "video")
+    f.seek(0)
+
+    def check_work(width: int, height: int, total_frames: int, fps: float) -> None:
+        sampled = len(sample_frame_indices(total_frames, fps, spec))
+        work = width * height * sampled
+        if work > limits.video_pixels:
+            raise MediaError(
+                "video_too_large",
+                f"{width}x{height} x {sampled} sampled frames = {work} source pixels to decode, over "
+                f"source.maxVideoSourcePixels ({limits.video_pixels}); raise it or lower model.maxFrames/fps",
+            )
+
+    info = probe_video(f, format=demuxer, demuxers=VIDEO_DEMUXERS, check=check_work)
+    frames = sample_frame_indices(info.total_frames, info.fps, spec)
+    g = video_grid(info, len(frames), spec)
+    spg = second_per_grid(frames, info.total_frames, info.fps, spec)
+    return MediaItem(
+        "video", path, key, g.height, g.width, g.grid_t, g.grid_h, g.grid_w, frames, spg, spec.merge_size
+    )
+
+
+def sniff_container(head: bytes) -> str | None:
+    """The allowed FFmpeg demuxer for a file's first bytes, or None: FFmpeg is never left to guess."""
+    if head[4:8] == b"ftyp" or head[4:8] in (b"moov", b"mdat", b"wide", b"free"):
+        return "mp4"
+    if head.startswith(b"\x1aE\xdf\xa3"):
+        return "matroska"
+    if head[:4] == b"RIFF" and head[8:12] == b"AVI ":
+        return "avi"
+    if head.startswith(b"OggS"):
+        return "ogg"
+    if head.startswith(b"FLV\x01"):
+        return "flv"
+    if len(head) > 376 and head[0] == head[188] == head[376] == 0x47:
+        return "mpegts"
+    return None
+
+
+def looks_like_image(head: bytes) -> bool:
+    return head.startswith((b"\xff\xd8\xff", b"\x89PNG", b"GIF8", b"BM")) or head[8:12] == b"WEBP"

@@ -1,0 +1,146 @@
+"""`packtrain render`: the operator's own builders, with the settings the chart gives the operator, policy first."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from chart.helm import CHART
+from chart.helm import render as helm_render
+
+from packtrain.operator import builders, cli, render
+from packtrain.operator.api import PackJobSpec, SFTJobSpec
+from packtrain.operator.commands import EXIT_CONFIG, PACK_STAGES
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "examples" / "quickstart.yaml"
+
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "custom": {
+        "workloadImages": {"packer": {"repository": "registry.example.com/pt/packer", "tag": "2"},
+                           "trainer": {"repository": "registry.example.com/pt/trainer"}},
+        "pools": {"cpu": {"nodeSelector": {"pool": "batch"}, "tolerations": [{"key": "batch", "operator": "Exists"}],
+                          "resources": {"requests": {"cpu": "3", "memory": "5Gi"}}},
+                  "gpu": {"nodeSelector": {"packtrain.dev/pool": None, "gpu": "h100"}, "tolerations": []}},
+        "workloadSecurityContext": {"runAsUser": 1234},
+        "policy": {"allowedImages": ["registry.example.com/*"], "allowTolerations": True, "maxPackWorkers": 4},
+    },
+}
+
+
+def deployment_env(values: dict[str, Any]) -> dict[str, Any]:
+    deployment = next(o for o in helm_render(values) if o["kind"] == "Deployment")
+    env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    return {e["name"]: e["value"] for e in env if e["name"].startswith("PACKTRAIN_")}
+
+
+def parsed(env: dict[str, str]) -> dict[str, Any]:
+    return {k: json.loads(v) if v[:1] in "[{" else v for k, v in env.items()}
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_operator_env_is_what_the_chart_gives_the_operator(name: str, tmp_path: Path) -> None:
+    """render's values → environment mirrors templates/deployment.yaml, for defaults and overrides alike."""
+    override = tmp_path / "values.yaml"
+    override.write_text(yaml.safe_dump(VALUE_SETS[name]))
+    values, app_version = render.chart_values(CHART, [override])
+    assert parsed(render.operator_env(values, app_version)) == parsed(deployment_env(VALUE_SETS[name]))
+
+
+def expected_quickstart(defaults: builders.OperatorDefaults) -> list[dict[str, Any]]:
+    """What the operator's builders make of the quickstart (its SFTJob as if the PackJob succeeded)."""
+    pack_doc, sft_doc = yaml.safe_load_all(QUICKSTART.read_text())
+    pack = PackJobSpec.model_validate(pack_doc["spec"])
+    sft = SFTJobSpec.model_validate(sft_doc["spec"])
+    name, ns = "quickstart", "default"
+    data = builders.data_source(sft, pack, None)
+    return [
+        builders.pack_config_map(name, ns, pack),
+        *(builders.pack_job(name, ns, pack, stage, defaults) for stage in PACK_STAGES),
+        builders.train_config_map(name, ns, sft, data),
+        builders.training_job(name, ns, sft, data, defaults),
+    ]
+
+
+def test_quickstart_renders_what_the_builders_produce(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["render", str(QUICKSTART)]) == 0
+    out = capsys.readouterr().out
+    defaults = builders.OperatorDefaults.from_env(deployment_env({}))
+    assert list(yaml.safe_load_all(out)) == expected_quickstart(defaults)
+    assert "packjob.yaml: |" in out  # config files stay readable
+    kinds = [(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(out)]
+    assert kinds[-1] == ("PyTorchJob", "quickstart")
+
+
+def hostile(tmp_path: Path) -> Path:
+    docs = list(yaml.safe_load_all(QUICKSTART.read_text()))
+    docs[0]["spec"]["workers"]["image"] = "evil.example.com/miner:1"
+    path = tmp_path / "hostile.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    return path
+
+
+def test_a_spec_the_policy_refuses_exits_2_naming_field_and_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["render", str(hostile(tmp_path))]) == EXIT_CONFIG
+    out, err = capsys.readouterr()
+    assert out == ""  # nothing half-rendered to pipe into kubectl
+    assert "PackJob quickstart refused" in err
+    assert 'spec.workers.image "evil.example.com/miner:1"' in err and "policy.allowedImages" in err
+
+
+def test_values_that_allow_it_render_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    values = tmp_path / "allow.yaml"
+    values.write_text("policy:\n  allowedImages: ['evil.example.com/*']\n")
+    assert cli.main(["render", str(hostile(tmp_path)), "--values", str(values)]) == 0
+    jobs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d["kind"] == "Job"]
+    assert {d["spec"]["template"]["spec"]["containers"][0]["image"] for d in jobs} == {"evil.example.com/miner:1"}
+
+
+def test_values_override_the_chart_defaults(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(VALUE_SETS["custom"]))
+    assert cli.main(["render", str(QUICKSTART), "-f", str(values), "-n", "team-a"]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    convert = next(d for d in docs if d["metadata"]["name"] == "quickstart-convert")
+    pod = convert["spec"]["template"]["spec"]
+    assert convert["metadata"]["namespace"] == "team-a"
+    assert pod["containers"][0]["image"] == "registry.example.com/pt/packer:2"
+    assert pod["nodeSelector"] == {"packtrain.dev/pool": "cpu", "pool": "batch"}  # maps merge, as in Helm
+    train = next(d for d in docs if d["kind"] == "PyTorchJob")
+    assert train["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["nodeSelector"] == {"gpu": "h100"}
+
+
+def test_deep_merge_is_helms() -> None:
+    base = {"a": {"b": 1, "c": [1, 2]}, "d": 1, "e": {"f": 1}}
+    assert render.deep_merge(base, {"a": {"c": [3]}, "d": None, "e": {"g": 2}}) == {
+        "a": {"b": 1, "c": [3]}, "e": {"f": 1, "g": 2}}
+
+
+def test_configuration_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad_values = tmp_path / "bad.yaml"
+    bad_values.write_text("policy:\n  allowTolerance: true\n")
+    assert cli.main(["render", str(QUICKSTART), "--values", str(bad_values)]) == EXIT_CONFIG
+    assert "PACKTRAIN_POLICY" in capsys.readouterr().err
+    assert cli.main(["render", str(tmp_path / "missing.yaml")]) == EXIT_CONFIG
+    assert cli.main(["render", str(QUICKSTART), "--chart", str(tmp_path)]) == EXIT_CONFIG
+    assert "pass --chart" in capsys.readouterr().err
+
+
+def test_render_loads_neither_kopf_nor_kubernetes_nor_torch(tmp_path: Path) -> None:
+    out = tmp_path / "out.yaml"
+    code = (
+        "import sys, contextlib, io; from packtrain.operator import cli; buf = io.StringIO()\n"
+        f"with contextlib.redirect_stdout(buf): rc = cli.main(['render', {str(QUICKSTART)!r}])\n"
+        f"open({str(out)!r}, 'w').write(buf.getvalue())\n"
+        "bad = [m for m in ('kopf', 'kubernetes', 'torch') if m in sys.modules]; assert rc == 0 and not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert "kind: PyTorchJob" in out.read_text()
