@@ -25,7 +25,7 @@ from .config import ModelConfig, PackingConfig, SourceConfig
 from .conversation import ConversationParser, MediaRef, SampleError, Turn
 from .families import LoadedModel, load_model
 from .media import MediaAccess, MediaItem
-from .records import ConfigError, RawRecord
+from .records import MAX_NESTING_DEPTH, MAX_RECORD_BYTES, ConfigError, RawRecord
 from .shard_format import IGNORE_INDEX
 from .vision import MediaError
 
@@ -49,9 +49,11 @@ class TokenizedSample:
 
 
 REJECT_REASONS: dict[str, str] = {
-    "bad_json": "a line or file is not valid JSON, or nests deeper than a record may",
-    "bad_utf8": "a line or file is not valid UTF-8",
-    "record_too_large": "one record's JSON text is larger than records.MAX_RECORD_BYTES; it is not read",
+    "bad_json": f"a line or array item is not valid JSON or nests deeper than {MAX_NESTING_DEPTH} levels; "
+    "where a JSON array itself breaks, the rest of the file is one reject",
+    "bad_utf8": "a line or array item is not valid UTF-8, or has a lone surrogate escape",
+    "record_too_large": f"one record's JSON text is over {MAX_RECORD_BYTES >> 20} MiB "
+    "(records.MAX_RECORD_BYTES); counted, not read",
     "malformed_record": "the record is not a conversation this packer can read (see detail)",
     "empty_conversation": "no turns, or nothing to train on",
     "placeholder_mismatch": "image/video placeholders in the text and the listed media do not pair up",
