@@ -42,7 +42,6 @@ NAME_RULE = {
     "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters: it prefixes the names of "
     "the Jobs, pods and Services the operator creates",
 }
-_ABS_PATH = r"^/"
 
 # A Kubernetes resource quantity (`2`, `500m`, `8Gi`, `1e3`): the grammar of k8s.io/apimachinery's
 # resource.Quantity without a sign, so the API server refuses `cpu: "lots"` when the CR is applied
@@ -79,6 +78,60 @@ SubPath = Annotated[
         },
     ),
 ]
+
+
+# Where a claim may be mounted: an absolute, normalized path (no `.`/`..` segment, no empty segment,
+# no trailing slash) outside the image's own folders. A claim mounted over `/opt/packtrain` (the
+# images' venv), `/usr` or `/home` would replace the code an allowed image runs with the CR author's;
+# over `/tmp`, `/etc/packtrain` or `/dev` it collides with the operator's own mounts. The same data
+# is the pydantic check and the CEL rule the API server runs.
+MOUNT_PATH_PATTERN = r"^(/[^/]+)+$"
+DOT_SEGMENT = r"(^|/)[.][.]?(/|$)"
+RESERVED_MOUNT_ROOTS = (
+    "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/opt", "/proc",
+    "/root", "/run", "/sbin", "/sys", "/tmp", "/usr", "/var",
+)  # fmt: skip
+MOUNT_PATH_MESSAGE = (
+    "must be an absolute path such as /datasets, outside the image's own folders and the operator's "
+    f"mounts ({', '.join(RESERVED_MOUNT_ROOTS)} and everything under them): pick another folder"
+)
+
+
+def _mount_path(value: str) -> str:
+    reserved = any(value == r or value.startswith(r + "/") for r in RESERVED_MOUNT_ROOTS)
+    if reserved or re.search(DOT_SEGMENT, value) or not re.fullmatch(MOUNT_PATH_PATTERN, value):
+        raise ValueError(f"{value!r} {MOUNT_PATH_MESSAGE}")
+    return value
+
+
+MountPath = Annotated[
+    str,
+    Field(
+        max_length=256,
+        pattern=MOUNT_PATH_PATTERN,
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"!self.matches('{DOT_SEGMENT}') && !{list(RESERVED_MOUNT_ROOTS)}"
+                    ".exists(r, self == r || self.startsWith(r + '/'))",
+                    "message": MOUNT_PATH_MESSAGE,
+                }
+            ]
+        },
+    ),
+    AfterValidator(_mount_path),
+]
+# The training pods' own mounts: an SFTJob mounts its PackJob's claim at that PackJob's
+# output.mountPath beside these, so an output mounted at one of them would clash there.
+SFT_MODEL_MOUNT = "/models"
+SFT_CHECKPOINT_MOUNT = "/checkpoints"
+TRAINING_MOUNTS = (SFT_MODEL_MOUNT, SFT_CHECKPOINT_MOUNT)
+OUTPUT_MOUNT_MESSAGE = (
+    f"spec.output.mountPath may not be {' or '.join(TRAINING_MOUNTS)}: an SFTJob reading this pack mounts "
+    "its model and checkpoints there; pick another folder"
+)
+# Two mounts at one path make the pod invalid (the API server refuses the Job with a 422).
+UNIQUE_MOUNTS_MESSAGE = "spec.volumes[].mountPath must differ from each other and from spec.output.mountPath"
 
 
 def immutable_rules(kind: str, fields: list[str], required: frozenset[str]) -> list[dict[str, str]]:
@@ -162,7 +215,7 @@ class ClaimMount(CamelModel):
 
     name: str = Field(..., pattern=_NAME, max_length=50, description="Volume name in the pod.")
     claim_name: str = Field(..., min_length=1)
-    mount_path: str = Field(..., pattern=_ABS_PATH)
+    mount_path: MountPath
     sub_path: SubPath | None = None
     read_only: bool = True
 
@@ -181,11 +234,29 @@ class ClaimMount(CamelModel):
 class PackOutput(CamelModel):
     """Where the pack goes: a claim mounted at `mountPath`, the pack under `subPath`."""
 
+    model_config = CamelModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"!(self.mountPath in {list(TRAINING_MOUNTS)})",
+                    "message": OUTPUT_MOUNT_MESSAGE,
+                    "fieldPath": ".mountPath",
+                }
+            ]
+        }
+    }
+
     claim_name: str = Field(
         ..., min_length=1, description="PersistentVolumeClaim (ReadWriteMany for >1 worker)."
     )
     sub_path: SubPath | None = Field(None, description="Folder inside the claim; default: the PackJob's name.")
-    mount_path: str = Field("/data", pattern=_ABS_PATH, description="Where the claim is mounted in the pods.")
+    mount_path: MountPath = Field("/data", description="Where the claim is mounted in the pods.")
+
+    @model_validator(mode="after")
+    def _not_a_training_mount(self) -> PackOutput:
+        if self.mount_path in TRAINING_MOUNTS:
+            raise ValueError(OUTPUT_MOUNT_MESSAGE)
+        return self
 
 
 class PackWorkers(Scheduling):
@@ -205,11 +276,19 @@ class PackJobSpec(CamelModel):
 
     model_config = CamelModel.model_config | {
         "json_schema_extra": {
-            "x-kubernetes-validations": immutable_rules(
-                "PackJob",
-                ["source", "model", "packing", "output", "workers", "volumes"],
-                required=frozenset({"source", "model", "output"}),
-            )
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.volumes) || self.volumes.all(v, v.mountPath != self.output.mountPath"
+                    " && self.volumes.exists_one(w, w.mountPath == v.mountPath))",
+                    "message": UNIQUE_MOUNTS_MESSAGE,
+                    "fieldPath": ".volumes",
+                },
+                *immutable_rules(
+                    "PackJob",
+                    ["source", "model", "packing", "output", "workers", "volumes"],
+                    required=frozenset({"source", "model", "output"}),
+                ),
+            ]
         }
     }
 
@@ -219,6 +298,13 @@ class PackJobSpec(CamelModel):
     output: PackOutput
     workers: PackWorkers = Field(default_factory=PackWorkers)
     volumes: list[ClaimMount] = Field(default_factory=list, max_length=16)
+
+    @model_validator(mode="after")
+    def _unique_mounts(self) -> PackJobSpec:
+        paths = [self.output.mount_path, *(v.mount_path for v in self.volumes)]
+        if len(set(paths)) != len(paths):
+            raise ValueError(UNIQUE_MOUNTS_MESSAGE)
+        return self
 
     def pack_config(self) -> dict[str, Any]:
         """The part the packer reads (what `packtrain pack … -c` validates)."""

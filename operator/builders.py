@@ -18,7 +18,16 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from .api import API_VERSION, ClaimMount, PackJobSpec, ResourceRequirements, SFTJobSpec
+from .api import (
+    API_VERSION,
+    SFT_CHECKPOINT_MOUNT,
+    SFT_MODEL_MOUNT,
+    ClaimMount,
+    PackJobSpec,
+    ResourceRequirements,
+    Runtime,
+    SFTJobSpec,
+)
 from .commands import EXIT_CONFIG, INDEXED_STAGES, PackStage, pack_stage_command, train_command
 from .policy import Policy
 
@@ -30,8 +39,6 @@ CONFIG_DIR = "/etc/packtrain"
 PACK_CONFIG_FILE = "packjob.yaml"
 TRAIN_CONFIG_FILE = "sftjob.yaml"
 SFT_DATA_MOUNT = "/data"
-SFT_MODEL_MOUNT = "/models"
-SFT_CHECKPOINT_MOUNT = "/checkpoints"
 TERMINATION_LOG = "/dev/termination-log"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
@@ -587,9 +594,7 @@ def train_job(
     `podTemplateOverrides` on its `node` job. Trainer v2 lets a TrainJob override neither
     securityContext nor automountServiceAccountToken: the (admin-owned) runtime sets them.
     """
-    runtime = spec.runtime
-    runtime_name = runtime.name if runtime else "torch-distributed"
-    runtime_kind = runtime.kind if runtime else "ClusterTrainingRuntime"
+    runtime = spec.runtime or Runtime()
     volumes, mounts = _train_volumes(name, spec, data)
     res = spec.resources
     override_spec: dict[str, Any] = {
@@ -612,7 +617,7 @@ def train_job(
         "kind": "TrainJob",
         "metadata": _train_metadata(name, namespace, spec),
         "spec": {
-            "runtimeRef": {"apiGroup": "trainer.kubeflow.org", "kind": runtime_kind, "name": runtime_name},
+            "runtimeRef": {"apiGroup": "trainer.kubeflow.org", "kind": runtime.kind, "name": runtime.name},
             "suspend": spec.suspend,
             "trainer": trainer,
             "podTemplateOverrides": [

@@ -16,6 +16,8 @@ INDEXED_STAGES: frozenset[str] = frozenset({"convert", "materialize"})
 
 # Exit code of the packer and trainer for an invalid configuration: retrying cannot help.
 EXIT_CONFIG = 2
+# What torchrun starts in the trainer pods (`python -m packtrain.trainer` is `packtrain train`).
+TRAINER_MODULE = "packtrain.trainer"
 
 
 def pack_stage_command(
@@ -54,7 +56,10 @@ def train_command(
     nnodes: int = 1,
     max_steps: int | None = None,
 ) -> list[str]:
-    """`torchrun … -m packtrain.operator.cli train -c CONFIG --data PATH --output DIR`.
+    """`torchrun … -m packtrain.trainer -c CONFIG --data PATH --output DIR --log-format json`.
+
+    The trainer's own entry (what `packtrain train` runs), with JSON progress lines for the pod log
+    whether or not a terminal is attached; the summary line and termination message are the same.
 
     With one node torchrun runs standalone (its own local rendezvous). With more,
     torchrun takes the node rank and master address/port from the `PET_NODE_RANK`,
@@ -71,14 +76,15 @@ def train_command(
         cmd.append("--standalone")
     cmd += [
         "-m",
-        "packtrain.operator.cli",
-        "train",
+        TRAINER_MODULE,
         "-c",
         config_path,
         "--data",
         data_path,
         "--output",
         output_dir,
+        "--log-format",
+        "json",
     ]
     if max_steps is not None:
         cmd += ["--max-steps", str(max_steps)]

@@ -414,7 +414,7 @@ def _metrics_target(kube: Kube, namespace: str, name: str) -> tuple[str, int] | 
     pod = st.master_pod(kube.pods(namespace, f"{builders.SFTJOB_LABEL}={name}"))
     if pod is None:
         return None
-    return f"http://{pod['status']['podIP']}:{spec.metrics_port}/metrics", spec.training.max_steps
+    return scrape.metrics_url(pod["status"]["podIP"], spec.metrics_port), spec.training.max_steps
 
 
 async def update_progress(

@@ -8,22 +8,24 @@ argv that `commands` builds for pods: what works here works on a cluster.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import yaml
 from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from packtrain.trainer.progress import ProgressBar, follow
 
 from .api import PackJob, PackJobSpec, SFTJob, SFTJobSpec
 from .builders import PACK_CONFIG_FILE, TRAIN_CONFIG_FILE, DataSource, pack_config_map, train_config_map
@@ -156,22 +158,24 @@ def run_train(
                          max_steps=max_steps)
     log = out / "logs" / f"{job.name}-train.log"
     console.print(f"[bold]train[/] {job.name}: {' '.join(argv)}")
-    summary: dict[str, Any] = {}
     with open(log, "w") as f:
         proc = subprocess.Popen(_resolve(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=env)
         assert proc.stdout is not None
-        for line in proc.stdout:
-            f.write(line)
-            text = line.strip()
-            if text.startswith("{") and '"steps"' in text:
-                with contextlib.suppress(json.JSONDecodeError):
-                    summary = json.loads(text)
-            console.print(text, markup=False, highlight=False)
+        # The pod's JSON lines go to the log as they are and are drawn as the trainer's own progress bar.
+        summary = follow(_tee(proc.stdout, f), ProgressBar(console),
+                         lambda text: console.print(text, markup=False, highlight=False))
         proc.wait()
     if proc.returncode != 0:
         raise PipelineError(f"training {job.name} failed (exit {proc.returncode}): {log}")
     return summary | {"output": str(train_dir)}
+
+
+def _tee(lines: Iterator[str], log: TextIO) -> Iterator[str]:
+    for line in lines:
+        log.write(line)
+        log.flush()
+        yield line
 
 
 def summary_table(packs: dict[str, tuple[Path, dict]], trains: dict[str, dict]) -> Table:

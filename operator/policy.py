@@ -21,13 +21,25 @@ from pydantic import Field
 
 from packtrain.packer.config import CamelModel
 
-from .api import PackJobSpec, SFTJobSpec
+from .api import PackJobSpec, Runtime, SFTJobSpec
 
 if TYPE_CHECKING:
     from .builders import OperatorDefaults
 
 GPU_RESOURCE = "nvidia.com/gpu"
 VALUES_PREFIX = "policy"
+# What a packer pod may request besides the GPU resources of the policy (a `hugepages-` prefix is any size).
+# Any other extended resource is refused: a ceiling can count only what it knows to be a GPU.
+PACKER_RESOURCES = ("cpu", "memory", "ephemeral-storage")
+HUGEPAGES_PREFIX = "hugepages-"
+
+
+def runtime_ref(kind: str, name: str) -> str:
+    """How `policy.allowedRuntimes` names a Trainer v2 runtime: `Kind/name`."""
+    return f"{kind}/{name}"
+
+
+DEFAULT_RUNTIME = runtime_ref(Runtime().kind, Runtime().name)
 
 
 class Policy(CamelModel):
@@ -40,6 +52,16 @@ class Policy(CamelModel):
     )
     allowed_service_accounts: list[str] = Field(
         default_factory=list, description="ServiceAccount names a CR may name; default: none."
+    )
+    allowed_runtimes: list[str] = Field(
+        default_factory=lambda: [DEFAULT_RUNTIME],
+        description="Trainer v2 runtimes (`Kind/name`) a `trainjob` SFTJob may run against; a namespaced "
+        "TrainingRuntime is written by the CR author's team, so none is allowed unless listed.",
+    )
+    gpu_resources: list[str] = Field(
+        default_factory=lambda: [GPU_RESOURCE, "amd.com/gpu", "gpu.intel.com/i915", "gpu.intel.com/xe"],
+        description="Extended resources that are GPUs: a packer pod's are summed against the GPU ceilings; "
+        "a packer pod may request no other extended resource.",
     )
     allow_tolerations: bool = Field(False, description="CRs may set tolerations.")
     allow_node_selector: bool = Field(False, description="CRs may set a nodeSelector.")
@@ -150,13 +172,42 @@ def _ceiling(field: str, value: float, name: str, policy: Policy, unit: str = ""
                                   f"lower it, or have the cluster admin raise {key}")]
 
 
-def _pack_gpus(spec: PackJobSpec) -> float:
-    """GPUs per packer pod: the larger of its request and limit (a quantity no parser accepts counts as many)."""
+def _runtime(spec: SFTJobSpec, policy: Policy) -> list[Violation]:
+    if spec.backend != "trainjob":
+        return []
+    runtime = spec.runtime or Runtime()
+    ref = runtime_ref(runtime.kind, runtime.name)
+    if ref in policy.allowed_runtimes:
+        return []
+    field, key = "spec.runtime", _key("allowed_runtimes")
+    return [Violation(field, key, f'{field} "{ref}" is not an allowed training runtime: add "{ref}" to the '
+                                  f"chart value {key}, or pick a runtime it lists")]
+
+
+def _pack_resources(path: str, spec: PackJobSpec, policy: Policy) -> list[Violation]:
+    res = spec.workers.resources
+    names = {*(res.requests or {}), *(res.limits or {})} if res is not None else set()
+    bad = sorted(n for n in names if n not in PACKER_RESOURCES and n not in policy.gpu_resources
+                 and not n.startswith(HUGEPAGES_PREFIX))
+    if not bad:
+        return []
+    field, key = f"{path}.resources", _key("gpu_resources")
+    return [Violation(field, key, f"{field} names resources a packer pod may not request: {', '.join(bad)}; "
+                                  f"use {', '.join(PACKER_RESOURCES)} or {HUGEPAGES_PREFIX}*, or, for a GPU, "
+                                  f"have the cluster admin add it to {key}")]
+
+
+def _pack_gpus(spec: PackJobSpec, policy: Policy) -> float:
+    """GPUs per packer pod: over the GPU resources, the sum of each one's larger of request and limit
+    (a quantity no parser accepts counts as many)."""
     res = spec.workers.resources
     if res is None:
         return 0.0
     try:
-        return max(quantity(q.get(GPU_RESOURCE, 0)) for q in (res.requests or {}, res.limits or {}))
+        return sum(
+            max(quantity(q.get(name, 0)) for q in (res.requests or {}, res.limits or {}))
+            for name in policy.gpu_resources
+        )
     except ValueError:
         return float(2**62)
 
@@ -167,20 +218,22 @@ def check(spec: PackJobSpec | SFTJobSpec, defaults: OperatorDefaults) -> list[Vi
     own = (defaults.packer_image, defaults.trainer_image)
     if isinstance(spec, PackJobSpec):
         w, path = spec.workers, "spec.workers"
-        gpus = _pack_gpus(spec)
+        gpus = _pack_gpus(spec, policy)
         return [
             *_image(f"{path}.image", w.image, policy, own),
             *_account(f"{path}.serviceAccountName", w.service_account_name, policy),
             *_placement(path, w, policy),
             *_annotations(path, w.pod_annotations, policy),
             *_ceiling(f"{path}.count", w.count, "max_pack_workers", policy),
-            *_ceiling(f"{path}.resources", gpus, "max_gpus_per_node", policy, f" {GPU_RESOURCE} per pod"),
+            *_pack_resources(path, spec, policy),
+            *_ceiling(f"{path}.resources", gpus, "max_gpus_per_node", policy, " GPUs per pod"),
             *_ceiling(path, gpus * w.count, "max_gpus_per_job", policy, " GPUs in all"),
         ]
     r, path = spec.resources, "spec.resources"
     return [
         *_image("spec.image", spec.image, policy, own),
         *_account("spec.serviceAccountName", spec.service_account_name, policy),
+        *_runtime(spec, policy),
         *_placement(path, r, policy),
         *_annotations(path, r.pod_annotations, policy),
         *_ceiling(f"{path}.nodes", r.nodes, "max_training_nodes", policy),

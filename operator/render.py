@@ -4,7 +4,10 @@ A reviewer reads what a PackJob or SFTJob turns into before it reaches a cluster
 with `helm template`: the ConfigMaps, stage Jobs and training job come from the
 operator's own builders, with the settings the chart hands the operator (its
 Deployment's environment, computed here from the chart's values), and the chart's
-`policy` is applied first. An SFTJob is rendered as if its PackJob had succeeded.
+`policy` is applied first. An SFTJob is rendered as if its PackJob had succeeded; one whose
+PackJob is not in FILE needs `--pack-claim` to say where that pack lives. Other objects in FILE
+(a PersistentVolumeClaim, say) are printed unchanged, as `helm template` shows them. The merged
+values are checked against the chart's `values.schema.json`, as Helm checks them.
 Children carry no ownerReferences: the operator adds them with the parent's uid.
 """
 
@@ -18,10 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
 from . import builders, policy
+from .api import GROUP, PackJob, PackJobSpec, PackOutput, SFTJob
 from .commands import EXIT_CONFIG, PACK_STAGES
-from .local_run import load_documents
+from .local_run import Named
 
 CHART = Path(__file__).resolve().parents[1] / "charts" / "packtrain"
 
@@ -61,7 +66,23 @@ def chart_values(chart: Path, overrides: Sequence[Path] = ()) -> tuple[dict[str,
     values = _yaml_map(chart / "values.yaml")
     for path in overrides:
         values = deep_merge(values, _yaml_map(path))
+    check_schema(chart, values)
     return values, str(_yaml_map(chart / "Chart.yaml").get("appVersion", ""))
+
+
+def check_schema(chart: Path, values: Mapping[str, Any]) -> None:
+    """The chart's values.schema.json, as `helm template` applies it; ValueError naming each bad key."""
+    import jsonschema
+
+    schema_path = chart / "values.schema.json"
+    if not schema_path.is_file():
+        return
+    schema = json.loads(schema_path.read_text())
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    errors = sorted(validator.iter_errors(values), key=lambda e: [str(p) for p in e.absolute_path])
+    if errors:
+        lines = [f"  at {'.'.join(str(p) for p in e.absolute_path) or '(top level)'}: {e.message}" for e in errors]
+        raise ValueError(f"the values do not match {schema_path}:\n" + "\n".join(lines))
 
 
 def _image(image: Mapping[str, Any], app_version: str) -> str:
@@ -90,9 +111,57 @@ def operator_env(values: Mapping[str, Any], app_version: str) -> dict[str, str]:
     return env
 
 
-def render(path: Path, defaults: builders.OperatorDefaults, namespace: str | None = None) -> list[dict]:
-    """Every child of every PackJob and SFTJob in `path`; ValueError naming what to fix."""
-    packs, sfts = load_documents(path)
+def pack_claim(value: str) -> PackOutput:
+    """`CLAIM[:SUBPATH]` of `--pack-claim`: where a PackJob not in FILE wrote its pack."""
+    claim, _, sub_path = value.partition(":")
+    try:
+        return PackOutput(claim_name=claim, sub_path=sub_path or None)
+    except ValidationError as exc:
+        raise argparse.ArgumentTypeError(f"{value!r} is not CLAIM[:SUBPATH]: {exc}") from exc
+
+
+def load(path: Path) -> tuple[list[Named], list[Named], list[dict[str, Any]]]:
+    """The PackJobs, the SFTJobs (validated as the operator validates them) and every other object of `path`."""
+    try:
+        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from exc
+    packs: list[Named] = []
+    sfts: list[Named] = []
+    others: list[dict[str, Any]] = []
+    for n, doc in enumerate(docs):
+        if not isinstance(doc, dict):
+            raise ValueError(f"{path} document {n}: a {type(doc).__name__}; expected a Kubernetes object")
+        kind, meta = doc.get("kind"), doc.get("metadata") or {}
+        if kind not in ("PackJob", "SFTJob") or not str(doc.get("apiVersion", "")).startswith(f"{GROUP}/"):
+            others.append(doc)
+            continue
+        if not meta.get("name"):
+            raise ValueError(f"{path} document {n}: {kind} needs metadata.name")
+        model = PackJob if kind == "PackJob" else SFTJob
+        try:
+            spec = model.model_validate({"spec": doc.get("spec") or {}}).spec
+        except ValidationError as exc:
+            raise ValueError(f"{path}: {kind} {meta['name']} is invalid:\n{exc}") from exc
+        (packs if kind == "PackJob" else sfts).append(Named(meta["name"], meta.get("namespace", "default"), spec))
+    if not packs and not sfts:
+        raise ValueError(f"{path} holds no PackJob or SFTJob")
+    return packs, sfts, others
+
+
+def render(
+    path: Path,
+    defaults: builders.OperatorDefaults,
+    namespace: str | None = None,
+    pack_output: PackOutput | None = None,
+) -> list[dict]:
+    """Every object of `path` that is not ours, then every child of its PackJobs and SFTJobs; ValueError
+    naming what to fix. An SFTJob whose PackJob is not in `path` reads `pack_output`'s claim."""
+    packs, sfts, others = load(path)
+    missing = sorted({ref for s in sfts if (ref := s.spec.data.pack_job_ref) and ref not in {p.name for p in packs}})
+    if missing and pack_output is None:
+        raise ValueError(f"an SFTJob refers to PackJob {', '.join(missing)}, which {path} does not define: add it "
+                         "to the file, or pass --pack-claim CLAIM[:SUBPATH] to render as if it wrote there")
     refused = [
         policy.summary(f"{kind} {doc.name}", violations)
         for kind, docs in (("PackJob", packs), ("SFTJob", sfts))
@@ -101,8 +170,11 @@ def render(path: Path, defaults: builders.OperatorDefaults, namespace: str | Non
     ]
     if refused:
         raise ValueError("\n".join(refused))
-    objects: list[dict] = []
+    objects: list[dict] = list(others)
     pack_specs = {p.name: p.spec for p in packs}
+    if pack_output is not None:
+        # Only the output section of a PackJob decides where its pack is (builders.data_source).
+        pack_specs.update({ref: PackJobSpec.model_construct(output=pack_output) for ref in missing})
     for p in packs:
         ns = namespace or p.namespace
         objects.append(builders.pack_config_map(p.name, ns, p.spec))
@@ -136,7 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="packtrain render",
         description="Print, as multi-document YAML, every object the operator would create for the "
-        "PackJobs and SFTJobs in FILE, with the settings the chart gives it.",
+        "PackJobs and SFTJobs in FILE, with the settings the chart gives it. Other objects in FILE are "
+        "printed unchanged first; an SFTJob is rendered as if its PackJob had succeeded.",
     )
     ap.add_argument("file", type=Path, metavar="FILE.yaml")
     ap.add_argument(
@@ -145,11 +218,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument("--chart", type=Path, default=CHART, help="the chart folder (default: %(default)s)")
     ap.add_argument("-n", "--namespace", help="namespace of the objects (default: each manifest's, else default)")
+    ap.add_argument(
+        "--pack-claim", type=pack_claim, metavar="CLAIM[:SUBPATH]",
+        help="for an SFTJob whose PackJob is not in FILE: render it as if that PackJob had written its pack "
+        "to this claim (mounted at /data), under SUBPATH (default: the PackJob's name)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     try:
         values, app_version = chart_values(args.chart, args.values)
         defaults = builders.OperatorDefaults.from_env(operator_env(values, app_version))
-        objects = render(args.file, defaults, args.namespace)
+        objects = render(args.file, defaults, args.namespace, args.pack_claim)
     except (KeyError, TypeError) as exc:
         print(f"packtrain render: the values lack the chart's key {exc}: check them against "
               f"{args.chart / 'values.yaml'}", file=sys.stderr)

@@ -208,6 +208,8 @@ def spec_from_document(doc: dict[str, Any], kind: str) -> dict[str, Any]:
     if "spec" in doc and ("kind" in doc or "apiVersion" in doc):
         if doc.get("kind") not in (None, kind):
             raise ConfigError(f"expected a {kind} manifest, got kind {doc.get('kind')!r}")
+        if not isinstance(doc["spec"], dict):
+            raise ConfigError(f"the {kind}'s `spec` must be a mapping, got {type(doc['spec']).__name__}")
         return dict(doc["spec"])
     return dict(doc)
 
@@ -220,9 +222,13 @@ def load_spec_section(path: str | Path, kind: str, model: type[M]) -> M:
     a cluster also runs locally.
     """
     try:
-        docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
+        docs = [d for d in yaml.safe_load_all(Path(path).read_text(encoding="utf-8")) if d]
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a text file (not valid UTF-8: {exc}); pass a YAML manifest") from exc
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the configuration ({exc.strerror or exc})") from exc
     if not docs:
         raise ConfigError(f"{path}: empty YAML; expected a {kind} manifest or spec")
     if not all(isinstance(d, dict) for d in docs):

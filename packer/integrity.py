@@ -13,6 +13,7 @@ grids) over the whole pack. numpy only: no torch in the packer.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from collections import Counter
 from collections.abc import Sequence
@@ -160,6 +161,36 @@ class Scan:
     sample_ids: list[str] | None = None
 
 
+def _png_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from an image header, without decoding pixels; None if it is not an image."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return img.size
+    except Exception:  # any decoder error on edited bytes is simply "not the image the ref says"
+        return None
+
+
+def blob_problem(blob: dict[str, Any], ref: dict[str, Any]) -> str | None:
+    """A media blob against the ref that uses it: original bytes must hash to their key (convert
+    measured those bytes); resized pixels must already be the ref's size, frame for frame (the
+    trainer decodes them as they are, so an edited PNG could otherwise be any size: a pixel bomb)."""
+    key = blob["key"]
+    if blob["encoding"] == "original":
+        if hashlib.sha256(blob["data"]).hexdigest() != key:
+            return f"media {key[:12]}…: its bytes do not hash to its key"
+        return None
+    want = (ref["width"], ref["height"])
+    images = [blob["data"]] if blob["kind"] == "image" else list(blob["frames"])
+    if blob["kind"] == "video" and len(images) != len(ref["frames"]):
+        return f"media {key[:12]}…: {len(images)} resized frames for {len(ref['frames'])} sampled"
+    for data in images:
+        if (got := _png_size(data)) != want:
+            return f"media {key[:12]}…: resized image is {got}, the ref says {want}"
+    return None
+
+
 def _lists(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
     """A list column as (offsets, flat values) numpy arrays: rows are slices, nothing is copied per row."""
     col = table.column(name).combine_chunks()
@@ -196,4 +227,12 @@ def scan_rows(reader: ShardReader, facts: ModelFacts, max_length: int, limit: in
                 problem = f"media {lost[0][:12]}… is not in {entry['media_file']}"
             if problem is not None and len(out.problems) < limit:
                 out.problems.append(f"{entry['file']} row {r}: {problem}")
+        refs = {m["key"]: m for row in media for m in row}
+        blobs = reader.media_table(s)
+        for b in range(blobs.num_rows):  # one blob in memory at a time: media tables are memory-mapped
+            blob = blobs.slice(b, 1).to_pylist()[0]
+            ref = refs.get(blob["key"])
+            problem = blob_problem(blob, ref) if ref is not None else None
+            if problem is not None and len(out.problems) < limit:
+                out.problems.append(f"{entry['media_file']}: {problem}")
     return out

@@ -53,7 +53,7 @@ IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")  # PIL plugin name
 VIDEO_DEMUXERS = ("mp4", "matroska", "avi", "ogg", "flv", "mpegts")
 _VIDEO_NAMES = "mp4/mov, Matroska/WebM, AVI, Ogg, FLV, MPEG-TS"
 _MEDIA_CACHE_SIZE = 65536
-_HEAD_BYTES = 512
+SNIFF_BYTES = 512
 _CHUNK = 1 << 20
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
@@ -131,10 +131,18 @@ class MediaRoots:
         self.path_map = source.media_path_map
         fixed = [root] if root is not None else []
         # Missing dataset files are reported by the record reader; each record's own folder is a root anyway.
+        self._fixed_files: list[Path] = []
         with contextlib.suppress(ConfigError):
-            fixed += [p.parent for p in expand_paths(source.paths, base_dir)]
+            self._fixed_files = expand_paths(source.paths, base_dir)
+        fixed += [p.parent for p in self._fixed_files]
         self._fixed = [_real(p) for p in fixed]
+        _refuse_filesystem_root(self._fixed)
         self._roots: dict[Path, frozenset[str]] = {}
+
+    def all_roots(self) -> frozenset[str]:
+        """Every root of every dataset file (the shard stage re-opens media without knowing their record)."""
+        dirs = [Path(p).parent for p in self._fixed_files]
+        return frozenset().union(*(self.roots(d) for d in dirs)) if dirs else frozenset(self._fixed)
 
     def roots(self, dataset_dir: Path) -> frozenset[str]:
         """Resolved roots for records of a dataset file in `dataset_dir` (relative map targets depend on it)."""
@@ -142,6 +150,7 @@ class MediaRoots:
         if found is None:
             base = self.media_root or dataset_dir
             targets = [_target_root(base, new) for new in self.path_map.values()]
+            _refuse_filesystem_root(targets)
             found = frozenset([*self._fixed, _real(dataset_dir), *targets])
             self._roots[dataset_dir] = found
         return found
@@ -174,6 +183,15 @@ _OUTSIDE = (
     "resolves outside the folders this job reads media from (source.mediaRoot, the dataset files' "
     "folders, source.mediaPathMap targets); move the file there or name its folder in the job"
 )
+
+
+def _refuse_filesystem_root(roots: list[str]) -> None:
+    """A root of `/` would confine nothing: every file of the pod (tokens, keys, /proc) would be media."""
+    if os.sep in roots:
+        raise ConfigError(
+            "source.mediaRoot, a dataset file's folder or a source.mediaPathMap target resolves to `/`, "
+            "which would let a dataset read any file of the pod; name the folder that holds the media"
+        )
 
 
 def _real(path: Path) -> str:
@@ -311,7 +329,7 @@ def _image_item(path: Path, data: bytes, spec: VisionSpec, limits: MediaLimits) 
     try:
         info = probe_image(data, formats=IMAGE_FORMATS, max_pixels=limits.image_pixels)
     except MediaError as exc:
-        if exc.reason == "corrupt_media" and sniff_container(data[:_HEAD_BYTES]) is not None:
+        if exc.reason == "corrupt_media" and sniff_container(data[:SNIFF_BYTES]) is not None:
             raise MediaError("media_type_mismatch", "a video file is used as an image") from exc
         raise
     g = image_grid(info, spec)
@@ -321,7 +339,7 @@ def _image_item(path: Path, data: bytes, spec: VisionSpec, limits: MediaLimits) 
 
 
 def _video_item(path: Path, f: BinaryIO, cap: int, spec: VisionSpec, limits: MediaLimits) -> MediaItem:
-    head = f.read(_HEAD_BYTES)
+    head = f.read(SNIFF_BYTES)
     demuxer = sniff_container(head)
     if demuxer is None:
         if looks_like_image(head):

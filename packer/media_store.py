@@ -14,7 +14,7 @@ from typing import Any, BinaryIO
 
 from PIL import Image
 
-from .media import MediaLimits, hash_capped, open_regular, read_capped, sniff_container
+from .media import SNIFF_BYTES, MediaLimits, hash_capped, open_regular, read_capped, sniff_container
 from .records import ConfigError
 from .vision import MediaError, upright
 
@@ -35,12 +35,19 @@ def resize_rgb(img: Image.Image, height: int, width: int) -> Image.Image:
     return img
 
 
-def video_frames(f: BinaryIO, indices: list[int], name: str = "video") -> list[Image.Image]:
-    """Decode the frames at `indices` (decode order) with PyAV, through an allowed demuxer only."""
+def video_frames(
+    f: BinaryIO, indices: list[int], height: int, width: int, name: str = "video"
+) -> list[Image.Image]:
+    """The frames at `indices` (decode order) at height x width, through an allowed demuxer only.
+
+    Each wanted frame is resized as soon as it is decoded, so memory holds one source-size frame
+    at a time; a frame larger than the stream header declared (what convert's decode cap measured)
+    is refused rather than decoded on.
+    """
     import av
 
     f.seek(0)
-    demuxer = sniff_container(f.read(512))
+    demuxer = sniff_container(f.read(SNIFF_BYTES))
     if demuxer is None:
         raise ValueError(f"{name}: not a video in an allowed container")
     f.seek(0)
@@ -48,9 +55,15 @@ def video_frames(f: BinaryIO, indices: list[int], name: str = "video") -> list[I
     frames: dict[int, Image.Image] = {}
     with av.open(f, format=demuxer) as container:
         stream = container.streams.video[0]
+        declared = (stream.codec_context.width, stream.codec_context.height)
         for i, frame in enumerate(container.decode(stream)):
+            if (frame.width, frame.height) != declared:
+                raise ValueError(
+                    f"{name}: frame {i} is {frame.width}x{frame.height}, but the stream declares "
+                    f"{declared[0]}x{declared[1]}; re-encode the video"
+                )
             if i in wanted:
-                frames[i] = frame.to_image()
+                frames[i] = resize_rgb(frame.to_image(), height, width)
             if len(frames) == len(wanted):
                 break
     missing = wanted - frames.keys()
@@ -60,7 +73,7 @@ def video_frames(f: BinaryIO, indices: list[int], name: str = "video") -> list[I
 
 
 def _checked_open(
-    path: Path, kind: str, key: str, limits: MediaLimits, keep: bool
+    path: Path, kind: str, key: str, limits: MediaLimits, roots: frozenset[str] | None, keep: bool
 ) -> tuple[BinaryIO, bytes]:
     """The open file and its bytes (b"" when not `keep`: then it is only hashed, streaming), read
     with the same regular-file rule and size caps as convert.
@@ -70,7 +83,7 @@ def _checked_open(
     """
     cap = limits.image_bytes if kind == "image" else limits.video_bytes
     try:
-        f = open_regular(path, kind, cap)
+        f = open_regular(path, kind, cap, roots)
         try:
             data = read_capped(f, cap, kind) if keep else b""
             digest = hashlib.sha256(data).hexdigest() if keep else hash_capped(f, cap, kind)
@@ -92,11 +105,14 @@ def _checked_open(
     return f, data
 
 
-def media_blob(ref: dict[str, Any], storage: str, limits: MediaLimits) -> dict[str, Any]:
-    """The MEDIA_SCHEMA row for one media reference of a converted sample."""
+def media_blob(
+    ref: dict[str, Any], storage: str, limits: MediaLimits, roots: frozenset[str] | None = None
+) -> dict[str, Any]:
+    """The MEDIA_SCHEMA row for one media reference of a converted sample (re-opened inside `roots`)."""
     path = Path(ref["path"])
     kind = ref["kind"]
-    f, data = _checked_open(path, kind, ref["key"], limits, keep=storage == "original" or kind == "image")
+    keep = storage == "original" or kind == "image"
+    f, data = _checked_open(path, kind, ref["key"], limits, roots, keep)
     with f:
         if storage == "original":
             return {"key": ref["key"], "kind": kind, "encoding": "original", "data": data, "frames": []}
@@ -105,5 +121,5 @@ def media_blob(ref: dict[str, Any], storage: str, limits: MediaLimits) -> dict[s
             with Image.open(io.BytesIO(data)) as img:
                 return {"key": ref["key"], "kind": "image", "encoding": "resized",
                         "data": _png(resize_rgb(img, h, w)), "frames": []}
-        frames = [_png(resize_rgb(fr, h, w)) for fr in video_frames(f, list(ref["frames"]), str(path))]
+        frames = [_png(fr) for fr in video_frames(f, list(ref["frames"]), h, w, str(path))]
     return {"key": ref["key"], "kind": "video", "encoding": "resized", "data": b"", "frames": frames}

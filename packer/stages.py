@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .config import PackConfig
-from .media import MediaLimits
+from .media import MediaLimits, MediaRoots
 from .media_store import media_blob
 from .plan import lower_bound, plan_bins
 from .records import ConfigError, iter_records
@@ -148,14 +148,19 @@ def _media_row(m: Any) -> dict[str, Any]:
     }
 
 
+REJECT_DETAIL_CHARS = 500
+"""Longest reject detail kept: a dataset's paths and messages are untrusted and may be huge."""
+
+
 def _reject_row(r: Reject, position: int) -> dict[str, Any]:
+    detail = r.detail if len(r.detail) <= REJECT_DETAIL_CHARS else r.detail[: REJECT_DETAIL_CHARS - 1] + "…"
     return {
         "position": position,
         "source": r.source,
         "index": r.index,
         "id": r.sample_id,
         "reason": r.reason,
-        "detail": r.detail,
+        "detail": detail,
     }
 
 
@@ -416,6 +421,7 @@ def _build_shard(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     sequences: list[dict[str, Any]] = []
     blobs: dict[str, dict[str, Any]] = {}
+    limits, roots = MediaLimits.of(cfg.source), MediaRoots(cfg.source).all_roots()
     for r in shard_rows:
         entry = plan_table.slice(r, 1).to_pylist()[0]
         seq: dict[str, Any] = {
@@ -433,7 +439,7 @@ def _build_shard(
             for m in sample["media"]:
                 seq["media"].append({k: v for k, v in m.items() if k != "path"} | {"sample": sub})
                 if m["key"] not in blobs:
-                    blobs[m["key"]] = media_blob(m, cfg.packing.media_storage, MediaLimits.of(cfg.source))
+                    blobs[m["key"]] = media_blob(m, cfg.packing.media_storage, limits, roots)
         sequences.append(seq)
     return sequences, [blobs[k] for k in sorted(blobs)]
 

@@ -1,7 +1,9 @@
-"""`packtrain train -c CONFIG`: run an SFTJob locally or as one process of a torchrun/PyTorchJob.
+"""`packtrain train -c CONFIG` (or `python -m packtrain.trainer`): run an SFTJob locally or as one
+process of a torchrun/PyTorchJob.
 
 CONFIG is an `SFTJob` manifest or its bare spec, the same file a cluster uses.
-Under torchrun every process runs this; rank 0 prints the JSON summary line.
+Under torchrun every process runs this; rank 0 shows progress (a bar in a terminal, JSON lines
+otherwise or with `--log-format json`) and prints the JSON summary line last.
 """
 
 from __future__ import annotations
@@ -16,16 +18,23 @@ from packtrain.packer.records import ConfigError
 from packtrain.packer.shards import ShardFormatError
 
 from .config import load_train_config
+from .progress import LOG_FORMATS, reporter_for
 
 EXIT_CONFIG = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="packtrain train", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="packtrain train", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("-c", "--config", required=True, help="SFTJob manifest or spec (YAML)")
     p.add_argument("--data", help="override data.path: a pack output folder")
     p.add_argument("--output", help="override training.outputDir")
     p.add_argument("--max-steps", type=int, help="override training.maxSteps")
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="auto",
+        help="progress as a bar (rich) or JSON lines (json); auto: a bar when stdout is a terminal",
+    )
     return p
 
 
@@ -60,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from .loop import train
 
     try:
-        summary = train(cfg)
+        summary = train(cfg, reporter=reporter_for(opts.log_format, sys.stdout, cfg.training.log_every))
     except ShardFormatError as exc:  # data.path is not a finished pack, or one that was damaged or edited
         print(f"packtrain train: {worker_message(exc)}", file=sys.stderr)
         return EXIT_CONFIG

@@ -15,12 +15,15 @@ from pydantic import Field, model_validator
 from packtrain.packer.config import CamelModel, Family, load_spec_section
 
 Init = Literal["auto", "pretrained", "random"]
-Attention = Literal["auto", "flash", "sdpa", "flex"]
+Attention = Literal["auto", "varlen", "flash", "flex", "sdpa"]
 Mode = Literal["packed", "padded"]
 Strategy = Literal["ddp", "fsdp"]
 DType = Literal["auto", "bf16", "fp32"]
 # Each dataloader worker is a process holding decoded media: more than this per rank only exhausts a node.
 MAX_NUM_WORKERS = 64
+# Label rows whose logits exist at once in the loss: 1024 x 151,936 fp32 is 0.6 GiB, below the
+# LM head's own weight gradient (0.9-1.2 GiB for 1536-2048 hidden), so smaller chunks save little.
+LOSS_CHUNK_TOKENS = 1024
 
 
 class DataSpec(CamelModel):
@@ -33,7 +36,9 @@ class DataSpec(CamelModel):
     num_workers: int = Field(
         2, ge=0, le=MAX_NUM_WORKERS, description="Dataloader worker processes per rank (media decoding)."
     )
-    prefetch_factor: int = Field(2, ge=1, description="Micro-batches each worker decodes ahead.")
+    prefetch_factor: int = Field(
+        2, ge=1, le=64, description="Micro-batches each worker decodes ahead (each holds decoded media)."
+    )
     verify_checksums: bool = Field(True, description="Check shard sha256 against the manifest on open (local rank 0 of each node).")
 
     @model_validator(mode="after")
@@ -60,7 +65,8 @@ class ModelSpec(CamelModel):
         "use the config's own snake_case names), e.g. to shrink a model for tests.",
     )
     gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in backward to save memory."
+        False,
+        description="Deprecated: true turns on training.activationCheckpointing and visionCheckpointing.",
     )
 
 
@@ -68,7 +74,9 @@ class TrainingSpec(CamelModel):
     """The optimisation: steps, batch shape, attention backend, parallelism, checkpoints, metrics."""
 
     max_steps: int = Field(100, ge=1, description="Optimizer steps.")
-    micro_batch_sequences: int = Field(1, ge=1, description="Packed sequences per rank per micro step.")
+    micro_batch_sequences: int = Field(
+        1, ge=1, le=1024, description="Packed sequences per rank per micro step."
+    )
     grad_accum: int = Field(1, ge=1, description="Micro steps per optimizer step.")
     lr: float = Field(1e-5, gt=0, description="Peak learning rate (AdamW).")
     warmup: int = Field(0, ge=0, description="Linear warmup steps, then cosine decay to 10% of lr.")
@@ -77,10 +85,24 @@ class TrainingSpec(CamelModel):
     seed: int = Field(0, description="Seeds data order and random init.")
     attention: Attention = Field(
         "auto",
-        description="flash (varlen, needs flash-attn), sdpa or flex (block-diagonal mask); auto picks.",
+        description="varlen (torch's FlashAttention varlen kernel, CUDA), flash (needs flash-attn), flex "
+        "(document-id block mask) or sdpa (dense block-diagonal mask); auto: the first available of "
+        "varlen, flash, flex, sdpa on CUDA, sdpa elsewhere.",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in backward: less memory, ~1/3 more compute.",
+    )
+    vision_checkpointing: bool = Field(
+        False, description="The same for each vision-tower block (large images and videos)."
+    )
+    compile: bool = Field(
+        False, description="torch.compile each decoder layer (first steps pay the compilation)."
     )
     mode: Mode = Field("packed", description="packed, or the padded baseline (one sample per row).")
-    padded_batch_size: int = Field(8, ge=1, description="Samples per rank per micro step in padded mode.")
+    padded_batch_size: int = Field(
+        8, ge=1, le=4096, description="Samples per rank per micro step in padded mode."
+    )
     checkpoint_every: int = Field(
         0, ge=0, description="Save a resumable checkpoint every N steps (0: only at end)."
     )
@@ -94,6 +116,12 @@ class TrainingSpec(CamelModel):
         "auto",
         description="Compute dtype; auto: bf16 on GPU, fp32 on CPU. bf16 is mixed precision: fp32 weights and "
         "optimizer state, bf16 autocast (the final export is saved in bf16).",
+    )
+    loss_chunk_tokens: int = Field(
+        LOSS_CHUNK_TOKENS,
+        ge=0,
+        description="Label tokens whose LM-head logits are computed at once, in forward and backward "
+        "(memory ~ this x vocabulary x 4 bytes); 0: all label tokens at once.",
     )
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="Serve Prometheus /metrics on this port + local rank; null: off."
@@ -112,6 +140,14 @@ class SFTSpecCore(CamelModel):
     data: DataSpec
     model: ModelSpec
     training: TrainingSpec = Field(default_factory=TrainingSpec)
+
+    @model_validator(mode="after")
+    def _fold_gradient_checkpointing(self) -> SFTSpecCore:
+        """Older specs set model.gradientCheckpointing; the trainer reads only the training options."""
+        if self.model.gradient_checkpointing:  # it checkpointed every layer, vision blocks included
+            self.training.activation_checkpointing = True
+            self.training.vision_checkpointing = True
+        return self
 
 
 def load_train_config(path: str | Path) -> SFTSpecCore:

@@ -1,10 +1,11 @@
-"""The data path: shard folder → balanced per-rank micro-batches → model inputs.
+"""The data path: shard folder → this rank's micro-batches → model inputs.
 
 `PackedDataset` is map-style over *this rank's* micro-batches of the current
-epoch: the DataLoader's workers take disjoint indices, decode media in parallel
-and return collated tensors, and the main process records how far it consumed
-(`state_dict`) so a resumed run restarts at the exact next micro-batch.
-The collators are pure functions of rows that already carry decoded pixels.
+epoch, in the order `sampler` plans: the DataLoader's workers take disjoint
+indices, decode media in parallel and return collated tensors, and the main
+process records how far it consumed (`state_dict`) so a resumed run restarts at
+the exact next micro-batch. The collators are pure functions of rows that
+already carry decoded pixels.
 """
 
 from __future__ import annotations
@@ -23,7 +24,18 @@ from packtrain.packer.shards import ShardReader
 
 from .media import PixelSpec, media_pixels
 from .rope import FamilyInfo, Grid, family_info, packed_positions, sample_positions
-from .sampler import Plan, attention_cost, imbalance, plan_epoch
+from .sampler import (
+    Layout,
+    Plan,
+    Position,
+    after,
+    attention_cost,
+    plan_epoch,
+    position_state,
+    rank_micro_batches,
+    resume_position,
+    units_and_costs,
+)
 
 DEFAULT_PAD_TOKEN_ID = 151643  # <|endoftext|> in the Qwen2 vocabulary
 
@@ -194,11 +206,10 @@ def collate_padded(
 class PackedDataset(torch.utils.data.Dataset):
     """This rank's micro-batches of one epoch, over a finished pack folder.
 
-    Unit of work: a packed sequence (packed mode) or one sub-sample (padded mode). Each
-    optimizer step takes `world_size * units_per_micro_batch * grad_accum` units, balanced by
-    attention cost across ranks (see `sampler`); this rank's share is split into `grad_accum`
-    consecutive micro-batches. Item k is micro-batch `start + k`, so DataLoader workers decode
-    disjoint micro-batches and the order does not depend on the number of workers.
+    Unit of work: a packed sequence (packed mode) or one sub-sample (padded mode); which units
+    make up each micro-batch, and where a resumed run restarts, is `sampler`'s epoch plan. Item k
+    is micro-batch `position.next + k` of `position.epoch`, so DataLoader workers decode disjoint
+    micro-batches and the order does not depend on the number of workers.
     """
 
     def __init__(
@@ -217,28 +228,19 @@ class PackedDataset(torch.utils.data.Dataset):
         verify_checksums: bool = True,
         vocab_size: int | None = None,
     ) -> None:
-        if mode not in ("packed", "padded"):
-            raise ValueError(f"mode must be packed or padded, not {mode!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.path = Path(path)
         self.family = family_info(family)
         self.pixel_spec = pixel_spec or PixelSpec()
-        self.rank, self.world_size = rank, world_size
-        self.units_per_micro_batch, self.grad_accum = units_per_micro_batch, grad_accum
-        self.seed, self.mode, self.pad_token_id = seed, mode, pad_token_id
-        self.vocab_size = vocab_size
+        self.rank = rank
+        self.mode, self.pad_token_id, self.vocab_size = mode, pad_token_id, vocab_size
         self._reader: ShardReader | None = ShardReader(self.path, verify_checksums=verify_checksums)
         self.manifest = self._reader.manifest
         self.seq_lens = self._reader.seq_lens()
-        if mode == "packed":
-            self.units: list[tuple[int, int]] = [(s, -1) for s in range(len(self.seq_lens))]
-            self.costs = [attention_cost(lens) for lens in self.seq_lens]
-        else:
-            self.units = [(s, k) for s, lens in enumerate(self.seq_lens) for k in range(len(lens))]
-            self.costs = [self.seq_lens[s][k] ** 2 for s, k in self.units]
-        self.epoch = 0
-        self.start = 0
+        self.units, self.costs = units_and_costs(self.seq_lens, mode)
+        self.layout = Layout(seed, world_size, units_per_micro_batch, grad_accum, mode, len(self.units))
+        self.position = Position()
         self._plan_cache: tuple[int, Plan] | None = None
 
     # -- pickling for workers: memory maps are reopened in each worker, not copied ------------
@@ -254,56 +256,35 @@ class PackedDataset(torch.utils.data.Dataset):
             self._reader = ShardReader(self.path, verify_checksums=False)
         return self._reader
 
-    # -- order -----------------------------------------------------------------------------
-    def plan(self, epoch: int | None = None) -> Plan:
-        epoch = self.epoch if epoch is None else epoch
-        if self._plan_cache is None or self._plan_cache[0] != epoch:
-            per_rank = self.units_per_micro_batch * self.grad_accum
-            self._plan_cache = (epoch, plan_epoch(self.costs, self.world_size, per_rank, self.seed, epoch))
-        return self._plan_cache[1]
+    @property
+    def seed(self) -> int:
+        return self.layout.seed
 
+    @property
+    def grad_accum(self) -> int:
+        return self.layout.grad_accum
+
+    # -- what to serve: the plan's micro-batches for this rank, from the saved position ----------
     def micro_batches(self, epoch: int | None = None) -> list[list[int]]:
         """This rank's micro-batches (unit indices) for the epoch, in order."""
-        n = self.units_per_micro_batch
-        out = []
-        for step in self.plan(epoch):
-            mine = step[self.rank]
-            out.extend(mine[i * n : (i + 1) * n] for i in range(self.grad_accum))
-        return out
+        epoch = self.position.epoch if epoch is None else epoch
+        if self._plan_cache is None or self._plan_cache[0] != epoch:
+            lay = self.layout
+            self._plan_cache = (epoch, plan_epoch(self.costs, lay.world_size, lay.units_per_rank, lay.seed, epoch))
+        return rank_micro_batches(self._plan_cache[1], self.rank, self.layout)
 
     def steps_per_epoch(self) -> int:
-        return len(self.plan())
+        return self.layout.steps_per_epoch
 
-    def balance(self) -> dict[str, float]:
-        """max/mean attention-cost imbalance across ranks of this epoch's plan."""
-        return imbalance(self.plan(), self.costs)
-
-    # -- resumable position ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "next": self.start,
-            "seed": self.seed,
-            "world_size": self.world_size,
-            "units_per_micro_batch": self.units_per_micro_batch,
-            "grad_accum": self.grad_accum,
-            "mode": self.mode,
-            "num_units": len(self.units),
-        }
+        return position_state(self.layout, self.position)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("seed", "world_size", "units_per_micro_batch", "grad_accum", "mode", "num_units"):
-            mine = self.state_dict()[key]
-            if state[key] != mine:
-                raise ValueError(f"cannot resume: checkpoint has {key}={state[key]!r}, this run {mine!r}")
-        self.epoch, self.start = int(state["epoch"]), int(state["next"])
+        self.position = resume_position(self.layout, state)
 
     def mark_consumed(self, batch: dict[str, Any]) -> None:
         """Record that the training loop has used `batch` (called in the main process)."""
-        epoch, index = batch["position"]
-        self.epoch, self.start = epoch, index + 1
-        if self.start >= len(self.micro_batches()):
-            self.epoch, self.start = epoch + 1, 0
+        self.position = after(self.layout, *batch["position"])
 
     # -- items -----------------------------------------------------------------------------
     def view(self) -> PackedDataset:
@@ -312,7 +293,7 @@ class PackedDataset(torch.utils.data.Dataset):
         return copy.copy(self)
 
     def __len__(self) -> int:
-        return len(self.micro_batches()) - self.start
+        return self.layout.micro_batches_per_epoch - self.position.next
 
     def checked_row(self, seq: int) -> dict[str, Any]:
         """Sequence `seq`, after the cheap invariants every packed row satisfies (`packer.integrity`):
@@ -345,7 +326,7 @@ class PackedDataset(torch.utils.data.Dataset):
         return row
 
     def __getitem__(self, k: int) -> dict[str, Any]:
-        index = self.start + k
+        index = self.position.next + k
         units = self.micro_batches()[index]
         cache: dict[tuple[Any, ...], torch.Tensor] = {}
         if self.mode == "packed":
@@ -359,5 +340,5 @@ class PackedDataset(torch.utils.data.Dataset):
                     rows[seq] = split_row(self._decoded_row(seq, cache))
                 samples.append(rows[seq][sub])
             batch = collate_padded(samples, self.family, self.pad_token_id)
-        batch["position"] = [self.epoch, index]
+        batch["position"] = [self.position.epoch, index]
         return batch

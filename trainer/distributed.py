@@ -49,7 +49,7 @@ def resolve_env(env: Mapping[str, str]) -> DistEnv:
     if not launched_by_torchrun and nproc > 1:
         raise RuntimeError(
             f"PET_NPROC_PER_NODE={nproc} asks for {nproc} processes per pod, but this process was not "
-            "started by torchrun; run `torchrun -m packtrain.trainer.cli ...` (torchrun reads the PET_* variables)"
+            f"started by torchrun; run `torchrun -m {__package__} ...` (torchrun reads the PET_* variables)"
         )
     world = _int(env, "WORLD_SIZE", default=1)
     rank = _int(env, "RANK", default=0)

@@ -1,17 +1,18 @@
-"""The training loop, top to bottom: setup, resume, steps, checkpoints, final export.
+"""The training recipe: setup, then for each step: batch, forward, loss, backward, optimizer, log.
 
 One optimizer step = `gradAccum` micro-batches per rank. Before any forward,
 the step's label tokens are counted over every micro-batch of every rank, and
 each micro-batch backwards `sum(token losses) * world / N_global`, so the step's
 gradient is that of the global token mean whatever the packing, accumulation
-or world size (see `loss`).
+or world size (see `loss`). The order of the data is `sampler`'s epoch plan;
+throughput, MFU and the summary are `accounting`'s; what is printed is `progress`'s.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +20,17 @@ import torch
 from torch.utils.data import DataLoader
 
 from . import checkpoint, distributed
+from .accounting import RunAccounting
 from .attention import resolve_attention
 from .config import SFTSpecCore
 from .data import DEFAULT_PAD_TOKEN_ID, PackedDataset
 from .loss import global_label_tokens, micro_batch_objective
 from .media import PixelSpec
-from .metrics import ModelShape, Stopwatch, TrainMetrics, device_peak_tflops, step_flops
-from .model import VLMForTraining, build_model, load_config, move_batch, parameter_groups
+from .metrics import ModelShape, Stopwatch, TrainMetrics, device_peak_tflops
+from .model import VLMForTraining, apply_layer_options, build_model, load_config, move_batch, parameter_groups
+from .progress import JsonLines, Reporter
 from .rope import family_from_config
+from .sampler import imbalance, plan_epoch
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -69,35 +73,56 @@ def batches(dataset: PackedDataset, num_workers: int, prefetch: int, pin: bool) 
         yield from loader
 
 
-def train(cfg: SFTSpecCore, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the job described by `cfg` in this process (one rank); returns the summary."""
+@dataclass
+class Run:
+    """Everything setup builds for the steps: data, model, optimizer and where the run starts."""
+
+    dataset: PackedDataset
+    hf: Any  # the Hugging Face model (for the export)
+    model: torch.nn.Module  # what trains: VLMForTraining, wrapped by DDP/FSDP when distributed
+    shape: ModelShape
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    dtype: torch.dtype
+    backend: str
+    imbalance_max: float  # attention-cost imbalance of the epoch this run starts in
+    step: int = 0
+    resumed_from: Path | None = None
+
+
+def train(
+    cfg: SFTSpecCore, log: Callable[[str], None] = print, reporter: Reporter | None = None
+) -> dict[str, Any]:
+    """Run the job described by `cfg` in this process (one rank); returns the summary.
+
+    Rank 0 reports progress to `reporter` (default: JSON lines through `log`)."""
     env = distributed.environ()
     device = distributed.pick_device(env)
     distributed.init(env, device)
+    report = reporter or JsonLines(log, cfg.training.log_every)
     try:
-        return _train(cfg, env, device, log)
+        return _train(cfg, env, device, report if env.is_main else JsonLines(lambda _: None))
     finally:
+        report.close()
         distributed.shutdown()
 
 
-def _train(
-    cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device, log: Callable[[str], None]
-) -> dict[str, Any]:
+def setup(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> Run:
+    """Data first (a folder that is not a pack, or too small a pack, fails before the model), then
+    the model, the optimizer and schedule, and the checkpoint to resume from."""
     t = cfg.training
-    out = Path(t.output_dir)
     if cfg.data.path is None:
         raise ValueError(
             f"data.packJobRef {cfg.data.pack_job_ref!r} must be resolved to data.path (the operator does)"
         )
     torch.manual_seed(t.seed)
     dtype = resolve_dtype(t.dtype, device)
-    backend = resolve_attention(t.attention, device)
+    backend = resolve_attention(t.attention, device, dtype=dtype)
     config = load_config(cfg.model.path, cfg.model.config_overrides)
     family = family_from_config(config)
     if cfg.model.family is not None and cfg.model.family != family.name:
         raise ValueError(f"model.family is {cfg.model.family} but {cfg.model.path} is a {family.name} model")
 
-    # -- data (first: a folder that is not a pack, or too small a pack, fails before the model) ---
     pad_id = config.text_config.pad_token_id
     dataset = PackedDataset(
         cfg.data.path,
@@ -117,9 +142,10 @@ def _train(
     pack_family = dataset.manifest.get("family")
     if pack_family not in (None, family.name):
         raise ValueError(f"the pack was made for {pack_family} but the model is {family.name}")
-    dataset.balance()  # plans the epoch: raises if the pack holds less than one global step
+    lay = dataset.layout
+    # Planning epoch 0 raises when the pack holds less than one global step.
+    first_plan = plan_epoch(dataset.costs, lay.world_size, lay.units_per_rank, lay.seed, 0)
 
-    # -- model ---------------------------------------------------------------------------
     # Mixed precision: weights and AdamW state stay fp32 (bf16 weights would round most small
     # updates away); matmuls run in `dtype` under autocast.
     hf = build_model(
@@ -131,43 +157,62 @@ def _train(
         seed=t.seed,
         device=device,
     )
-    if cfg.model.gradient_checkpointing:
-        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    apply_layer_options(hf, t.activation_checkpointing, t.vision_checkpointing, t.compile)
     core = VLMForTraining(hf, backend, always_run_vision=env.distributed).to(device)
     shape = ModelShape.from_model(hf, parameter_groups(core))
     model = distributed.parallelize(core, t.strategy, env, device, compute_dtype=dtype)
 
-    # -- optimizer, schedule, resume -----------------------------------------------------
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.warmup, t.max_steps))
     step = 0
-    resumed_from = checkpoint.latest(out) if t.resume else None
+    resumed_from = checkpoint.latest(Path(t.output_dir)) if t.resume else None
     if resumed_from is not None:
         state = checkpoint.load(resumed_from, model, optimizer, scheduler, env)
         step = int(state["step"])
         dataset.load_state_dict(state["data"])
-        if env.is_main:
-            log(json.dumps({"event": "resumed", "checkpoint": str(resumed_from), "step": step}))
-
-    metrics = TrainMetrics(
-        env.rank, device, None if t.metrics_port is None else t.metrics_port + env.local_rank
+    epoch = dataset.position.epoch
+    plan = plan_epoch(dataset.costs, lay.world_size, lay.units_per_rank, lay.seed, epoch) if epoch else first_plan
+    return Run(
+        dataset=dataset,
+        hf=hf,
+        model=model,
+        shape=shape,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        dtype=dtype,
+        backend=backend,
+        imbalance_max=imbalance(plan, dataset.costs)["max"],
+        step=step,
+        resumed_from=resumed_from,
     )
-    metrics.enable_mfu(device_peak_tflops(device, t.peak_tflops))
-    balance = dataset.balance()  # of the epoch this run starts in
-    metrics.update({"attention_imbalance": balance["max"]})
-    stream = batches(dataset, cfg.data.num_workers, cfg.data.prefetch_factor, device.type == "cuda")
 
-    # -- steps ---------------------------------------------------------------------------
-    totals = {"tokens": 0.0, "effective": 0.0, "samples": 0.0, "seconds": 0.0, "flops": 0.0, "timed_steps": 0}
-    sm_readings: list[float] = []
-    loss_value = float("nan")
-    start_step = step
-    while step < t.max_steps:
+
+def _train(
+    cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device, report: Reporter
+) -> dict[str, Any]:
+    t = cfg.training
+    out = Path(t.output_dir)
+    run = setup(cfg, env, device)
+    dataset, model, optimizer, scheduler, dtype = run.dataset, run.model, run.optimizer, run.scheduler, run.dtype
+    if run.resumed_from is not None:
+        report.event("resumed", checkpoint=str(run.resumed_from), step=run.step)
+    metrics = TrainMetrics(env.rank, device, None if t.metrics_port is None else t.metrics_port + env.local_rank)
+    metrics.enable_mfu(device_peak_tflops(device, t.peak_tflops))
+    metrics.info(attention=run.backend, mode=t.mode)
+    metrics.update({"attention_imbalance": run.imbalance_max})
+    accounting = RunAccounting(metrics, run.shape, device, env.world_size, run.step, t.max_steps)
+    stream = batches(dataset, cfg.data.num_workers, cfg.data.prefetch_factor, device.type == "cuda")
+    report.start(run.step, t.max_steps, mode=t.mode, attention=run.backend, world_size=env.world_size)
+
+    loss = float("nan")
+    while run.step < t.max_steps:
+        # batch: this step's micro-batches, and its label tokens over every rank
         clock = Stopwatch()
         micro = [next(stream) for _ in range(t.grad_accum)]
         data_wait = clock.lap()
         global_tokens = global_label_tokens(sum(b["num_label_tokens"] for b in micro), device)
 
+        # forward, loss, backward: each micro-batch's share of the global token mean
         model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for i, batch in enumerate(micro):
@@ -176,6 +221,8 @@ def _train(
                     result = model(move_batch(batch, device, dtype))
                 micro_batch_objective(result["loss_sum"], global_tokens, env.world_size).backward()
             loss_sum += result["loss_sum"].detach().double()
+
+        # optimizer
         if t.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
         optimizer.step()
@@ -183,91 +230,36 @@ def _train(
         optimizer.zero_grad(set_to_none=True)
         for batch in micro:
             dataset.mark_consumed(batch)
-        step += 1
+        run.step += 1
 
-        loss_value = distributed.all_reduce_sum(float(loss_sum), device) / max(global_tokens, 1)
+        # log
+        loss = distributed.all_reduce_sum(float(loss_sum), device) / max(global_tokens, 1)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_time = clock.lap() + data_wait
-        local = {
-            "tokens": float(sum(b["padded_tokens"] for b in micro)),
-            "effective": float(sum(b["num_tokens"] for b in micro)),
-            "samples": float(sum(len(b["seq_lens"]) for b in micro)),
-            "flops": float(sum(step_flops(shape, b) for b in micro)),
-        }
-        recorded = metrics.update(
-            {
-                "tokens_per_second": local["tokens"] / step_time,
-                "effective_tokens_per_second": local["effective"] / step_time,
-                "padding_ratio": 1.0 - local["effective"] / local["tokens"],
-                "samples_per_second": local["samples"] / step_time,
-                "step_seconds": step_time,
-                "loss": loss_value,
-                "learning_rate": scheduler.get_last_lr()[0],
-                "data_wait_seconds": data_wait,
-                "step": float(step),
-                "flops_per_second": local["flops"] / step_time,
-            }
+        report.step(
+            accounting.step(run.step, micro, loss, scheduler.get_last_lr()[0], data_wait, step_time)
         )
-        # The first step of a run pays for warm-up (allocator, kernels, workers); leave it out of rates.
-        if step > start_step + 1 or t.max_steps - start_step == 1:
-            for key in ("tokens", "effective", "samples", "flops"):
-                totals[key] += distributed.all_reduce_sum(local[key], device)
-            totals["seconds"] += distributed.all_reduce_max(step_time, device)
-            totals["timed_steps"] += 1
-            if "gpu_sm_utilization" in recorded:
-                sm_readings.append(recorded["gpu_sm_utilization"])
-        if env.is_main and step % t.log_every == 0:
-            log(json.dumps({"event": "step", **{k: _round(v) for k, v in recorded.items()}}))
-        if t.checkpoint_every and step % t.checkpoint_every == 0 and step < t.max_steps:
-            checkpoint.save(
-                out,
-                step,
-                model,
-                optimizer,
-                scheduler,
-                {"data": dataset.state_dict()},
-                env,
-                t.keep_checkpoints,
-            )
+        if t.checkpoint_every and run.step % t.checkpoint_every == 0 and run.step < t.max_steps:
+            _save(out, run, env, t.keep_checkpoints)
 
-    # -- end -----------------------------------------------------------------------------
     # A rerun that found every step done has nothing new to save, and re-saving would delete and
     # rewrite the checkpoint it resumed from (the only one with keepCheckpoints: 1).
-    if t.checkpoint_at_end and step > start_step:
-        checkpoint.save(
-            out, step, model, optimizer, scheduler, {"data": dataset.state_dict()}, env, t.keep_checkpoints
-        )
-    final = checkpoint.save_hf(out / "final", model, hf, cfg.model.path, env, dtype) if t.save_final else None
-    seconds = max(totals["seconds"], 1e-9)
-    peak = metrics.peak
-    summary = {
-        "steps": step,
-        "steps_this_run": step - start_step,
-        "tokens": int(totals["tokens"]),
-        "effective_tokens": int(totals["effective"]),
-        "tokens_per_second": totals["tokens"] / seconds,
-        "effective_tokens_per_second": totals["effective"] / seconds,
-        "samples_per_second": totals["samples"] / seconds,
-        "padding_ratio": 1.0 - totals["effective"] / totals["tokens"] if totals["tokens"] else 0.0,
-        "final_loss": loss_value,
-        "model_flops_per_effective_token": totals["flops"] / totals["effective"]
-        if totals["effective"]
-        else None,
-        "mfu": totals["flops"] / seconds / (peak * 1e12) / env.world_size if peak else None,
-        "mode": t.mode,
-        "attention": backend,
-        "world_size": env.world_size,
-        "attention_imbalance_max": balance["max"],
-        "resumed_from": str(resumed_from) if resumed_from else None,
-        "final_model": str(final) if final else None,
-    }
-    if device.type == "cuda":
-        summary["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
-    if sm_readings:
-        summary["gpu_sm_utilization_mean"] = sum(sm_readings) / len(sm_readings)
-    return summary
+    if t.checkpoint_at_end and run.step > accounting.start_step:
+        _save(out, run, env, t.keep_checkpoints)
+    final = checkpoint.save_hf(out / "final", model, run.hf, cfg.model.path, env, dtype) if t.save_final else None
+    return accounting.summary(
+        run.step,
+        loss,
+        mode=t.mode,
+        attention=run.backend,
+        attention_imbalance_max=run.imbalance_max,
+        resumed_from=str(run.resumed_from) if run.resumed_from else None,
+        final_model=str(final) if final else None,
+    )
 
 
-def _round(v: float) -> float:
-    return float(f"{v:.6g}")
+def _save(out: Path, run: Run, env: distributed.DistEnv, keep: int) -> Path:
+    return checkpoint.save(
+        out, run.step, run.model, run.optimizer, run.scheduler, {"data": run.dataset.state_dict()}, env, keep
+    )

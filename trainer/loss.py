@@ -1,10 +1,13 @@
-"""Token-level loss with a global normaliser.
+"""Token-level loss with a global normaliser, and the LM head computed in chunks.
 
 Packing must not change the objective: the loss of a step is the sum of all
 label-token losses divided by the number of label tokens in the *whole global
 batch* (every micro-batch of every rank), not a mean of per-sequence means.
 Each micro-batch contributes `sum / N_global`; since DDP/FSDP average gradients
 over ranks, the local term is multiplied by the world size to undo that average.
+
+The LM head's output is the largest tensor of a step (tokens x 151,936 for Qwen): only label
+positions go through it, and those `chunk_tokens` at a time, in forward and backward alike.
 """
 
 from __future__ import annotations
@@ -15,23 +18,166 @@ import torch.nn.functional as F
 
 from packtrain.packer.shard_format import IGNORE_INDEX
 
+from .config import LOSS_CHUNK_TOKENS
+
 
 def token_losses(
-    hidden: torch.Tensor, lm_head: torch.nn.Module, shift_labels: torch.Tensor
+    hidden: torch.Tensor,
+    lm_head: torch.nn.Module,
+    shift_labels: torch.Tensor,
+    chunk_tokens: int = LOSS_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of every label token → (losses (n,), flat positions (n,)).
 
-    Only positions that have a target go through the LM head, so the (tokens x vocab) logits
-    exist for label tokens alone; the softmax runs in at least fp32.
+    Only positions that have a target go through the LM head; with `chunk_tokens` > 0 their
+    logits exist `chunk_tokens` rows at a time (0: all label rows at once, through the module).
+    The softmax runs in at least fp32.
     """
     flat_labels = shift_labels.reshape(-1)
     positions = torch.nonzero(flat_labels != IGNORE_INDEX).squeeze(-1)
-    logits = lm_head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions))
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits, flat_labels.index_select(0, positions), reduction="none"), positions
+    selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
+    targets = flat_labels.index_select(0, positions)
+    if chunk_tokens <= 0:
+        logits = lm_head(selected)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits, targets, reduction="none"), positions
+    return chunked_linear_cross_entropy(selected, lm_head, targets, chunk_tokens), positions
+
+
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
+    """`cross_entropy(lm_head(hidden), targets, reduction="none")` holding at most `chunk_tokens`
+    rows of logits at any time (forward and backward).
+
+    Reads `lm_head.weight` / `.bias` inside the caller's forward: under FSDP2 the head belongs to
+    the root module's group, whose parameters are gathered for the whole root forward and
+    backward, so these are the full tensors and their gradients reach FSDP's reduce-scatter.
+    Under autocast the matmuls run in the autocast dtype, as `lm_head(hidden)` would.
+    """
+    weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+    if _is_dtensor(weight):
+        raise ValueError(
+            "the LM head's weight is sharded (an FSDP unit of its own), so it cannot be read outside "
+            "its forward: leave lm_head in the root module's FSDP group, or set training.lossChunkTokens: 0"
+        )
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        compute = torch.get_autocast_dtype(device_type)
+    else:
+        compute = torch.promote_types(hidden.dtype, weight.dtype)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk_tokens, compute)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    if not dist.is_available():
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch 2.4: DTensor was private (and FSDP2 absent from torch.distributed.fsdp)
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def _chunk_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """(rows, vocab) logits of one chunk, in `out_dtype` (weight and bias already in compute dtype)."""
+    h = hidden.to(weight.dtype)
+    logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
+    return logits.to(out_dtype)
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Linear + cross-entropy that saves only the per-row log-sum-exp and recomputes each chunk's
+    logits in backward (one extra LM-head matmul).
+
+    A custom function rather than `torch.utils.checkpoint` per chunk: the softmax gradient is
+    formed in place in the recomputed logits (one chunk buffer, not log-softmax + its gradient),
+    and the weight gradient is accumulated in one buffer instead of autograd allocating a
+    (vocab x hidden) gradient per chunk and summing them.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        chunk: int,
+        compute: torch.dtype,
+    ) -> torch.Tensor:
+        loss_dtype = torch.promote_types(compute, torch.float32)
+        losses = torch.empty(hidden.shape[0], dtype=loss_dtype, device=hidden.device)
+        lse = torch.empty_like(losses)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(compute)
+            b = None if bias is None else bias.to(compute)
+            for start in range(0, hidden.shape[0], chunk):
+                rows = slice(start, start + chunk)
+                logits = _chunk_logits(hidden[rows], w, b, loss_dtype)
+                picked = logits.gather(1, targets[rows].unsqueeze(1)).squeeze(1)
+                # log-sum-exp in place (torch.logsumexp would allocate a second chunk buffer).
+                top = logits.amax(dim=-1, keepdim=True)
+                torch.add(logits.sub_(top).exp_().sum(dim=-1).log_(), top.squeeze(1), out=lse[rows])
+                torch.sub(lse[rows], picked, out=losses[rows])
+                del logits
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.chunk, ctx.compute = chunk, compute  # type: ignore[attr-defined]
+        return losses
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad_losses: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, targets, lse = ctx.saved_tensors  # type: ignore[attr-defined]
+        chunk, compute = ctx.chunk, ctx.compute  # type: ignore[attr-defined]
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]  # type: ignore[attr-defined]
+        grad_losses = grad_losses.to(lse.dtype)
+
+        def accumulator(param: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(param.shape, dtype=torch.promote_types(param.dtype, torch.float32),
+                               device=param.device)
+
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = accumulator(weight) if need_weight else None
+        grad_bias = accumulator(bias) if need_bias and bias is not None else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(compute)
+            b = None if bias is None else bias.to(compute)
+            for start in range(0, hidden.shape[0], chunk):
+                rows = slice(start, start + chunk)
+                # d loss_i / d logits_i = g_i * (softmax(logits_i) - onehot(target_i)), in place.
+                dlogits = _chunk_logits(hidden[rows], w, b, lse.dtype).sub_(lse[rows, None]).exp_()
+                dlogits[torch.arange(dlogits.shape[0], device=dlogits.device), targets[rows]] -= 1
+                dlogits.mul_(grad_losses[rows, None])
+                if grad_bias is not None:
+                    grad_bias.add_(dlogits.sum(0))
+                d = dlogits.to(compute)
+                del dlogits
+                if grad_hidden is not None:
+                    grad_hidden[rows] = d @ w
+                if grad_weight is not None:
+                    h = hidden[rows].to(compute)
+                    if grad_weight.dtype == compute:
+                        grad_weight.addmm_(d.t(), h)
+                    else:
+                        grad_weight.add_(d.t() @ h)
+                del d
+        return (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            None,
+            None,
+            None,
+        )
 
 
 def per_sample_sums(
+
     losses: torch.Tensor, positions: torch.Tensor, sample_index: torch.Tensor, n: int
 ) -> torch.Tensor:
     """Sum of token losses per sub-sample (for equivalence checks and per-sample reporting)."""

@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 from torchvision.transforms.v2 import functional as tvF
 
-from packtrain.packer.media import sniff_container
+from packtrain.packer.media import SNIFF_BYTES, sniff_container
 from packtrain.packer.vision import upright
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -126,7 +126,7 @@ def decode_video_frames(
     wanted = sorted(set(indices))
     if not wanted:
         raise ValueError("a video media ref has no sampled frame indices")
-    demuxer = sniff_container(data[:512])
+    demuxer = sniff_container(data[:SNIFF_BYTES])
     if demuxer is None:  # FFmpeg is never left to guess (its text, playlist and concat demuxers)
         raise ValueError("video bytes are not in an allowed container; re-pack, or run `packtrain pack verify`")
     want = set(wanted)

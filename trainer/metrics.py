@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+if TYPE_CHECKING:  # imported where used: the device benchmark reads the FLOPs model without it
+    from prometheus_client import Gauge
+
+INFO_METRIC = "packtrain_train_info"
 
 PEAK_BF16_TFLOPS = {  # dense, per GPU
     "H200": 989.0,
@@ -167,6 +171,8 @@ class TrainMetrics:
     """Per-rank gauges; served on `port` when given (each rank on port + local rank)."""
 
     def __init__(self, rank: int, device: torch.device, port: int | None = None) -> None:
+        from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
         self.registry = CollectorRegistry()
         self.rank = str(rank)
         self.port = port
@@ -218,9 +224,19 @@ class TrainMetrics:
         if port is not None:
             start_http_server(port, registry=self.registry)
 
+    def info(self, **labels: str) -> None:
+        """What this run chose (attention backend, mode, options), as labels of a gauge fixed at 1."""
+        from prometheus_client import Gauge
+
+        names = ["rank", *sorted(labels)]
+        gauge = Gauge(INFO_METRIC, "Choices of this run, as labels (value 1).", names, registry=self.registry)
+        gauge.labels(rank=self.rank, **labels).set(1)
+
     def enable_mfu(self, peak_tflops: float | None) -> None:
         self.peak = peak_tflops
         if peak_tflops is not None and "mfu" not in self.g:
+            from prometheus_client import Gauge
+
             self.g["mfu"] = Gauge(
                 "packtrain_train_mfu", "Estimated model FLOPs utilisation.", ["rank"], registry=self.registry
             )

@@ -11,15 +11,18 @@ backend's isolation arguments, and the loss is computed on label tokens only.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-from .attention import HF_IMPLEMENTATION, attention_kwargs, register_flex
+from .attention import HF_IMPLEMENTATION, attention_kwargs, register_backend
+from .config import LOSS_CHUNK_TOKENS
 from .loss import token_losses
 from .rope import FamilyInfo, family_from_config
 
@@ -64,8 +67,7 @@ def build_model(
     (initialised directly on the device: a 3B model inits in seconds on a GPU, minutes on CPU)."""
     config = load_config(folder, overrides)
     impl = HF_IMPLEMENTATION[attention]
-    if attention == "flex":
-        register_flex()
+    register_backend(attention)
     pretrained = init == "pretrained" or (init == "auto" and has_weights(folder))
     if pretrained:
         if not has_weights(folder):
@@ -84,10 +86,45 @@ def build_model(
     return model.to(device=device)
 
 
+def _checkpointed(forward: Callable[..., Any], module: nn.Module) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if module.training and torch.is_grad_enabled():
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return forward(*args, **kwargs)
+
+    return run
+
+
+def apply_layer_options(
+    model: PreTrainedModel, activation_checkpointing: bool, vision_checkpointing: bool, compile: bool
+) -> None:
+    """Activation checkpointing per decoder layer (and per vision block), `torch.compile` per
+    decoder layer, in place.
+
+    Both act on each layer's `forward` / call, never by wrapping the module, so parameter names (and
+    so checkpoints and the exported model) do not change, and FSDP's per-layer hooks stay outside
+    the recomputed region. Done here rather than through transformers' gradient-checkpointing
+    switch, whose name and reach (every layer, vision included) differ between its versions.
+    """
+    layers = list(model.model.language_model.layers)
+    blocks = list(model.model.visual.blocks)
+    for module in (layers if activation_checkpointing else []) + (blocks if vision_checkpointing else []):
+        module.forward = _checkpointed(module.forward, module)  # type: ignore[method-assign]
+    if compile:
+        for layer in layers:
+            layer.compile()
+
+
 class VLMForTraining(nn.Module):
     """Packed (or padded) batch → label-token losses, through one module forward."""
 
-    def __init__(self, model: PreTrainedModel, backend: str, always_run_vision: bool = False) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        backend: str,
+        always_run_vision: bool = False,
+        loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
+    ) -> None:
         super().__init__()
         self.hf = model
         self.backend = backend
@@ -95,6 +132,7 @@ class VLMForTraining(nn.Module):
         # Under DDP/FSDP every rank must use the vision tower every step, or gradient
         # reduction waits forever for a rank whose batch happened to be text-only.
         self.always_run_vision = always_run_vision
+        self.loss_chunk_tokens = loss_chunk_tokens
 
     def _encode_media(self, batch: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor | None]:
         """Images and videos through the vision tower in *one* call (each grid stays isolated:
@@ -145,7 +183,9 @@ class VLMForTraining(nn.Module):
             use_cache=False,
             **extra,
         ).last_hidden_state
-        losses, positions = token_losses(hidden, self.hf.lm_head, batch["shift_labels"])
+        losses, positions = token_losses(
+            hidden, self.hf.lm_head, batch["shift_labels"], self.loss_chunk_tokens
+        )
         loss_sum = losses.sum() if zero is None else losses.sum() + zero
         return {"loss_sum": loss_sum, "token_losses": losses, "positions": positions}
 

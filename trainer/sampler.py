@@ -1,4 +1,7 @@
-"""Deterministic, attention-cost-balanced assignment of packed sequences to ranks.
+"""The epoch plan: which units each rank trains at each step, and where a resumed run restarts.
+
+Everything about order lives here, as pure functions of the pack's sub-sample
+lengths and the job's layout; `data.PackedDataset` only serves the rows it is told.
 
 Packed sequences all hold about the same number of tokens, but attention cost
 grows with the square of each sub-sample's length: a sequence holding one
@@ -16,13 +19,27 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, NamedTuple
 
 Plan = list[list[list[int]]]  # steps x ranks x unit indices
+Unit = tuple[int, int]  # (sequence, sub-sample); sub-sample -1 = the whole packed sequence
 
 
 def attention_cost(seq_lens: Sequence[int]) -> int:
     """Σ of squared sub-sample lengths: the attention work of one packed sequence."""
     return sum(int(n) * int(n) for n in seq_lens)
+
+
+def units_and_costs(seq_lens: Sequence[Sequence[int]], mode: str) -> tuple[list[Unit], list[int]]:
+    """The units of work and their attention costs: whole packed sequences (packed mode) or each
+    sub-sample on its own (the padded baseline)."""
+    if mode == "packed":
+        return [(s, -1) for s in range(len(seq_lens))], [attention_cost(lens) for lens in seq_lens]
+    if mode == "padded":
+        units = [(s, k) for s, lens in enumerate(seq_lens) for k in range(len(lens))]
+        return units, [int(seq_lens[s][k]) ** 2 for s, k in units]
+    raise ValueError(f"mode must be packed or padded, not {mode!r}")
 
 
 def epoch_order(num_units: int, seed: int, epoch: int) -> list[int]:
@@ -48,16 +65,21 @@ def balance_step(units: Sequence[int], costs: Sequence[int], world_size: int) ->
     return [[units[i] for i in sorted(g)] for g in groups]
 
 
+def check_fits(num_units: int, world_size: int, units_per_rank: int) -> None:
+    per_step = world_size * units_per_rank
+    if num_units < per_step:
+        raise ValueError(
+            f"the pack holds {num_units} units but one global step needs {per_step} "
+            f"({world_size} ranks x {units_per_rank}); pack more data or shrink the batch"
+        )
+
+
 def plan_epoch(
     costs: Sequence[int], world_size: int, units_per_rank: int, seed: int, epoch: int, window: int = 8
 ) -> Plan:
     """The whole epoch's assignment: steps x ranks x units; an incomplete last step is dropped."""
+    check_fits(len(costs), world_size, units_per_rank)
     per_step = world_size * units_per_rank
-    if len(costs) < per_step:
-        raise ValueError(
-            f"the pack holds {len(costs)} units but one global step needs {per_step} "
-            f"({world_size} ranks x {units_per_rank}); pack more data or shrink the batch"
-        )
     order = epoch_order(len(costs), seed, epoch)
     steps = len(order) // per_step
     plan: Plan = []
@@ -92,3 +114,70 @@ def contiguous_plan(
         ]
         for s in range(len(order) // per_step)
     ]
+
+
+# -- one job's layout and its resume position ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What fixes the order of a job's epochs: a saved position is only valid under the same layout."""
+
+    seed: int
+    world_size: int
+    units_per_micro_batch: int
+    grad_accum: int
+    mode: str
+    num_units: int
+
+    @property
+    def units_per_rank(self) -> int:
+        """Units one rank takes per optimizer step."""
+        return self.units_per_micro_batch * self.grad_accum
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps in an epoch (the same for every epoch: only the order changes)."""
+        return self.num_units // (self.world_size * self.units_per_rank)
+
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        """Micro-batches one rank trains in an epoch."""
+        return self.steps_per_epoch * self.grad_accum
+
+
+class Position(NamedTuple):
+    """The next micro-batch of this rank to train: its epoch and its index in that epoch."""
+
+    epoch: int = 0
+    next: int = 0
+
+
+def rank_micro_batches(plan: Plan, rank: int, layout: Layout) -> list[list[int]]:
+    """Rank `rank`'s micro-batches (unit indices) of a planned epoch, in training order: its share of
+    each step, cut into `grad_accum` consecutive micro-batches."""
+    n = layout.units_per_micro_batch
+    return [step[rank][i * n : (i + 1) * n] for step in plan for i in range(layout.grad_accum)]
+
+
+def after(layout: Layout, epoch: int, index: int) -> Position:
+    """The position once micro-batch `index` of `epoch` has been trained: the next one, or the
+    start of the next epoch."""
+    if index + 1 >= layout.micro_batches_per_epoch:
+        return Position(epoch + 1, 0)
+    return Position(epoch, index + 1)
+
+
+def position_state(layout: Layout, position: Position) -> dict[str, Any]:
+    """A checkpoint's record of the position, with the layout it is valid for."""
+    return {"epoch": position.epoch, "next": position.next, **asdict(layout)}
+
+
+def resume_position(layout: Layout, state: dict[str, Any]) -> Position:
+    """The position saved by `position_state`; refuses a checkpoint made under another layout, whose
+    position would name other units."""
+    for key, mine in asdict(layout).items():
+        if state[key] != mine:
+            raise ValueError(f"cannot resume: checkpoint has {key}={state[key]!r}, this run {mine!r}")
+    return Position(int(state["epoch"]), int(state["next"]))
+

@@ -12,7 +12,7 @@ Reading the CPU numbers: a tiny model's cost is dominated by the 151,936-entry
 vocabulary projection, which runs on label tokens only and so costs the same in
 both modes; padding is wasted in the (tiny) transformer body. The FLOPs ratio
 shows what padding costs once the body dominates, as it does for real models
-(see gpu_bench_h200.py).
+(see gpu_bench.py).
 
     python tests/bench/bench_train_cpu.py [--samples 300] [--steps 4]
 """

@@ -60,3 +60,56 @@ def test_bench_convert_scaling_quick(shared_dir: Path, capsys: pytest.CaptureFix
     rows = json.loads((bench.RESULTS / "bench_convert_scaling.quick.json").read_text())["rows"]
     assert [r["workers"] for r in rows] == [1, 2] and rows[0]["speedup"] == pytest.approx(1.0)
     assert "efficiency" in capsys.readouterr().out
+
+
+def test_bench_loss_memory_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load("bench_loss_memory")
+    args = ["--tokens", "64", "--vocab", "512", "--hidden", "32", "--fractions", "0.5", "--chunk", "8"]
+    assert bench.main([*args, "--threads", "1", "--results-dir", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_loss_memory.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["full", "labels", "chunked"]
+    assert all(r["peak_kib"] >= r["growth_kib"] >= 0 and r["seconds"] > 0 for r in rows)
+    assert rows[0]["loss"] == pytest.approx(rows[2]["loss"], rel=1e-5) == rows[1]["loss"]
+    assert "labels / chunked" in capsys.readouterr().out
+
+
+def test_gpu_bench_dry_run(shared_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The device benchmark end to end on CPU (tiny model, sdpa; varlen and flash are skipped with
+    the reason): packed and padded runs, packed == each sample alone, the table and the JSON."""
+    out = tmp_path / "gpu_bench.json"
+    assert load("gpu_bench").main(["--tiny", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    packed, padded = report["results"]["tiny/packed/sdpa"], report["results"]["tiny/padded/sdpa"]
+    assert packed["padding_ratio"] == 0.0 and padded["padding_ratio"] > 0.1
+    assert packed["packed_vs_alone"]["equal"] and packed["packed_vs_alone"]["samples"] >= 2
+    assert report["verdict"]["tiny/sdpa"]["effective_speedup"] > 0
+    printed = capsys.readouterr().out
+    assert "skip varlen: attention: varlen runs on CUDA only" in printed and "packed=alone" in printed
+
+
+def test_gpu_bench_batches_are_the_trainers(shared_dir: Path) -> None:
+    """The benchmark collates in memory (no media-decoding imports on the device); what it builds
+    must be exactly what the trainer's collators build from the same rows."""
+    import torch
+
+    from packtrain.trainer import data
+    from packtrain.trainer.model import load_config
+    from packtrain.trainer.rope import family_from_config
+
+    bench = load("gpu_bench")
+    config = load_config(bench.MODEL, bench.TINY)
+    fam = family_from_config(config)
+    samples = bench.draw_samples(60, 0, 4096, fam, config.vision_start_token_id)
+    assert {m["kind"] for s in samples for m in s["media"]} == {"image", "video"}
+    rows = bench.pack(samples, 4096)
+    assert sum(len(r["seq_lens"]) for r in rows) == 60 and all(len(r["input_ids"]) <= 4096 for r in rows)
+    pairs = [
+        (bench.collate_packed(rows[:2], fam), data.collate_packed(rows[:2], fam)),
+        (bench.collate_padded(samples[:3], fam, 7), data.collate_padded(samples[:3], fam, 7)),
+    ]
+    for ours, trainers in pairs:
+        for key, value in ours.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, trainers[key]), key
+            else:
+                assert value == trainers[key], key

@@ -54,6 +54,24 @@ HOSTILE: list[tuple[str, str, dict[str, Any], str, str, dict[str, Any]]] = [
      "spec.workers.resources", "policy.maxGpusPerNode", {"maxGpusPerNode": 9}),
     ("pack-gpus-per-job", "PackJob", {"workers": {"count": 5, "resources": {"limits": {"nvidia.com/gpu": 8}}}},
      "spec.workers", "policy.maxGpusPerJob", {"maxGpusPerJob": 40}),
+    # Every GPU resource counts, summed over the kinds a pod asks for (5 + 4 > 8).
+    ("pack-amd-gpus", "PackJob", {"workers": {"count": 1, "resources": {"limits": {"amd.com/gpu": "9"}}}},
+     "spec.workers.resources", "policy.maxGpusPerNode", {"maxGpusPerNode": 9}),
+    ("pack-mixed-gpus", "PackJob",
+     {"workers": {"count": 1, "resources": {"requests": {"nvidia.com/gpu": 5}, "limits": {"gpu.intel.com/xe": "4"}}}},
+     "spec.workers.resources", "policy.maxGpusPerNode", {"maxGpusPerNode": 9}),
+    # An extended resource the policy does not know as a GPU cannot be counted, so it is refused.
+    ("pack-mig-slices", "PackJob", {"workers": {"resources": {"limits": {"nvidia.com/mig-1g.10gb": 7}}}},
+     "spec.workers.resources", "policy.gpuResources",
+     {"gpuResources": ["nvidia.com/gpu", "amd.com/gpu", "gpu.intel.com/i915", "gpu.intel.com/xe",
+                       "nvidia.com/mig-1g.10gb"]}),
+    # A trainjob's runtime owns its pod template: a namespaced one is the CR author's team's own.
+    ("sft-own-runtime", "SFTJob", {"backend": "trainjob", "runtime": {"kind": "TrainingRuntime", "name": "mine"}},
+     "spec.runtime", "policy.allowedRuntimes",
+     {"allowedRuntimes": ["ClusterTrainingRuntime/torch-distributed", "TrainingRuntime/mine"]}),
+    ("sft-other-cluster-runtime", "SFTJob", {"backend": "trainjob", "runtime": {"name": "privileged"}},
+     "spec.runtime", "policy.allowedRuntimes",
+     {"allowedRuntimes": ["ClusterTrainingRuntime/torch-distributed", "ClusterTrainingRuntime/privileged"]}),
 ]
 # The policy every case runs under (the default per-job ceiling, 64, would allow 8 nodes x 8 GPUs).
 BASE_POLICY: dict[str, Any] = {"maxGpusPerJob": 32}

@@ -72,6 +72,21 @@ def test_allowed_placement_drops_its_rule() -> None:
     assert "policy.allowNodeSelector" in rules({"allowTolerations": True})
 
 
+def test_the_chart_defaults_are_the_operators() -> None:
+    """The values' runtime and GPU lists are Policy's defaults, and the template's default runtime is the API's."""
+    values = yaml.safe_load((REPO / "charts" / "packtrain" / "values.yaml").read_text())["policy"]
+    ours = policy.Policy()
+    assert values["allowedRuntimes"] == ours.allowed_runtimes == [policy.DEFAULT_RUNTIME]
+    assert values["gpuResources"] == ours.gpu_resources
+    vap, _ = admission()
+    runtime = next(v["expression"] for v in vap["spec"]["variables"] if v["name"] == "runtime")
+    kind, name = policy.DEFAULT_RUNTIME.split("/")
+    assert f"orValue('{kind}')" in runtime and f"orValue('{name}')" in runtime
+    resources = next(v["expression"] for v in vap["spec"]["variables"] if v["name"] == "badResources")
+    assert f"k in {json.dumps(list(policy.PACKER_RESOURCES), separators=(',', ':'))}" in resources
+    assert f"k.startsWith('{policy.HUGEPAGES_PREFIX}')" in resources
+
+
 IMAGES = ["registry.example.com/ml/trainer:2", "registry.example.com/ml/a/b@sha256:ab", "registry.example.com/x:1",
           "registry.example.com/x:12", "registryXexample.com/x:1", "evil.io/registry.example.com/ml/x",
           "ghcr.io/packtrain/packer:0.1.0", "ghcr.io/packtrain/packer:0.1.0-evil", "ghcr.io/packtrain/trainer:9"]

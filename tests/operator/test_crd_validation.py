@@ -17,7 +17,16 @@ import yaml
 from operator_fixtures import PACKJOB, SFTJOB
 from pydantic import ValidationError
 
-from packtrain.operator.api import PARENT_SEGMENT, QUANTITY_PATTERN, SUB_PATH_MESSAGE, PackJobSpec, SFTJobSpec
+from packtrain.operator.api import (
+    MOUNT_PATH_MESSAGE,
+    OUTPUT_MOUNT_MESSAGE,
+    PARENT_SEGMENT,
+    QUANTITY_PATTERN,
+    SUB_PATH_MESSAGE,
+    UNIQUE_MOUNTS_MESSAGE,
+    PackJobSpec,
+    SFTJobSpec,
+)
 from packtrain.packer.config import (
     MAX_FRAMES_CEILING,
     MAX_LENGTH_CEILING,
@@ -53,6 +62,13 @@ def _volume(sub_path: str) -> Edit:
     return edit
 
 
+def _mounted_at(*paths: str) -> Edit:
+    def edit(spec: dict[str, Any]) -> None:
+        spec["volumes"] = [{**VOLUME, "name": f"v{i}", "mountPath": p} for i, p in enumerate(paths)]
+
+    return edit
+
+
 # (kind, edit, the field the server names, words of its message, words of the models' message)
 CASES: dict[str, tuple[str, Edit, str, str, str]] = {
     "cpu lots": (
@@ -77,6 +93,36 @@ CASES: dict[str, tuple[str, Edit, str, str, str]] = {
     "checkpoint subPath escapes": (
         "SFTJob", _set("volumes.checkpoints.subPath", ".."), "spec.volumes.checkpoints.subPath",
         SUB_PATH_MESSAGE, SUB_PATH_MESSAGE,
+    ),
+    # A claim over the image's own code (the venv, /usr) would run the CR author's code in an allowed image.
+    "volume over the image's venv": (
+        "PackJob", _mounted_at("/opt/packtrain"), "spec.volumes[0].mountPath", MOUNT_PATH_MESSAGE, MOUNT_PATH_MESSAGE,
+    ),
+    "volume over /usr": ("PackJob", _mounted_at("/usr"), "spec.volumes[0].mountPath", MOUNT_PATH_MESSAGE,
+                         MOUNT_PATH_MESSAGE),
+    "volume over the config": ("PackJob", _mounted_at("/etc/packtrain"), "spec.volumes[0].mountPath",
+                               MOUNT_PATH_MESSAGE, MOUNT_PATH_MESSAGE),
+    "volume into /usr by a dot segment": (
+        "PackJob", _mounted_at("/datasets/../usr/lib"), "spec.volumes[0].mountPath", MOUNT_PATH_MESSAGE,
+        MOUNT_PATH_MESSAGE,
+    ),
+    "volume at /": ("PackJob", _mounted_at("/"), "spec.volumes[0].mountPath", "should match", "should match"),
+    "output over the operator's /tmp": (
+        "PackJob", _set("output.mountPath", "/tmp"), "spec.output.mountPath", MOUNT_PATH_MESSAGE, MOUNT_PATH_MESSAGE,
+    ),
+    "output over the trainer's home": (
+        "PackJob", _set("output.mountPath", "/home/packtrain"), "spec.output.mountPath", MOUNT_PATH_MESSAGE,
+        MOUNT_PATH_MESSAGE,
+    ),
+    "output at the trainer's checkpoints": (
+        "PackJob", _set("output.mountPath", "/checkpoints"), "spec.output.mountPath", OUTPUT_MOUNT_MESSAGE,
+        OUTPUT_MOUNT_MESSAGE,
+    ),
+    "two volumes at one path": (
+        "PackJob", _mounted_at("/datasets", "/datasets"), "spec.volumes", UNIQUE_MOUNTS_MESSAGE, UNIQUE_MOUNTS_MESSAGE,
+    ),
+    "a volume at the output's path": (
+        "PackJob", _mounted_at("/data"), "spec.volumes", UNIQUE_MOUNTS_MESSAGE, UNIQUE_MOUNTS_MESSAGE,
     ),
     "minPixels over maxPixels": (
         "PackJob", _set("model.minPixels", 1_000_000), "spec.model.minPixels", "minPixels must not exceed maxPixels",
@@ -145,6 +191,32 @@ def test_real_quantities_pass(quantity: int | str) -> None:
 def test_relative_sub_paths_inside_the_claim_pass(sub_path: str) -> None:
     PackJobSpec.model_validate(_spec("PackJob", _volume(sub_path)))
     PackJobSpec.model_validate(_spec("PackJob", _set("output.subPath", sub_path)))
+
+
+@pytest.mark.parametrize("path", ["/datasets", "/mnt/team-a", "/data/models", "/optional", "/usrdata", "/.cache",
+                                  "/data/..x"])
+def test_mount_paths_outside_the_image_pass(path: str) -> None:
+    PackJobSpec.model_validate(_spec("PackJob", _mounted_at(path)))
+    PackJobSpec.model_validate(_spec("PackJob", _set("output.mountPath", path)))
+
+
+def test_every_mount_the_operator_adds_is_refused_as_the_output_mount() -> None:
+    """The reserved folders cover the builders' own mounts, in packer and trainer pods alike."""
+    from packtrain.operator import builders
+
+    pack = PackJobSpec.model_validate(_spec("PackJob", _mounted_at("/datasets")))
+    sft = SFTJobSpec.model_validate(_spec("SFTJob", _set("volumes.model", {"claimName": "models"})))
+    data = builders.data_source(sft, pack, None)
+    pods = [builders.pack_job("p", "ns", pack, "convert", builders.OperatorDefaults())["spec"]["template"]["spec"],
+            builders.pytorch_job("s", "ns", sft, data, builders.OperatorDefaults())["spec"]["pytorchReplicaSpecs"]
+            ["Master"]["template"]["spec"]]
+    own = {m["mountPath"] for pod in pods for m in pod["containers"][0]["volumeMounts"]}
+    own -= {pack.output.mount_path, data.mount_path, "/datasets"}  # the CR's own claims
+    own.add(builders.TERMINATION_LOG)
+    assert {"/etc/packtrain", "/tmp", "/dev/shm", "/checkpoints", "/models"} <= own
+    for path in own:
+        with pytest.raises(ValidationError):
+            PackJobSpec.model_validate(_spec("PackJob", _set("output.mountPath", path)))
 
 
 def test_the_crd_carries_the_models_rules() -> None:

@@ -577,9 +577,9 @@ def test_a_child_the_api_server_refuses_fails_the_packjob_with_its_message(
             namespace, {"metadata": {"name": "no-jobs"}, "spec": {"hard": {"count/jobs.batch": "0"}}}
         )
         said = "exceeded quota: no-jobs"
-    else:  # a mount over the pods' own /tmp: valid for the CRD, refused by the Job's validation
-        body["spec"]["volumes"] = [{"name": "scratch", "claimName": CLAIM, "mountPath": "/tmp"}]
-        said = "must be unique"
+    else:  # a request above its limit: valid for the CRD, refused by the Job's validation
+        body["spec"]["workers"]["resources"] = {"requests": {"cpu": "2"}, "limits": {"cpu": "1"}}
+        said = "must be less than or equal to cpu limit"
     create(api, namespace, body)
     wait_for(f"PackJob {name} to fail", lambda: phase(api, namespace, "packjobs", name) == "Failed", timeout=60)
     failed = condition(get(api, namespace, "packjobs", name), "Failed")

@@ -60,14 +60,15 @@ def test_train_command_single_and_multi_node() -> None:
         "2",
         "--standalone",
         "-m",
-        "packtrain.operator.cli",
-        "train",
+        "packtrain.trainer",
         "-c",
         "/etc/packtrain/sftjob.yaml",
         "--data",
         "/data/p",
         "--output",
         "/ck/run",
+        "--log-format",
+        "json",
     ]
     multi = train_command("c", "d", "o", nproc_per_node=8, nnodes=4, max_steps=10)
     assert multi[:5] == ["torchrun", "--nnodes", "4", "--nproc-per-node", "8"] and "--standalone" not in multi

@@ -96,6 +96,24 @@ def test_image_patterns(pattern: str, image: str, allowed: bool) -> None:
     assert policy.image_allowed(image, policy.Policy(allowed_images=[pattern]), ()) is allowed
 
 
+def test_the_runtime_is_checked_only_for_trainjob_and_defaults_to_torch_distributed() -> None:
+    own = manifest("SFTJob", {"runtime": {"kind": "TrainingRuntime", "name": "mine"}})
+    assert policy.check(spec_of(own), DEFAULTS) == []  # pytorchjob: the runtime is not used
+    assert policy.check(spec_of(manifest("SFTJob", {"backend": "trainjob"})), DEFAULTS) == []
+    (violation,) = policy.check(spec_of(manifest("SFTJob", {"backend": "trainjob"})), defaults_with(allowedRuntimes=[]))
+    assert violation.message.startswith(f'spec.runtime "{policy.DEFAULT_RUNTIME}" is not an allowed training runtime')
+    assert policy.DEFAULT_RUNTIME == "ClusterTrainingRuntime/torch-distributed"
+
+
+def test_a_packer_pod_may_request_cpu_memory_storage_and_hugepages() -> None:
+    resources = {"requests": {"cpu": "2", "memory": "4Gi", "ephemeral-storage": "10Gi", "hugepages-2Mi": "1Gi"},
+                 "limits": {"hugepages-1Gi": "2Gi", "nvidia.com/gpu": 1}}
+    assert policy.check(spec_of(manifest("PackJob", {"workers": {"resources": resources}})), DEFAULTS) == []
+    odd = {"limits": {"example.com/fpga": 1, "amd.com/gpu": 1}, "requests": {"example.com/fpga": 1, "a.io/b": 2}}
+    (violation,) = policy.check(spec_of(manifest("PackJob", {"workers": {"resources": odd}})), DEFAULTS)
+    assert ": a.io/b, example.com/fpga;" in violation.message  # each once, sorted
+
+
 def test_bad_policy_values_are_a_configuration_error() -> None:
     with pytest.raises(ValueError, match="PACKTRAIN_POLICY"):
         builders.OperatorDefaults.from_env({"PACKTRAIN_POLICY": json.dumps({"allowTolerance": True})})

@@ -12,6 +12,7 @@ import pytest
 import yaml
 from chart.helm import CHART
 from chart.helm import render as helm_render
+from helm_python.errors import HelmValuesError
 
 from packtrain.operator import builders, cli, render
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
@@ -128,7 +129,7 @@ def test_configuration_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixtu
     bad_values = tmp_path / "bad.yaml"
     bad_values.write_text("policy:\n  allowTolerance: true\n")
     assert cli.main(["render", str(QUICKSTART), "--values", str(bad_values)]) == EXIT_CONFIG
-    assert "PACKTRAIN_POLICY" in capsys.readouterr().err
+    assert "'allowTolerance' was unexpected" in capsys.readouterr().err
     assert cli.main(["render", str(tmp_path / "missing.yaml")]) == EXIT_CONFIG
     assert cli.main(["render", str(QUICKSTART), "--chart", str(tmp_path)]) == EXIT_CONFIG
     assert "pass --chart" in capsys.readouterr().err
@@ -144,3 +145,59 @@ def test_render_loads_neither_kopf_nor_kubernetes_nor_torch(tmp_path: Path) -> N
     )
     subprocess.run([sys.executable, "-c", code], check=True)
     assert "kind: PyTorchJob" in out.read_text()
+
+
+@pytest.mark.parametrize(("values", "where"), [
+    ({"pools": {"cpu": 3}}, "at pools.cpu: 3 is not of type 'object'"),
+    ({"policy": None}, "'policy' is a required property"),
+    ({"policy": {"maxGpusPerNode": "8"}}, "at policy.maxGpusPerNode: '8' is not of type 'integer'"),
+    ({"policy": {"allowTolerance": True}}, "at policy: Additional properties are not allowed ('allowTolerance'"),
+])
+def test_values_helm_refuses_exit_2_naming_the_key(
+    values: dict[str, Any], where: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The chart's values.schema.json, as Helm applies it: no traceback, no manifest Helm would not render."""
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    assert cli.main(["render", str(QUICKSTART), "--values", str(path)]) == EXIT_CONFIG
+    out, err = capsys.readouterr()
+    assert out == "" and where in err and "values.schema.json" in err, err
+    assert "Traceback" not in err
+    with pytest.raises(HelmValuesError, match="schema"):  # helm template refuses the same values
+        helm_render(values)
+
+
+def _sft_only(tmp_path: Path) -> Path:
+    _, sft = yaml.safe_load_all(QUICKSTART.read_text())
+    path = tmp_path / "sft.yaml"
+    path.write_text(yaml.safe_dump(sft))
+    return path
+
+
+def test_an_sftjob_whose_packjob_is_elsewhere_needs_pack_claim(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _sft_only(tmp_path)
+    assert cli.main(["render", str(path)]) == EXIT_CONFIG
+    assert "pass --pack-claim CLAIM[:SUBPATH]" in capsys.readouterr().err
+    assert cli.main(["render", str(path), "--pack-claim", "team-data:packs/qs"]) == 0
+    (config, job) = yaml.safe_load_all(capsys.readouterr().out)
+    pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    data = next(v for v in pod["volumes"] if v["name"] == "data")
+    assert data["persistentVolumeClaim"] == {"claimName": "team-data", "readOnly": True}
+    assert yaml.safe_load(config["data"]["sftjob.yaml"])["spec"]["data"]["path"] == "/data/packs/qs"
+    # Without SUBPATH the pack is under the PackJob's name, as the PackJob's own default.
+    assert cli.main(["render", str(path), "--pack-claim", "team-data"]) == 0
+    (config, _) = yaml.safe_load_all(capsys.readouterr().out)
+    assert yaml.safe_load(config["data"]["sftjob.yaml"])["spec"]["data"]["path"] == "/data/quickstart"
+
+
+def test_other_objects_are_printed_unchanged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "packtrain-data"},
+             "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "10Gi"}}}}
+    path = tmp_path / "with-claim.yaml"
+    path.write_text(yaml.safe_dump_all([claim, *yaml.safe_load_all(QUICKSTART.read_text())], sort_keys=False))
+    assert cli.main(["render", str(path)]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    defaults = builders.OperatorDefaults.from_env(deployment_env({}))
+    assert docs == [claim, *expected_quickstart(defaults)]

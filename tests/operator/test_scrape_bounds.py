@@ -290,3 +290,28 @@ def _unused_port() -> int:
 def test_a_closed_port_is_a_scrape_error_not_a_crash() -> None:
     result, seconds = _fetch(f"http://127.0.0.1:{_unused_port()}/metrics")
     assert isinstance(result, scrape.ScrapeError) and seconds < scrape.DEADLINE
+
+
+class _IPv6Server(http.server.ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
+class IPv6Cluster(Cluster):
+    """The same jobs, their master pods on an IPv6 (or dual-stack) cluster."""
+
+    def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        return [{**pod, "status": {**pod["status"], "podIP": "::1"}} for pod in super().pods(namespace, selector)]
+
+
+def test_an_ipv6_pod_ip_is_scraped_in_brackets() -> None:
+    assert scrape.metrics_url("fd00:10:244::5", 9400) == "http://[fd00:10:244::5]:9400/metrics"
+    assert scrape.metrics_url("10.244.0.5", 9400) == "http://10.244.0.5:9400/metrics"
+    handler = type("Serve_normal_v6", (Hostile,), {"behaviour": "normal"})
+    server = _IPv6Server(("::1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        (progress,) = _round(IPv6Cluster({"v6": int(server.server_address[1])}), 1)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert progress is not None and progress["step"] == 42

@@ -141,24 +141,24 @@ def test_pack_smaller_than_one_global_step_fails_before_the_model(pack_dir, tmp_
 
 
 def test_gpu_bench_parses_on_cpu_and_matches_tokens_per_step():
-    """The H200 bench must import and parse its arguments on a CPU-only machine, and its padded
+    """The device bench must import and parse its arguments on a CPU-only machine, and its padded
     baseline must take about a packed sequence's effective tokens per optimizer step."""
     import subprocess
     import sys
     from pathlib import Path
 
-    bench = Path(__file__).resolve().parents[1] / "bench" / "gpu_bench_h200.py"
+    bench = Path(__file__).resolve().parents[1] / "bench" / "gpu_bench.py"
     proc = subprocess.run([sys.executable, str(bench), "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "--padded-accum" in proc.stdout
     sys.path.insert(0, str(bench.parent))
     try:
-        import gpu_bench_h200
+        import gpu_bench
     finally:
         sys.path.remove(str(bench.parent))
     manifest = {"tokens": 8000 * 100, "sequences": 100, "counts": {"packed": 400}}  # 2000-token samples
-    assert gpu_bench_h200.padded_grad_accum(manifest, 2) == 2
-    assert gpu_bench_h200.padded_grad_accum(manifest, 8) == 1
+    assert gpu_bench.padded_grad_accum(manifest, 2) == 2
+    assert gpu_bench.padded_grad_accum(manifest, 8) == 1
 
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")

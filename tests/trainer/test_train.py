@@ -155,9 +155,11 @@ def test_torchrun_two_gloo_processes_match_one_process(
             "--master-port",
             str(_free_port()),
             "-m",
-            "packtrain.trainer.cli",
+            "packtrain.trainer",
             "-c",
             str(job),
+            "--log-format",
+            "json",
         ],
         capture_output=True,
         text=True,
@@ -166,7 +168,9 @@ def test_torchrun_two_gloo_processes_match_one_process(
         cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summaries = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"steps"')]
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]  # the pods' JSON lines, rank 0 only
+    assert [line.get("event") for line in lines] == ["start", "step", "step", None]
+    summaries = [line for line in lines if "event" not in line]
     assert len(summaries) == 1  # rank 0 only
     assert summaries[0]["world_size"] == 2 and summaries[0]["steps"] == 2
     # Loss normalised over the global batch: 2 ranks x 2 micro-batches train like 1 x 4.

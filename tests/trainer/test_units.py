@@ -121,3 +121,59 @@ def test_no_gpu_means_no_gpu_metrics():
     assert not any(n.startswith("packtrain_gpu") for n in names)
     metrics.enable_mfu(1.0)  # 1 TFLOP/s peak given explicitly
     assert metrics.update({"flops_per_second": 5e11})["mfu"] == pytest.approx(0.5)
+
+
+def test_epoch_plan_and_resume_position_are_pure_functions_of_the_layout():
+    """The epoch plan (cost balancing, order, resume position) lives in one module and needs no pack."""
+    from packtrain.trainer.sampler import (
+        Layout,
+        Position,
+        after,
+        plan_epoch,
+        position_state,
+        rank_micro_batches,
+        resume_position,
+        units_and_costs,
+    )
+
+    seq_lens = [[300], [100, 100, 100], [50] * 6, [200, 100], [150, 150], [299, 1], [10] * 30, [250, 50]]
+    units, costs = units_and_costs(seq_lens, "packed")
+    assert units[1] == (1, -1) and costs[1] == 3 * 100**2
+    padded_units, padded_costs = units_and_costs(seq_lens, "padded")
+    assert len(padded_units) == sum(map(len, seq_lens)) and padded_units[1] == (1, 0) and padded_costs[1] == 100**2
+    layout = Layout(seed=3, world_size=2, units_per_micro_batch=1, grad_accum=2, mode="packed", num_units=8)
+    assert (layout.units_per_rank, layout.steps_per_epoch, layout.micro_batches_per_epoch) == (2, 2, 4)
+    plan = plan_epoch(costs, layout.world_size, layout.units_per_rank, layout.seed, epoch=0)
+    mine = [rank_micro_batches(plan, rank, layout) for rank in range(2)]
+    assert all(len(m) == 4 and all(len(b) == 1 for b in m) for m in mine)
+    assert sorted(u for m in mine for b in m for u in b) == list(range(8))  # each unit once per epoch
+    assert after(layout, 0, 2) == Position(0, 3) and after(layout, 0, 3) == Position(1, 0)
+    state = position_state(layout, Position(1, 2))
+    assert list(state) == [
+        "epoch", "next", "seed", "world_size", "units_per_micro_batch", "grad_accum", "mode", "num_units"
+    ]  # the keys checkpoints have always held
+    assert resume_position(layout, state) == Position(1, 2)
+    with pytest.raises(ValueError, match="checkpoint has world_size=4, this run 2"):
+        resume_position(layout, {**state, "world_size": 4})
+
+
+def test_pods_start_the_trainers_own_entry_and_the_hint_names_it(monkeypatch, capsys):
+    """torchrun in the pods runs `-m packtrain.trainer` (= `packtrain train`), and the error a pod
+    gets for PET_NPROC_PER_NODE without torchrun names that same module."""
+    import runpy
+    import sys
+
+    from packtrain.operator.commands import train_command
+
+    cmd = train_command("c", "d", "o", nproc_per_node=2)
+    module = cmd[cmd.index("-m") + 1]
+    assert module == "packtrain.trainer" and cmd[cmd.index("-m") + 2] == "-c"
+    assert cmd[-2:] == ["--log-format", "json"]
+    with pytest.raises(RuntimeError) as err:
+        resolve_env({"PET_NPROC_PER_NODE": "2"})
+    assert f"torchrun -m {module} " in str(err.value)
+    monkeypatch.setattr(sys, "argv", [module, "--help"])
+    with pytest.raises(SystemExit) as done:  # the module runs the trainer's CLI
+        runpy.run_module(module, run_name="__main__")
+    assert done.value.code == 0
+    assert "--log-format" in capsys.readouterr().out

@@ -1,0 +1,7 @@
+"""`python -m packtrain.trainer -c CONFIG …`: the trainer's own entry, what torchrun starts in the pods."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
