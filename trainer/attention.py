@@ -273,9 +273,11 @@ def _flex_attention(
 
 @functools.cache
 def _compiled_flex() -> Any:
+    """Compiled once per shape at first, then with a dynamic length: packed rows differ in length
+    from step to step, and a static compile per length would soon hit the recompile limit."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention)
 
 
 def register_flex() -> None:

@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=1024, help="lossChunkTokens of the chunked case")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    ap.add_argument("--memory-share", type=float, default=0.8,
+                    help="skip a case whose estimated peak exceeds this share of MemAvailable")
     ap.add_argument("--results-dir", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
 
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                        "vocab": args.vocab, "chunk": args.chunk}
                 need = estimate_bytes(method, args.tokens, round(fraction * args.tokens), args.vocab, hidden,
                                       args.chunk)
-                if need > 0.8 * _available_bytes():
+                if need > args.memory_share * _available_bytes():
                     row["skipped"] = f"needs ~{need / MIB:.0f} MiB, {_available_bytes() / MIB:.0f} MiB available"
                     print(f"{hidden:>6} {fraction:>6.2f} {method:>8}  skipped: {row['skipped']}")
                 else:

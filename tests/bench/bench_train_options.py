@@ -48,7 +48,9 @@ CONFIGS = {
 }
 
 
-def child(config: str, max_length: int, steps: int, samples: int, threads: int) -> dict[str, Any]:
+def child(
+    config: str, max_length: int, steps: int, samples: int, threads: int, quick: bool
+) -> dict[str, Any]:
     """One configuration, in this process (run as a subprocess by `main`)."""
     import torch
 
@@ -61,13 +63,14 @@ def child(config: str, max_length: int, steps: int, samples: int, threads: int) 
     from packtrain.trainer.rope import family_from_config
 
     torch.set_num_threads(threads)
-    cfg = load_config(gpu_bench.MODEL, MODEL)
+    sizes = gpu_bench.TINY if quick else MODEL
+    cfg = load_config(gpu_bench.MODEL, sizes)
     fam = family_from_config(cfg)
     rows = gpu_bench.pack(
         gpu_bench.draw_samples(samples, 0, max_length, fam, cfg.vision_start_token_id), max_length
     )
     rows.sort(key=lambda r: -len(r["input_ids"]))
-    hf = build_model(gpu_bench.MODEL, init="random", overrides=MODEL, seed=0)
+    hf = build_model(gpu_bench.MODEL, init="random", overrides=sizes, seed=0)
     apply_layer_options(hf, *CONFIGS[config])
     core = VLMForTraining(hf, "sdpa").train()
     optimizer = torch.optim.AdamW(core.parameters(), lr=1e-5)
@@ -95,7 +98,9 @@ def child(config: str, max_length: int, steps: int, samples: int, threads: int) 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="short sequences, 2 steps, no compile")
+    p.add_argument(
+        "--quick", action="store_true", help="the tiny model, short sequences, 2 steps, no compile"
+    )
     p.add_argument("--max-length", type=int, default=4096)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--samples", type=int, default=40)
@@ -106,14 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.max_length, args.steps, args.samples = 1024, 2, 12
-        args.configs = "baseline,activation_checkpointing"
+        args.configs = "baseline,activation+vision_checkpointing"
     if args.child:
-        print(json.dumps(child(args.child, args.max_length, args.steps, args.samples, args.threads)))
+        result = child(args.child, args.max_length, args.steps, args.samples, args.threads, args.quick)
+        print(json.dumps(result))
         return 0
     rows = []
     for config in args.configs.split(","):
         cmd = [sys.executable, __file__, "--child", config, "--max-length", str(args.max_length)]
         cmd += ["--steps", str(args.steps), "--samples", str(args.samples), "--threads", str(args.threads)]
+        cmd += ["--quick"] if args.quick else []
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             print(proc.stderr[-3000:], file=sys.stderr)

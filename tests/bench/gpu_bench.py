@@ -24,6 +24,8 @@ trainer's config and loss modules import: pydantic and pyarrow; nvidia-ml-py for
         -d wheels pydantic pyarrow nvidia-ml-py         # where there is a registry
     pip install --no-index --find-links wheels pydantic pyarrow nvidia-ml-py   # on the device
 
+The trainer's forward hands the vision features to transformers as `mm_encoder_outputs`; a
+transformers too old for that is reported at start: bring the project's transformers wheel too.
 The checkout does not need installing: `packtrain` is imported from the repository's folders.
 
     python tests/bench/gpu_bench.py [--models 3b,7b] [--backends varlen,flash,flex,sdpa] [--out r.json]
@@ -111,6 +113,17 @@ def check_imports() -> None:
         raise SystemExit(
             f"missing {', '.join(missing)}: install them (or their wheels: pip install --no-index "
             f"--find-links WHEELS {' '.join(missing)}); see this script's docstring"
+        )
+    import inspect
+
+    import transformers
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen
+
+    if "mm_encoder_outputs" not in inspect.signature(qwen.Qwen2_5_VLModel.forward).parameters:
+        raise SystemExit(
+            f"transformers {transformers.__version__} is older than the trainer's model code (its "
+            "forward passes mm_encoder_outputs): bring the transformers wheel the project pins (pure "
+            "Python) with the others"
         )
 
 
@@ -630,7 +643,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
-    p.add_argument("--budget-s", type=float, default=420.0, help="skip the runs left after this many seconds")
+    p.add_argument("--budget-s", type=float, default=360.0, help="skip the runs left after this many seconds")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.tiny:

@@ -113,3 +113,12 @@ def test_gpu_bench_batches_are_the_trainers(shared_dir: Path) -> None:
                 assert torch.equal(value, trainers[key]), key
             else:
                 assert value == trainers[key], key
+
+
+def test_bench_train_options_quick(shared_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert load("bench_train_options").main(["--quick", "--results-dir", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_train_options.quick.json").read_text())["rows"]
+    assert [r["config"] for r in rows] == ["baseline", "activation+vision_checkpointing"]
+    assert all(r["peak_rss_gib"] > 0 and r["step_seconds"] > 0 for r in rows)
+    assert rows[0]["losses"] == rows[1]["losses"]  # recomputation changes memory and time, not results
+    assert "peak RSS" in capsys.readouterr().out
