@@ -19,18 +19,19 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from . import checkpoint, distributed
+from . import checkpoint, distributed, lora, param_groups
 from .accounting import RunAccounting
 from .attention import resolve_attention
-from .config import SFTSpecCore
-from .data import DEFAULT_PAD_TOKEN_ID, PackedDataset
+from .config import DEFAULT_MAX_STEPS, SFTSpecCore
+from .data import DEFAULT_PAD_TOKEN_ID, EvalDataset, PackedDataset, eval_dataset
+from .evaluate import due, evaluate
 from .loss import global_label_tokens, micro_batch_objective
 from .media import PixelSpec
 from .metrics import ModelShape, Stopwatch, TrainMetrics, device_peak_tflops
 from .model import VLMForTraining, apply_layer_options, build_model, load_config, move_batch, parameter_groups
 from .progress import JsonLines, Reporter
 from .rope import family_from_config
-from .sampler import imbalance, plan_epoch
+from .sampler import imbalance, plan_epoch, total_steps
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -86,8 +87,11 @@ class Run:
     dtype: torch.dtype
     backend: str
     imbalance_max: float  # attention-cost imbalance of the epoch this run starts in
+    max_steps: int  # training.maxSteps, or epochs x steps per epoch
+    evaluation: EvalDataset | None  # the evaluation set, if any
     step: int = 0
     resumed_from: Path | None = None
+    adapter: Any = None  # the PeftModel around `hf` with model.lora (for the adapter export)
 
 
 def train(
@@ -138,6 +142,7 @@ def setup(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> R
         # One process per node reads every shard to check it; its peers share that filesystem.
         verify_checksums=cfg.data.verify_checksums and env.local_rank == 0,
         vocab_size=config.text_config.vocab_size,
+        eval_fraction=cfg.data.eval_fraction,
     )
     pack_family = dataset.manifest.get("family")
     if pack_family not in (None, family.name):
@@ -145,6 +150,8 @@ def setup(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> R
     lay = dataset.layout
     # Planning epoch 0 raises when the pack holds less than one global step.
     first_plan = plan_epoch(dataset.costs, lay.world_size, lay.units_per_rank, lay.seed, 0)
+    max_steps = total_steps(t.max_steps, t.epochs, lay, DEFAULT_MAX_STEPS)
+    evaluation = eval_dataset(dataset, cfg.data)
 
     # Mixed precision: weights and AdamW state stay fp32 (bf16 weights would round most small
     # updates away); matmuls run in `dtype` under autocast.
@@ -157,13 +164,18 @@ def setup(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> R
         seed=t.seed,
         device=device,
     )
+    # LoRA first: it sets requires_grad (only adapters train) before freezing, DDP/FSDP and the optimizer.
+    adapter = lora.apply(hf, cfg.model.lora, cfg.model.path) if cfg.model.lora else None
     apply_layer_options(hf, t.activation_checkpointing, t.vision_checkpointing, t.compile)
-    core = VLMForTraining(hf, backend, always_run_vision=env.distributed).to(device)
+    param_groups.freeze(hf, cfg.model.freeze)  # after anything setting requires_grad, before DDP/FSDP
+    core = VLMForTraining(
+        hf, backend, always_run_vision=env.distributed, loss_chunk_tokens=t.loss_chunk_tokens
+    ).to(device)
     shape = ModelShape.from_model(hf, parameter_groups(core))
     model = distributed.parallelize(core, t.strategy, env, device, compute_dtype=dtype)
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.warmup, t.max_steps))
+    optimizer = torch.optim.AdamW(param_groups.optimizer_groups(model, t.lr, t.weight_decay, t.lr_multipliers))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.warmup, max_steps))
     step = 0
     resumed_from = checkpoint.latest(Path(t.output_dir)) if t.resume else None
     if resumed_from is not None:
@@ -182,8 +194,11 @@ def setup(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> R
         dtype=dtype,
         backend=backend,
         imbalance_max=imbalance(plan, dataset.costs)["max"],
+        max_steps=max_steps,
+        evaluation=evaluation,
         step=step,
         resumed_from=resumed_from,
+        adapter=adapter,
     )
 
 
@@ -200,12 +215,15 @@ def _train(
     metrics.enable_mfu(device_peak_tflops(device, t.peak_tflops))
     metrics.info(attention=run.backend, mode=t.mode)
     metrics.update({"attention_imbalance": run.imbalance_max})
-    accounting = RunAccounting(metrics, run.shape, device, env.world_size, run.step, t.max_steps)
+    accounting = RunAccounting(metrics, run.shape, device, env.world_size, run.step, run.max_steps)
     stream = batches(dataset, cfg.data.num_workers, cfg.data.prefetch_factor, device.type == "cuda")
-    report.start(run.step, t.max_steps, mode=t.mode, attention=run.backend, world_size=env.world_size)
+    report.start(
+        run.step, run.max_steps, mode=t.mode, attention=run.backend, world_size=env.world_size,
+        epochs=t.epochs, steps_per_epoch=dataset.steps_per_epoch(), eval_units=_units(run.evaluation),
+    )
 
     loss = float("nan")
-    while run.step < t.max_steps:
+    while run.step < run.max_steps:
         # batch: this step's micro-batches, and its label tokens over every rank
         clock = Stopwatch()
         micro = [next(stream) for _ in range(t.grad_accum)]
@@ -237,17 +255,20 @@ def _train(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_time = clock.lap() + data_wait
-        report.step(
-            accounting.step(run.step, micro, loss, scheduler.get_last_lr()[0], data_wait, step_time)
-        )
-        if t.checkpoint_every and run.step % t.checkpoint_every == 0 and run.step < t.max_steps:
+        record = accounting.step(run.step, micro, loss, param_groups.base_lr(optimizer), data_wait, step_time)
+        if run.evaluation is not None and due(run.step, run.max_steps, t.eval_every):
+            record["eval_loss"] = accounting.evaluated(
+                evaluate(model, run.evaluation, device, dtype, cfg.data.num_workers, cfg.data.prefetch_factor)
+            )
+        report.step(record)
+        if t.checkpoint_every and run.step % t.checkpoint_every == 0 and run.step < run.max_steps:
             _save(out, run, env, t.keep_checkpoints)
 
     # A rerun that found every step done has nothing new to save, and re-saving would delete and
     # rewrite the checkpoint it resumed from (the only one with keepCheckpoints: 1).
     if t.checkpoint_at_end and run.step > accounting.start_step:
         _save(out, run, env, t.keep_checkpoints)
-    final = checkpoint.save_hf(out / "final", model, run.hf, cfg.model.path, env, dtype) if t.save_final else None
+    final = checkpoint.save_final(out, model, run.hf, run.adapter, cfg.model, env, dtype) if t.save_final else None
     return accounting.summary(
         run.step,
         loss,
@@ -256,7 +277,13 @@ def _train(
         attention_imbalance_max=run.imbalance_max,
         resumed_from=str(run.resumed_from) if run.resumed_from else None,
         final_model=str(final) if final else None,
+        steps_per_epoch=dataset.steps_per_epoch(),
+        eval_units=_units(run.evaluation),
     )
+
+
+def _units(evaluation: EvalDataset | None) -> int:
+    return 0 if evaluation is None else len(evaluation.units)
 
 
 def _save(out: Path, run: Run, env: distributed.DistEnv, keep: int) -> Path:
