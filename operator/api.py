@@ -125,6 +125,7 @@ MountPath = Annotated[
 # output.mountPath beside these, so an output mounted at one of them would clash there.
 SFT_MODEL_MOUNT = "/models"
 SFT_CHECKPOINT_MOUNT = "/checkpoints"
+SFT_EVAL_MOUNT = "/eval-data"  # the evaluation PackJob's claim, when it is not the training data's
 TRAINING_MOUNTS = (SFT_MODEL_MOUNT, SFT_CHECKPOINT_MOUNT)
 OUTPUT_MOUNT_MESSAGE = (
     f"spec.output.mountPath may not be {' or '.join(TRAINING_MOUNTS)}: an SFTJob reading this pack mounts "
@@ -497,9 +498,16 @@ class SFTJobSpec(CamelModel):
             )
         return self
 
-    def train_config(self, data_path: str, metrics: bool = True) -> dict[str, Any]:
-        """What `packtrain train -c` reads: the trainer sections, data resolved to a folder."""
-        data = self.data.model_copy(update={"path": data_path, "pack_job_ref": None})
+    def train_config(self, data_path: str, metrics: bool = True, eval_path: str | None = None) -> dict[str, Any]:
+        """What `packtrain train -c` reads: the trainer sections, data (and evaluation data) resolved to folders."""
+        data = self.data.model_copy(
+            update={
+                "path": data_path,
+                "pack_job_ref": None,
+                "eval_path": eval_path or self.data.eval_path,
+                "eval_pack_job_ref": None,
+            }
+        )
         training = self.training.model_copy(update={"metrics_port": self.metrics_port if metrics else None})
         return {"data": data.dump(), "model": self.model.dump(), "training": training.dump()}
 
@@ -518,6 +526,7 @@ class TrainProgress(CamelModel):
     step: int | None = None
     max_steps: int | None = None
     loss: float | None = None
+    eval_loss: float | None = Field(None, description="Token-mean loss over the evaluation set, last evaluated.")
     tokens_per_second: float | None = None
     updated_at: str | None = None
 

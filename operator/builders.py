@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from .api import (
     API_VERSION,
     SFT_CHECKPOINT_MOUNT,
+    SFT_EVAL_MOUNT,
     SFT_MODEL_MOUNT,
     ClaimMount,
     PackJobSpec,
@@ -413,6 +414,15 @@ def pack_job(
 
 
 @dataclass(frozen=True)
+class EvalSource:
+    """The evaluation PackJob's pack: its folder in the pods, and the claim to mount for it (None when
+    it lies on the training data's volume)."""
+
+    path: str
+    claim_name: str | None = None
+
+
+@dataclass(frozen=True)
 class DataSource:
     """Where the pack is for an SFTJob: resolved from `data.path` or from the referenced PackJob."""
 
@@ -420,6 +430,21 @@ class DataSource:
     mount_path: str
     path: str
     sub_path: str | None = None
+    eval: EvalSource | None = None
+
+
+def eval_source(data: DataSource, ref: str, pack_spec: PackJobSpec) -> EvalSource:
+    """The evaluation PackJob's output (`data.evalPackJobRef`): read through the training data's
+    volume when that mounts the same whole claim, else its claim read-only at /eval-data."""
+    folder = (pack_spec.output.sub_path or ref).strip("/")
+    if pack_spec.output.claim_name == data.claim_name and data.sub_path is None:
+        return EvalSource(f"{data.mount_path.rstrip('/')}/{folder}")
+    if data.mount_path == SFT_EVAL_MOUNT:
+        raise ValueError(
+            f"the training pack is mounted at {SFT_EVAL_MOUNT}, where the evaluation pack's claim goes: "
+            "give the training PackJob another spec.output.mountPath"
+        )
+    return EvalSource(f"{SFT_EVAL_MOUNT}/{folder}", pack_spec.output.claim_name)
 
 
 def data_source(
@@ -450,7 +475,7 @@ def train_config_map(name: str, namespace: str, spec: SFTJobSpec, data: DataSour
         "apiVersion": API_VERSION,
         "kind": "SFTJob",
         "metadata": {"name": name, "namespace": namespace},
-        "spec": spec.train_config(data.path),
+        "spec": spec.train_config(data.path, eval_path=data.eval.path if data.eval else None),
     }
     return _config_map(
         train_config_name(name),
@@ -491,6 +516,9 @@ def _train_volumes(name: str, spec: SFTJobSpec, data: DataSource) -> tuple[list[
         _mount("dshm", "/dev/shm"),
         tmp_mount,
     ]
+    if data.eval is not None and data.eval.claim_name is not None:
+        volumes.append(_claim_volume("eval-data", data.eval.claim_name, read_only=True))
+        mounts.append(_mount("eval-data", SFT_EVAL_MOUNT, read_only=True))
     if spec.volumes.model is not None:
         volumes.append(_claim_volume("model", spec.volumes.model.claim_name, read_only=True))
         mounts.append(_mount("model", SFT_MODEL_MOUNT, read_only=True, sub_path=spec.volumes.model.sub_path))

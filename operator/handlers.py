@@ -13,6 +13,7 @@ the resourceVersion it was computed from, so a stale view never overwrites a new
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping
@@ -304,6 +305,13 @@ def reconcile_sftjob(
                 return st.waiting_status(generation, readiness, prev, now())
             pack_spec, pack_status = PackJobSpec.model_validate(packjob["spec"]), packjob.get("status")
         data = builders.data_source(spec, pack_spec, pack_status)
+        if (eval_ref := spec.data.eval_pack_job_ref) is not None:
+            evaljob = kube.get(GROUP, VERSION, "packjobs", namespace, eval_ref)
+            readiness = st.data_readiness(eval_ref, evaljob)
+            if not readiness.ready or evaljob is None:
+                return st.waiting_status(generation, readiness, prev, now())
+            evals = builders.eval_source(data, eval_ref, PackJobSpec.model_validate(evaljob["spec"]))
+            data = dataclasses.replace(data, eval=evals)
         data_path = data.path
         child = builders.training_job(name, namespace, spec, data, defaults)
         try:
@@ -362,7 +370,8 @@ def sftjob_data_event(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> N
     """A PackJob changed: SFTJobs waiting for it may start (or learn that it failed)."""
     for sft in memo.kube.list(GROUP, VERSION, "sftjobs", namespace):
         waiting = (sft.get("status") or {}).get("phase") in (None, "Pending", "WaitingForData")
-        if waiting and (sft.get("spec") or {}).get("data", {}).get("packJobRef") == name:
+        data = (sft.get("spec") or {}).get("data") or {}
+        if waiting and name in (data.get("packJobRef"), data.get("evalPackJobRef")):
             write_status(memo, "sftjobs", sft)
 
 
@@ -414,7 +423,7 @@ def _metrics_target(kube: Kube, namespace: str, name: str) -> tuple[str, int] | 
     pod = st.master_pod(kube.pods(namespace, f"{builders.SFTJOB_LABEL}={name}"))
     if pod is None:
         return None
-    return scrape.metrics_url(pod["status"]["podIP"], spec.metrics_port), spec.training.max_steps
+    return scrape.metrics_url(pod["status"]["podIP"], spec.metrics_port), spec.training.fixed_steps()
 
 
 async def update_progress(

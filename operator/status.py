@@ -483,6 +483,8 @@ def train_progress(summary: Mapping[str, Any] | None, now: str) -> dict[str, Any
         "final_loss": "loss",
         "tokensPerSecond": "tokensPerSecond",
         "tokens_per_second": "tokensPerSecond",
+        "evalLoss": "evalLoss",
+        "eval_loss": "evalLoss",
     }
     out = {dst: summary[src] for src, dst in keys.items() if summary.get(src) is not None}
     if not out:
@@ -496,6 +498,7 @@ PROGRESS_GAUGES = {
     "packtrain_train_step": "step",
     "packtrain_train_loss": "loss",
     "packtrain_train_tokens_per_second": "tokensPerSecond",
+    "packtrain_train_eval_loss": "evalLoss",
 }
 
 

@@ -47,6 +47,7 @@ class RunAccounting:
         self.totals = dict.fromkeys(TOTALS, 0.0)
         self.seconds = 0.0
         self.sm_readings: list[float] = []
+        self.eval_loss: float | None = None
 
     def step(
         self,
@@ -83,6 +84,12 @@ class RunAccounting:
                 self.sm_readings.append(recorded["gpu_sm_utilization"])
         return recorded
 
+    def evaluated(self, eval_loss: float) -> float:
+        """Record an evaluation's loss (gauge and summary); returns it, for the step's log line."""
+        self.eval_loss = eval_loss
+        self.metrics.update({"eval_loss": eval_loss})
+        return eval_loss
+
     def summary(
         self,
         steps: int,
@@ -93,6 +100,8 @@ class RunAccounting:
         attention_imbalance_max: float,
         resumed_from: str | None,
         final_model: str | None,
+        steps_per_epoch: int | None = None,
+        eval_units: int = 0,
     ) -> dict[str, Any]:
         """The run's one-line result (the operator reads it from the termination message)."""
         t = self.totals
@@ -108,6 +117,10 @@ class RunAccounting:
             "samples_per_second": t["samples"] / seconds,
             "padding_ratio": 1.0 - t["effective"] / t["tokens"] if t["tokens"] else 0.0,
             "final_loss": final_loss,
+            "eval_loss": self.eval_loss,
+            "eval_units": eval_units,
+            "steps_per_epoch": steps_per_epoch,
+            "epochs": steps / steps_per_epoch if steps_per_epoch else None,
             "model_flops_per_effective_token": t["flops"] / t["effective"] if t["effective"] else None,
             "mfu": t["flops"] / seconds / (peak * 1e12) / self.world_size if peak else None,
             "mode": mode,

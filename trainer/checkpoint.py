@@ -1,13 +1,15 @@
 """Resumable checkpoints and the final Hugging Face export.
 
-A checkpoint folder `checkpoints/step-NNNNNNNN/` holds the full (unsharded) model
-and optimizer state, the scheduler, the step, the data position and each
-rank's RNG state. It is written under a temporary name and renamed once
+A checkpoint folder `checkpoints/step-NNNNNNNN/` holds the full (unsharded) trainable
+parameters (frozen ones, LoRA's base weights included, are rebuilt from the model folder
+and seed as the first run built them) and optimizer state, the scheduler, the step, the
+data position and each rank's RNG state. It is written under a temporary name and renamed once
 complete, so a crash never leaves a folder that looks resumable but is not.
 Full state dicts (gathered with `torch.distributed.checkpoint.state_dict`) work
 the same for a plain module, DDP and FSDP2, and keep the on-disk format
 independent of the world size. The final model is saved with `save_pretrained`,
-so packing never changes what `from_pretrained` loads.
+so packing never changes what `from_pretrained` loads; with LoRA, the final model is a
+PEFT adapter (`PeftModel.from_pretrained(base, folder)`) and optionally the merged model.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from . import lora
+from .config import ModelSpec
 from .distributed import DistEnv, barrier
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -46,6 +50,24 @@ HF_SIDE_FILES = (
     "generation_config.json",
 )
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+TRAINABLE = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+MERGED_DIR = "final-merged"
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full state dict without frozen parameters (every name of a tied one: the torch option
+    alone keeps a frozen tied LM head), on CPU; buffers stay."""
+    frozen = set(_names(model, lambda p: not p.requires_grad))
+    return {k: v for k, v in get_model_state_dict(model, options=TRAINABLE).items() if k not in frozen}
+
+
+def _names(model: torch.nn.Module, keep: Any) -> dict[str, torch.nn.Parameter]:
+    """State-dict name (DDP's `module.` dropped; every name of a tied parameter) → parameter."""
+    return {
+        name.removeprefix("module."): p
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if keep(p)
+    }
 
 
 def rng_state() -> dict[str, Any]:
@@ -85,7 +107,7 @@ def save(
     """Write checkpoint `step` (all ranks call this; rank 0 writes the shared files)."""
     final = root / "checkpoints" / f"step-{step:08d}"
     tmp = root / "checkpoints" / f".step-{step:08d}.tmp"
-    model_sd = get_model_state_dict(model, options=FULL)
+    model_sd = trainable_state(model)
     optim_sd = get_optimizer_state_dict(model, optimizer, options=FULL)
     if env.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -115,13 +137,25 @@ def load(
 ) -> dict[str, Any]:
     """Restore everything saved by `save`; returns the trainer state (step, data position, ...)."""
     model_sd = torch.load(folder / "model.pt", map_location="cpu", weights_only=False)
-    set_model_state_dict(model, model_sd, options=StateDictOptions(full_state_dict=True))
+    keys = set_model_state_dict(model, model_sd, options=StateDictOptions(full_state_dict=True, strict=False))
+    trainable = _names(model, lambda p: p.requires_grad)
+    absent = sorted(trainable.keys() & set(keys.missing_keys)) + sorted(keys.unexpected_keys)
+    if absent:
+        raise ValueError(
+            f"{folder} does not fit this model (missing or unexpected: {absent[:5]}); resume with the "
+            "model and model.lora / model.freeze settings that wrote it, or use a new training.outputDir"
+        )
     optim_sd = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=False)
     # strict=False: parameters that never had a gradient yet (e.g. the vision tower after only
     # text batches) have no optimizer state, exactly as in the run that saved it.
     set_optimizer_state_dict(
         model, optimizer, optim_sd, options=StateDictOptions(full_state_dict=True, strict=False)
     )
+    # Loading first creates state for every parameter (a zero-lr step); drop it where the saved run
+    # had none, or AdamW's step count for those parameters runs one ahead of a straight run's.
+    saved = {id(p) for name, p in trainable.items() if name in optim_sd["state"]}
+    for p in [p for p in optimizer.state if id(p) not in saved]:
+        del optimizer.state[p]
     state = torch.load(folder / DONE, map_location="cpu", weights_only=False)
     scheduler.load_state_dict(state["scheduler"])
     rng = folder / f"rng-{env.rank:05d}.pt"
@@ -144,9 +178,74 @@ def save_hf(
         state = {k.removeprefix("hf."): v.to(dtype) for k, v in state.items()}
         out.mkdir(parents=True, exist_ok=True)
         hf_model.save_pretrained(out, state_dict=state)
-        for name in HF_SIDE_FILES:
-            src = Path(source_folder) / name
-            if src.is_file():
-                shutil.copy2(src, out / name)
+        _copy_side_files(source_folder, out)
+    barrier()
+    return out if env.is_main else None
+
+
+def save_final(
+    root: Path,
+    model: torch.nn.Module,
+    hf_model: Any,
+    adapter: Any,
+    spec: ModelSpec,
+    env: DistEnv,
+    dtype: torch.dtype,
+) -> Path | None:
+    """The final export under `root`: `final/` (the model, or with LoRA the adapter) and, with
+    `lora.saveMerged`, `final-merged/`."""
+    if adapter is None:
+        return save_hf(root / "final", model, hf_model, spec.path, env, dtype)
+    final = save_adapter(root / "final", model, adapter, spec.path, env, dtype)
+    if spec.lora is not None and spec.lora.save_merged:
+        save_merged(root / MERGED_DIR, model, hf_model, spec.path, env, dtype)
+    return final
+
+
+def _copy_side_files(source_folder: str | Path, out: Path) -> None:
+    for name in HF_SIDE_FILES:
+        src = Path(source_folder) / name
+        if src.is_file():
+            shutil.copy2(src, out / name)
+
+
+def save_adapter(
+    out: Path,
+    model: torch.nn.Module,
+    adapter: Any,
+    source_folder: str | Path,
+    env: DistEnv,
+    dtype: torch.dtype,
+) -> Path | None:
+    """The LoRA adapters in PEFT's format (adapter_config.json, adapter_model.safetensors) plus the
+    tokenizer and processor files, gathered from every rank (DDP or FSDP2)."""
+    state = trainable_state(model)
+    if env.is_main:
+        # VLMForTraining names the HF model `hf`; PeftModel names it `base_model.model`.
+        state = {"base_model.model." + k.removeprefix("hf."): v.to(dtype) for k, v in state.items()}
+        out.mkdir(parents=True, exist_ok=True)
+        adapter.save_pretrained(out, state_dict=state)
+        _copy_side_files(source_folder, out)
+    barrier()
+    return out if env.is_main else None
+
+
+def save_merged(
+    out: Path,
+    model: torch.nn.Module,
+    hf_model: Any,
+    source_folder: str | Path,
+    env: DistEnv,
+    dtype: torch.dtype,
+) -> Path | None:
+    """The adapters merged into the base weights (W + alpha/r x B·A), saved as the plain Hugging
+    Face model: merged from the gathered state dict, so sharded (FSDP2) weights merge the same."""
+    state = get_model_state_dict(model, options=FULL)
+    if env.is_main:
+        plain = {k.removeprefix("hf."): v for k, v in state.items()}
+        merged = lora.merged_state_dict(plain, lora.scalings(hf_model))
+        out.mkdir(parents=True, exist_ok=True)
+        hf_model.save_pretrained(out, state_dict={k: v.to(dtype) for k, v in merged.items()})
+        _copy_side_files(source_folder, out)
     barrier()
     return out if env.is_main else None

@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     except ShardFormatError as exc:  # data.path is not a finished pack, or one that was damaged or edited
         print(f"packtrain train: {worker_message(exc)}", file=sys.stderr)
         return EXIT_CONFIG
+    except ConfigError as exc:  # found once the model is built (LoRA targets, a freeze leaving nothing)
+        print(f"packtrain train: configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     if distributed.environ().is_main:
         print(json.dumps(summary), flush=True)
         # On Kubernetes the operator reads the summary from the pod's termination message.

@@ -7,8 +7,9 @@ camelCase, documented and defaulted, and unknown keys are errors.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, model_validator
 
@@ -19,11 +20,23 @@ Attention = Literal["auto", "varlen", "flash", "flex", "sdpa"]
 Mode = Literal["packed", "padded"]
 Strategy = Literal["ddp", "fsdp"]
 DType = Literal["auto", "bf16", "fp32"]
+# The parts of a VLM that freezing and per-module learning rates address (trainer.param_groups maps them).
+Module = Literal["vision", "merger", "llm", "embeddings"]
 # Each dataloader worker is a process holding decoded media: more than this per rank only exhausts a node.
 MAX_NUM_WORKERS = 64
 # Label rows whose logits exist at once in the loss: 1024 x 151,936 fp32 is 0.6 GiB, below the
 # LM head's own weight gradient (0.9-1.2 GiB for 1536-2048 hidden), so smaller chunks save little.
 LOSS_CHUNK_TOKENS = 1024
+# model.lora's default targets: the attention and MLP projections of the Qwen2/2.5 language model
+# (q/k/v/o, gate/up/down) and of the vision blocks (qkv, proj; fc1/fc2 in Qwen2-VL's MLP).
+LORA_TARGET_MODULES = (
+    *("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    *("qkv", "proj", "fc1", "fc2"),
+)
+# Optimizer steps of a run that sets neither training.maxSteps nor training.epochs.
+DEFAULT_MAX_STEPS = 100
+# Holding out more than half of the training pack is a mistake, not an evaluation set.
+MAX_EVAL_FRACTION = 0.5
 
 
 class DataSpec(CamelModel):
@@ -40,11 +53,68 @@ class DataSpec(CamelModel):
         2, ge=1, le=64, description="Micro-batches each worker decodes ahead (each holds decoded media)."
     )
     verify_checksums: bool = Field(True, description="Check shard sha256 against the manifest on open (local rank 0 of each node).")
+    eval_path: str | None = Field(None, description="Evaluation pack folder (same model family), never trained on.")
+    eval_pack_job_ref: str | None = Field(
+        None, description="Name of a PackJob whose pack is the evaluation set; the operator mounts it as `evalPath`."
+    )
+    eval_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        le=MAX_EVAL_FRACTION,
+        description="Share of the training pack's sequences held out (seeded by training.seed) as the evaluation "
+        "set instead of an evaluation pack; 0: none.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> DataSpec:
         if self.path is None and self.pack_job_ref is None:
             raise ValueError("data needs `path` (a pack folder) or `packJobRef` (a PackJob name)")
+        sources = [self.eval_path is not None, self.eval_pack_job_ref is not None, self.eval_fraction > 0]
+        if sum(sources) > 1:
+            raise ValueError("data needs at most one of `evalPath`, `evalPackJobRef` or `evalFraction`")
+        return self
+
+
+class LoraSpec(CamelModel):
+    """LoRA adapters (PEFT) on the model's linear layers; every base weight stays frozen."""
+
+    rank: int = Field(16, ge=1, le=1024, description="Rank r of each adapter (B·A with inner size r).")
+    alpha: float = Field(32.0, gt=0, description="Adapters add alpha / rank x B·A to the frozen weight.")
+    dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Dropout on the adapters' input. 0 keeps packed training exactly equal to each sample "
+        "alone (dropout masks depend on the row layout).",
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_TARGET_MODULES),
+        min_length=1,
+        max_length=64,
+        description="Linear layers that get adapters: regular expressions matched against the last part of "
+        "each module name (q_proj, fc1, ...), in the language model and, with vision, in the vision tower. "
+        "Default: the attention and MLP projections of both.",
+    )
+    vision: bool = Field(
+        False, description="Adapters in the vision tower too (default: the language model only)."
+    )
+    save_merged: bool = Field(
+        False,
+        description="Also save the adapters merged into the base weights as a full Hugging Face model "
+        "(outputDir/final-merged), next to the adapter (outputDir/final).",
+    )
+
+    @model_validator(mode="after")
+    def _patterns_compile(self) -> LoraSpec:
+        for pattern in self.target_modules:
+            if not pattern or len(pattern) > 100:
+                raise ValueError(f"lora.targetModules entry {pattern!r} must be 1-100 characters")
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(
+                    f"lora.targetModules entry {pattern!r} is not a regular expression: {exc}"
+                ) from exc
         return self
 
 
@@ -68,19 +138,58 @@ class ModelSpec(CamelModel):
         False,
         description="Deprecated: true turns on training.activationCheckpointing and visionCheckpointing.",
     )
+    freeze: list[Module] = Field(
+        default_factory=list,
+        description="Parts that do not train (no gradients, no optimizer state): vision (the vision tower's "
+        "patch embedding and blocks, run without autograd), merger (the projector), llm (decoder layers and "
+        "final norm, and with them the token embeddings and LM head), embeddings (only the token embeddings "
+        "and LM head). To train everything but the vision tower: [vision].",
+    )
+    lora: LoraSpec | None = Field(
+        None, description="Train LoRA adapters instead of the full model (saved as a PEFT adapter)."
+    )
 
 
 class TrainingSpec(CamelModel):
     """The optimisation: steps, batch shape, attention backend, parallelism, checkpoints, metrics."""
 
-    max_steps: int = Field(100, ge=1, description="Optimizer steps.")
+    max_steps: int | None = Field(
+        None, ge=1, description=f"Optimizer steps; default {DEFAULT_MAX_STEPS}, or from `epochs` when that is set."
+    )
+    epochs: int | None = Field(
+        None,
+        ge=1,
+        le=10_000,
+        description="Passes over the pack instead of maxSteps: steps = epochs x steps per epoch (the pack's units "
+        "over the global batch), reported before training starts.",
+    )
+    eval_every: int = Field(
+        0, ge=0, description="Evaluate every N steps (with an evaluation set); 0: only after the last step."
+    )
     micro_batch_sequences: int = Field(
         1, ge=1, le=1024, description="Packed sequences per rank per micro step."
     )
     grad_accum: int = Field(1, ge=1, description="Micro steps per optimizer step.")
     lr: float = Field(1e-5, gt=0, description="Peak learning rate (AdamW).")
     warmup: int = Field(0, ge=0, description="Linear warmup steps, then cosine decay to 10% of lr.")
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW weight decay of matrices; biases and norm weights never decay."
+    )
+    lr_multipliers: dict[Module, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict,
+        max_length=len(get_args(Module)),
+        description="Scale lr per part, e.g. {vision: 0.1}; unlisted parts use 1, and embeddings follow "
+        "llm's multiplier unless listed.",
+        # The CRD schema cannot restrict map keys; the API server checks them with this rule.
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"self.all(k, k in {list(get_args(Module))})",
+                    "message": f"lrMultipliers keys are parts of the model: {', '.join(get_args(Module))}",
+                }
+            ]
+        },
+    )
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping; null disables it.")
     seed: int = Field(0, description="Seeds data order and random init.")
     attention: Attention = Field(
@@ -132,6 +241,19 @@ class TrainingSpec(CamelModel):
     log_every: int = Field(1, ge=1, description="Print a JSON line every N steps (rank 0).")
     output_dir: str = Field("runs/sft", description="Checkpoints, final model and summary go here.")
     save_final: bool = Field(True, description="Save the final model in Hugging Face format.")
+
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> TrainingSpec:
+        if self.max_steps is not None and self.epochs is not None:
+            raise ValueError("training needs at most one of `maxSteps` or `epochs`: remove one")
+        return self
+
+    def fixed_steps(self) -> int | None:
+        """The run's steps when the spec alone fixes them (None with `epochs`: they depend on the pack)."""
+        if self.max_steps is not None:
+            return self.max_steps
+        return None if self.epochs is not None else DEFAULT_MAX_STEPS
 
 
 class SFTSpecCore(CamelModel):

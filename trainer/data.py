@@ -22,6 +22,7 @@ from packtrain.packer.integrity import PackIntegrityError, row_problem
 from packtrain.packer.shard_format import IGNORE_INDEX
 from packtrain.packer.shards import ShardReader
 
+from .config import DataSpec
 from .media import PixelSpec, media_pixels
 from .rope import FamilyInfo, Grid, family_info, packed_positions, sample_positions
 from .sampler import (
@@ -30,6 +31,8 @@ from .sampler import (
     Position,
     after,
     attention_cost,
+    carve_eval,
+    eval_micro_batches,
     plan_epoch,
     position_state,
     rank_micro_batches,
@@ -227,6 +230,7 @@ class PackedDataset(torch.utils.data.Dataset):
         pad_token_id: int = DEFAULT_PAD_TOKEN_ID,
         verify_checksums: bool = True,
         vocab_size: int | None = None,
+        eval_fraction: float = 0.0,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
@@ -235,10 +239,13 @@ class PackedDataset(torch.utils.data.Dataset):
         self.pixel_spec = pixel_spec or PixelSpec()
         self.rank = rank
         self.mode, self.pad_token_id, self.vocab_size = mode, pad_token_id, vocab_size
+        self.verify_checksums = verify_checksums
         self._reader: ShardReader | None = ShardReader(self.path, verify_checksums=verify_checksums)
         self.manifest = self._reader.manifest
         self.seq_lens = self._reader.seq_lens()
-        self.units, self.costs = units_and_costs(self.seq_lens, mode)
+        # Sequences held out as the evaluation set are never units of training.
+        train, self.eval_sequences = carve_eval(len(self.seq_lens), eval_fraction, seed)
+        self.units, self.costs = units_and_costs(self.seq_lens, mode, train)
         self.layout = Layout(seed, world_size, units_per_micro_batch, grad_accum, mode, len(self.units))
         self.position = Position()
         self._plan_cache: tuple[int, Plan] | None = None
@@ -342,3 +349,80 @@ class PackedDataset(torch.utils.data.Dataset):
             batch = collate_padded(samples, self.family, self.pad_token_id)
         batch["position"] = [self.position.epoch, index]
         return batch
+
+
+class EvalDataset(PackedDataset):
+    """This rank's share of an evaluation set, in a fixed order: over all ranks every unit is
+    evaluated exactly once (`sampler.eval_micro_batches`); items carry `counted`, false on the
+    repeats that only keep the ranks' forward counts equal."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        family: str | FamilyInfo,
+        pixel_spec: PixelSpec | None = None,
+        *,
+        sequences: Sequence[int] | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        units_per_micro_batch: int = 1,
+        mode: str = "packed",
+        pad_token_id: int = DEFAULT_PAD_TOKEN_ID,
+        verify_checksums: bool = True,
+        vocab_size: int | None = None,
+    ) -> None:
+        super().__init__(
+            path,
+            family,
+            pixel_spec,
+            rank=rank,
+            world_size=world_size,
+            units_per_micro_batch=units_per_micro_batch,
+            mode=mode,
+            pad_token_id=pad_token_id,
+            verify_checksums=verify_checksums,
+            vocab_size=vocab_size,
+        )
+        if sequences is not None:
+            self.units, self.costs = units_and_costs(self.seq_lens, mode, sequences)
+        self.batches, self.counted = eval_micro_batches(len(self.units), world_size, rank, units_per_micro_batch)
+
+    def micro_batches(self, epoch: int | None = None) -> list[list[int]]:
+        return self.batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, k: int) -> dict[str, Any]:
+        batch = super().__getitem__(k)
+        batch["counted"] = k < self.counted
+        return batch
+
+
+def eval_dataset(train: PackedDataset, spec: DataSpec) -> EvalDataset | None:
+    """The evaluation set beside `train`: the pack at `spec.evalPath`, else the sequences `train`
+    held out (`evalFraction`), else none. Batched like training (same units, micro-batch size, ranks)."""
+    path = spec.eval_path
+    if path is None and spec.eval_pack_job_ref is not None:
+        raise ValueError(
+            f"data.evalPackJobRef {spec.eval_pack_job_ref!r} must be resolved to data.evalPath (the operator does)"
+        )
+    if path is None and not train.eval_sequences:
+        return None
+    evaluation = EvalDataset(
+        train.path if path is None else path,
+        train.family,
+        train.pixel_spec,
+        sequences=train.eval_sequences if path is None else None,
+        rank=train.rank,
+        world_size=train.layout.world_size,
+        units_per_micro_batch=train.layout.units_per_micro_batch,
+        mode=train.mode,
+        pad_token_id=train.pad_token_id,
+        verify_checksums=train.verify_checksums and path is not None,
+        vocab_size=train.vocab_size,
+    )
+    family = evaluation.manifest.get("family")
+    if family not in (None, train.family.name):
+        raise ValueError(f"the evaluation pack {path} was made for {family}, but the model is {train.family.name}")
+    return evaluation

@@ -240,7 +240,10 @@ def _train(
                 micro_batch_objective(result["loss_sum"], global_tokens, env.world_size).backward()
             loss_sum += result["loss_sum"].detach().double()
 
-        # optimizer
+        # optimizer (a step whose batches hold no media on any rank ran the vision tower on dummies
+        # only: its zero gradients are dropped, so it is not updated, as when training alone)
+        if env.distributed and distributed.all_reduce_sum(_media_batches(micro), device) == 0:
+            _drop_grads(run.hf.model.visual)
         if t.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
         optimizer.step()
@@ -280,6 +283,16 @@ def _train(
         steps_per_epoch=dataset.steps_per_epoch(),
         eval_units=_units(run.evaluation),
     )
+
+
+def _media_batches(micro: list[dict[str, Any]]) -> int:
+    return sum(b.get("pixel_values") is not None or b.get("pixel_values_videos") is not None for b in micro)
+
+
+def _drop_grads(module: torch.nn.Module) -> None:
+    """No gradient rather than a zero one: AdamW then leaves the parameters and their moments alone."""
+    for p in module.parameters():
+        p.grad = None
 
 
 def _units(evaluation: EvalDataset | None) -> int:

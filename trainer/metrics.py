@@ -60,6 +60,8 @@ class ModelShape:
     spatial_merge: int
     vision_full_layers: int  # Qwen2.5-VL: only these attend over a whole frame ...
     vision_window: int  # ... the others within windows of this many patches (0: no windows)
+    llm_factor: float = 6.0  # FLOPs per parameter and token: 2 forward + 2 input grads + 2 x trainable share
+    vision_factor: float = 6.0  # a wholly frozen tower runs forward only (under no_grad): 2
 
     @classmethod
     def from_model(cls, hf: Any, counts: dict[str, int]) -> ModelShape:
@@ -79,13 +81,24 @@ class ModelShape:
             spatial_merge=vision.spatial_merge_size,
             vision_full_layers=vision.depth if full is None else len(full),
             vision_window=window * window,
+            llm_factor=_factor(counts, "llm", frozen_forward_only=False),
+            vision_factor=_factor(counts, "vision", frozen_forward_only=True),
         )
+
+
+def _factor(counts: dict[str, int], part: str, frozen_forward_only: bool) -> float:
+    """Training FLOPs per parameter and token of a part: forward (2), the gradient of its inputs (2)
+    and of its trainable weights (2 x their share), so frozen parts and LoRA do not inflate MFU."""
+    total, trainable = counts[part], counts.get(f"{part}_trainable", counts[part])
+    if trainable == 0 and frozen_forward_only:
+        return 2.0
+    return 4.0 + 2.0 * trainable / max(total, 1)
 
 
 def step_flops(shape: ModelShape, batch: dict[str, Any]) -> float:
     """Training FLOPs (forward + backward = 3x forward) of one micro-batch."""
     tokens = batch["padded_tokens"]  # padding tokens cost compute too
-    flops = 6.0 * shape.llm_params * tokens + 6.0 * shape.lm_head_params * batch["num_label_tokens"]
+    flops = shape.llm_factor * shape.llm_params * tokens + 6.0 * shape.lm_head_params * batch["num_label_tokens"]
     if "attention_mask" in batch:  # padded rows: each row attends over its padded width
         width = batch["input_ids"].shape[1]
         attn = len(batch["seq_lens"]) * width * width / 2
@@ -101,7 +114,8 @@ def step_flops(shape: ModelShape, batch: dict[str, Any]) -> float:
         full = float((frame_tokens**2 * grid[:, 0]).sum())  # each frame attends within itself
         windowed = min(full, patches * shape.vision_window) if shape.vision_window else full
         attn = shape.vision_full_layers * full + (shape.vision_depth - shape.vision_full_layers) * windowed
-        flops += 6.0 * shape.vision_params * patches + 12.0 * shape.vision_dim * attn  # bidirectional
+        attn_factor = 4.0 if shape.vision_factor == 2.0 else 12.0  # forward only, or x3 with its backward
+        flops += shape.vision_factor * shape.vision_params * patches + attn_factor * shape.vision_dim * attn
     return flops
 
 
@@ -192,6 +206,7 @@ class TrainMetrics:
             "samples_per_second": gauge("samples_per_second", "Training samples per second."),
             "step_seconds": gauge("step_seconds", "Wall time of the last optimizer step."),
             "loss": gauge("loss", "Loss of the last step (global token mean)."),
+            "eval_loss": gauge("eval_loss", "Token-mean loss over the evaluation set at the last evaluation."),
             "learning_rate": gauge("learning_rate", "Current learning rate."),
             "data_wait_seconds": gauge("data_wait_seconds", "Time the last step waited for data."),
             "step": gauge("step", "Optimizer steps completed."),

@@ -205,7 +205,14 @@ def move_batch(batch: dict[str, Any], device: torch.device, dtype: torch.dtype) 
 def parameter_groups(model: nn.Module) -> dict[str, int]:
     """Parameter counts used by the FLOPs estimate: LLM body, LM head, vision tower."""
     hf = model.hf if isinstance(model, VLMForTraining) else model
-    body = sum(p.numel() for p in hf.model.language_model.layers.parameters())
-    vision = sum(p.numel() for p in hf.model.visual.parameters())
+    layers, visual = list(hf.model.language_model.layers.parameters()), list(hf.model.visual.parameters())
+    body = sum(p.numel() for p in layers)
+    vision = sum(p.numel() for p in visual)
     head = hf.lm_head.weight.numel()
-    return {"llm": body, "lm_head": head, "vision": vision}
+    return {
+        "llm": body,
+        "lm_head": head,
+        "vision": vision,
+        "llm_trainable": sum(p.numel() for p in layers if p.requires_grad),
+        "vision_trainable": sum(p.numel() for p in visual if p.requires_grad),
+    }

@@ -31,13 +31,16 @@ def attention_cost(seq_lens: Sequence[int]) -> int:
     return sum(int(n) * int(n) for n in seq_lens)
 
 
-def units_and_costs(seq_lens: Sequence[Sequence[int]], mode: str) -> tuple[list[Unit], list[int]]:
+def units_and_costs(
+    seq_lens: Sequence[Sequence[int]], mode: str, sequences: Sequence[int] | None = None
+) -> tuple[list[Unit], list[int]]:
     """The units of work and their attention costs: whole packed sequences (packed mode) or each
-    sub-sample on its own (the padded baseline)."""
+    sub-sample on its own (the padded baseline), over `sequences` (default: all of them)."""
+    chosen = range(len(seq_lens)) if sequences is None else sequences
     if mode == "packed":
-        return [(s, -1) for s in range(len(seq_lens))], [attention_cost(lens) for lens in seq_lens]
+        return [(s, -1) for s in chosen], [attention_cost(seq_lens[s]) for s in chosen]
     if mode == "padded":
-        units = [(s, k) for s, lens in enumerate(seq_lens) for k in range(len(lens))]
+        units = [(s, k) for s in chosen for k in range(len(seq_lens[s]))]
         return units, [int(seq_lens[s][k]) ** 2 for s, k in units]
     raise ValueError(f"mode must be packed or padded, not {mode!r}")
 
@@ -181,3 +184,50 @@ def resume_position(layout: Layout, state: dict[str, Any]) -> Position:
             raise ValueError(f"cannot resume: checkpoint has {key}={state[key]!r}, this run {mine!r}")
     return Position(int(state["epoch"]), int(state["next"]))
 
+
+
+def total_steps(max_steps: int | None, epochs: int | None, layout: Layout, default: int) -> int:
+    """The run's optimizer steps: `max_steps`, else `epochs` whole epochs of `layout`, else `default`."""
+    if max_steps is not None:
+        return max_steps
+    if epochs is not None:
+        return epochs * layout.steps_per_epoch
+    return default
+
+
+# -- the evaluation set ---------------------------------------------------------------------------
+
+
+def carve_eval(num_sequences: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(training, evaluation) sequence indices: a seeded share `fraction` of the pack held out, at
+    least one sequence when `fraction` > 0. Disjoint, sorted, and the same for every rank and rerun."""
+    if fraction <= 0:
+        return list(range(num_sequences)), []
+    held = max(1, round(num_sequences * fraction))
+    if held >= num_sequences:
+        raise ValueError(
+            f"data.evalFraction {fraction} holds out all {num_sequences} sequences of the pack: lower it"
+        )
+    order = list(range(num_sequences))
+    random.Random(f"{seed}:eval").shuffle(order)
+    return sorted(order[held:]), sorted(order[:held])
+
+
+def eval_micro_batches(
+    num_units: int, world_size: int, rank: int, units_per_micro_batch: int
+) -> tuple[list[list[int]], int]:
+    """Rank `rank`'s evaluation micro-batches and how many of them count.
+
+    Units go round-robin to the ranks, so every unit is evaluated exactly once over all ranks. Every
+    rank runs the same number of forwards (FSDP gathers parameters in each, and DDP syncs buffers):
+    a rank with fewer repeats its first micro-batch, and only the first `counted` enter the loss."""
+    if num_units < world_size:
+        raise ValueError(
+            f"the evaluation set holds {num_units} units but there are {world_size} ranks: "
+            "use a larger evaluation set (or data.evalFraction)"
+        )
+    mine = list(range(rank, num_units, world_size))
+    n = units_per_micro_batch
+    batches = [mine[i : i + n] for i in range(0, len(mine), n)]
+    most = -(-((num_units + world_size - 1) // world_size) // n)
+    return batches + [batches[0]] * (most - len(batches)), len(batches)

@@ -122,3 +122,24 @@ def test_bench_train_options_quick(shared_dir: Path, tmp_path: Path, capsys: pyt
     assert all(r["peak_rss_gib"] > 0 and r["step_seconds"] > 0 for r in rows)
     assert rows[0]["losses"] == rows[1]["losses"]  # recomputation changes memory and time, not results
     assert "peak RSS" in capsys.readouterr().out
+
+
+def test_bench_freeze_memory_quick(shared_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert load("bench_freeze_memory").main(["--quick", "--results-dir", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_freeze_memory.quick.json").read_text())["rows"]
+    assert [r["case"] for r in rows] == ["none", "vision", "vision+merger", "llm"]
+    assert len({r["trainable_params"] + r["frozen_params"] for r in rows}) == 1
+    assert rows[0]["frozen_params"] == 0 < rows[1]["frozen_params"] < rows[2]["frozen_params"] < rows[3]["frozen_params"]
+    assert len({r["losses"][0] for r in rows}) == 1  # freezing changes what trains, not the forward
+    assert "growth saved" in capsys.readouterr().out
+
+
+def test_bench_lora_memory_quick(shared_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert load("bench_lora_memory").main(["--quick", "--results-dir", str(tmp_path)]) == 0
+    full, lora = json.loads((tmp_path / "bench_lora_memory.quick.json").read_text())["rows"]
+    assert (full["case"], lora["case"]) == ("full", "lora-r16")
+    assert full["frozen_params"] == 0 and lora["frozen_params"] == full["trainable_params"]
+    assert 0 < lora["trainable_params"] < full["trainable_params"] // 100
+    assert full["losses"] == lora["losses"]  # adapters start with B = 0: the first forward is the base model's
+    assert lora["growth_gib"] < full["growth_gib"]
+    assert "growth saved" in capsys.readouterr().out

@@ -133,9 +133,13 @@ def test_metrics_endpoint_is_scraped_during_a_cpu_run(pack_dir, tmp_path):
 
 @pytest.fixture(scope="module")
 def single_process_reference(pack_dir, tmp_path_factory):
-    """One process with 4 micro-batches per step: the same global batches as 2 ranks x 2."""
+    """One process with 4 micro-batches per step: the same global batches as 2 ranks x 2 (and the
+    same held-out evaluation set). With 25% held out the second step holds no media on any rank: the
+    ranks run the vision tower on dummies, and its zero gradients must be dropped (as one process never
+    has them), or AdamW's moments and weight decay would still move the tower."""
     out = tmp_path_factory.mktemp("single")
     spec = job_spec(pack_dir, out / "run", gradAccum=4)
+    spec["spec"]["data"]["evalFraction"] = 0.25
     return train(load_train_config(write_job(out / "job.yaml", spec)), log=lambda _: None), out / "run"
 
 
@@ -143,9 +147,9 @@ def single_process_reference(pack_dir, tmp_path_factory):
 def test_torchrun_two_gloo_processes_match_one_process(
     pack_dir, tmp_path, strategy, single_process_reference
 ):
-    job = write_job(
-        tmp_path / "job.yaml", job_spec(pack_dir, tmp_path / "dist", strategy=strategy, gradAccum=2)
-    )
+    spec = job_spec(pack_dir, tmp_path / "dist", strategy=strategy, gradAccum=2)
+    spec["spec"]["data"]["evalFraction"] = 0.25
+    job = write_job(tmp_path / "job.yaml", spec)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.run(
@@ -177,6 +181,9 @@ def test_torchrun_two_gloo_processes_match_one_process(
     # Loss normalised over the global batch: 2 ranks x 2 micro-batches train like 1 x 4.
     reference, ref_dir = single_process_reference
     assert summaries[0]["final_loss"] == pytest.approx(reference["final_loss"], rel=1e-5)
+    # The evaluation loss is summed over both ranks' shares of the held-out set, not a mean of their means.
+    assert summaries[0]["eval_units"] == reference["eval_units"] == 18
+    assert summaries[0]["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
     dist_weights = load_file(tmp_path / "dist" / "final" / "model.safetensors")
     ref_weights = load_file(ref_dir / "final" / "model.safetensors")
     for name, value in ref_weights.items():

@@ -1,0 +1,200 @@
+"""Which part of the model each parameter belongs to, freezing, and the optimizer's parameter groups.
+
+A part (`vision`, `merger`, `llm`, `embeddings`) is a set of submodules of the Hugging Face model,
+named once per model type in `LAYOUTS`, so adding a family is one entry. Parameters are matched
+by identity under those submodules, not by name: adapters a LoRA wrapper inserts below a module
+(`...qkv.lora_A.default.weight`, under whatever prefix) belong to that module's part, and
+sharded (FSDP2) parameters stay the same objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, get_args
+
+import torch
+from torch import nn
+
+from packtrain.packer.records import ConfigError
+
+from .config import Module
+
+MODULES: tuple[Module, ...] = get_args(Module)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each part sits in one model type (paths from the `*ForConditionalGeneration` model)."""
+
+    parts: dict[Module, tuple[str, ...]]
+    # The vision side's submodules in forward order (module lists are expanded): the prefix of it
+    # that has nothing to train runs without autograd.
+    vision_chain: tuple[str, ...]
+
+
+_QWEN2_VL = Layout(
+    parts={
+        "vision": ("model.visual.patch_embed", "model.visual.blocks"),
+        "merger": ("model.visual.merger",),
+        "llm": ("model.language_model.layers", "model.language_model.norm"),
+        "embeddings": ("model.language_model.embed_tokens", "lm_head"),
+    },
+    vision_chain=("model.visual.patch_embed", "model.visual.blocks", "model.visual.merger"),
+)
+LAYOUTS: dict[str, Layout] = {
+    "qwen2_vl": _QWEN2_VL,
+    "qwen2_5_vl": _QWEN2_VL,
+    "qwen3_vl": Layout(
+        parts={
+            "vision": ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks"),
+            "merger": ("model.visual.merger", "model.visual.deepstack_merger_list"),
+            "llm": ("model.language_model.layers", "model.language_model.norm"),
+            "embeddings": ("model.language_model.embed_tokens", "lm_head"),
+        },
+        vision_chain=(
+            "model.visual.patch_embed",
+            "model.visual.pos_embed",
+            "model.visual.blocks",
+            "model.visual.deepstack_merger_list",
+            "model.visual.merger",
+        ),
+    ),
+}
+
+
+def hf_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside DDP / VLMForTraining / a PEFT wrapper."""
+    model = getattr(model, "module", model)  # DDP
+    model = getattr(model, "hf", model)  # VLMForTraining
+    get_base = getattr(model, "get_base_model", None)  # PeftModel
+    return get_base() if callable(get_base) else model
+
+
+def layout(hf: nn.Module) -> Layout:
+    model_type = hf.config.model_type
+    if model_type not in LAYOUTS:
+        raise ValueError(f"no parameter layout for model_type {model_type!r} (known: {sorted(LAYOUTS)})")
+    return LAYOUTS[model_type]
+
+
+def frozen_parts(freeze: Iterable[Module]) -> set[Module]:
+    """`llm` takes the embeddings and LM head with it: a frozen LLM whose vocabulary rows still
+    moved would no longer be the LLM that was frozen."""
+    parts = set(freeze)
+    if "llm" in parts:
+        parts.add("embeddings")
+    return parts
+
+
+def part_of_parameters(model: nn.Module) -> dict[int, Module]:
+    """id(parameter) → its part, for every parameter of the model (tied weights once).
+
+    Raises when a parameter belongs to no part: a new submodule would otherwise train at the
+    default lr and escape freezing silently."""
+    hf = hf_model(model)
+    owner: dict[int, Module] = {}
+    for part, paths in layout(hf).parts.items():
+        for path in paths:
+            for p in hf.get_submodule(path).parameters():
+                owner.setdefault(id(p), part)
+    missing = [name for name, p in hf.named_parameters() if id(p) not in owner]
+    if missing:
+        raise ValueError(f"parameters outside every part of {type(hf).__name__}: {missing[:5]}; add them to LAYOUTS")
+    return owner
+
+
+def _no_grad(forward: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return forward(*args, **kwargs)
+
+    return run
+
+
+def freeze(model: nn.Module, parts: Iterable[Module]) -> list[str]:
+    """Stop the parts in `parts` (see `frozen_parts`) from training, in place; returns the vision
+    submodules that now run without autograd.
+
+    Call after anything that sets `requires_grad` itself (a LoRA wrapper) and before DDP/FSDP wrap
+    the model (both read `requires_grad` when they wrap). Every vision submodule from the input
+    up to the first one with something to train runs under `no_grad`, so a frozen tower saves no
+    activations while a trainable merger after it still gets its gradient; wrapping `forward`
+    (not the module) keeps parameter names and FSDP's hooks as they are."""
+    hf = hf_model(model)
+    frozen = frozen_parts(parts)
+    owner = part_of_parameters(hf)
+    for p in hf.parameters():
+        if owner[id(p)] in frozen:
+            p.requires_grad_(False)
+    if not any(p.requires_grad for p in hf.parameters()):
+        raise ConfigError(f"model.freeze {sorted(frozen)} leaves nothing to train; remove a part from it")
+    embeddings = hf.get_input_embeddings()
+    if not embeddings.weight.requires_grad:  # frozen by `parts` or by LoRA
+        embeddings.register_forward_hook(_output_requires_grad)
+    silenced = []
+    for path in layout(hf).vision_chain:
+        module = hf.get_submodule(path)
+        for name, sub in (module.named_children() if isinstance(module, nn.ModuleList) else [("", module)]):
+            if any(p.requires_grad for p in sub.parameters()):
+                return silenced
+            sub.forward = _no_grad(sub.forward)  # type: ignore[method-assign]
+            silenced.append(f"{path}.{name}" if name else path)
+    return silenced
+
+
+def _output_requires_grad(module: nn.Module, inputs: object, output: torch.Tensor) -> None:
+    """Frozen embeddings give the decoder an input without autograd history on a rank whose batch
+    holds no image (with images, the vision features bring it), and FSDP2 then reduces that rank's
+    first decoder layer in its final callback instead of during backward: the ranks' collectives
+    fall out of order and hang. An input that requires grad keeps every rank in the same order."""
+    output.requires_grad_(True)
+
+
+def optimizer_groups(
+    model: nn.Module, lr: float, weight_decay: float, multipliers: dict[Module, float]
+) -> list[dict[str, Any]]:
+    """AdamW parameter groups of the trainable parameters: one per (part, decay), in a fixed
+    order so a checkpoint's groups line up on resume.
+
+    Each group's lr is `lr` x its part's multiplier (embeddings follow llm's unless listed); the
+    schedule then scales every group by the same factor. Biases and norm weights (every tensor
+    under 2 dimensions) get no weight decay, as common trainers do."""
+    owner = part_of_parameters(model)
+    scale = {part: multipliers.get(part, 1.0) for part in MODULES}
+    scale["embeddings"] = multipliers.get("embeddings", scale["llm"])
+    buckets: dict[tuple[Module, bool], list[nn.Parameter]] = {(m, d): [] for m in MODULES for d in (True, False)}
+    seen: set[int] = set()
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            buckets[owner[id(p)], p.ndim >= 2].append(p)
+    return [
+        {
+            "params": params,
+            "lr": lr * scale[part],
+            "lr_scale": scale[part],
+            "weight_decay": weight_decay if decay else 0.0,
+            "name": f"{part}/{'decay' if decay else 'no_decay'}",
+        }
+        for (part, decay), params in buckets.items()
+        if params
+    ]
+
+
+def base_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The schedule's current `training.lr` (each group's lr is it times the group's multiplier)."""
+    group = optimizer.param_groups[0]
+    return float(group["lr"]) / float(group.get("lr_scale", 1.0))
+
+
+def trainable_counts(model: nn.Module) -> dict[str, int]:
+    """Trainable and frozen parameter counts per part (for the start-of-run report)."""
+    owner = part_of_parameters(model)
+    counts = {f"{m}_{kind}": 0 for m in MODULES for kind in ("trainable", "frozen")}
+    seen: set[int] = set()
+    for p in hf_model(model).parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            counts[f"{owner[id(p)]}_{'trainable' if p.requires_grad else 'frozen'}"] += p.numel()
+    return counts
