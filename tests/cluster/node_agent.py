@@ -292,7 +292,10 @@ class PodRun:
         mounts = self._mounts(c, env_cache, pod_dir)
         env = self._env(c, env_cache)
         command = [_rewrite(a, mounts) for a in command]
-        env = {k: _rewrite(v, mounts) for k, v in env.items()}
+        # Only what the pod set names paths inside it: the agent's own environment (PATH to this venv,
+        # which may itself lie under a path the pod mounts over, such as /tmp) is left as it is.
+        host = _agent_env()
+        env = {k: v if host.get(k) == v else _rewrite(v, mounts) for k, v in env.items()}
         # Without a workingDir a container starts in its image's WORKDIR: --workdir stands in for it.
         default_cwd = self.agent.workdir or pod_dir / "cwd"
         cwd = Path(_rewrite(c.working_dir, mounts)) if c.working_dir else default_cwd
@@ -339,9 +342,7 @@ class PodRun:
         pod = self.pod
         core = client.CoreV1Api(self.agent.api)
         ns = pod.metadata.namespace
-        env = dict(os.environ)
-        # The pod runs in this agent's Python environment instead of its image.
-        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        env = _agent_env()
         env["HOSTNAME"] = pod.spec.hostname or pod.metadata.name
         for src in c.env_from or []:
             prefix = src.prefix or ""
@@ -493,6 +494,14 @@ def _expand(value: str, env: dict[str, str]) -> str:
         return env.get(m.group(1), m.group(0))
 
     return re.sub(r"\$?\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)", sub, value)
+
+
+def _agent_env() -> dict[str, str]:
+    """The environment a container starts from: the pod runs in this agent's Python environment
+    instead of its image."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
 
 
 def _rewrite(value: str, mounts: dict[str, str]) -> str:
