@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader
 
 from packtrain.packer.integrity import PackIntegrityError, row_problem
 from packtrain.packer.shard_format import IGNORE_INDEX
@@ -349,6 +350,22 @@ class PackedDataset(torch.utils.data.Dataset):
             batch = collate_padded(samples, self.family, self.pad_token_id)
         batch["position"] = [self.position.epoch, index]
         return batch
+
+
+def loader(dataset: Any, num_workers: int, prefetch: int, pin: bool) -> DataLoader:
+    """One pass over `dataset.view()`'s micro-batches, in its order, with its own generator: a
+    DataLoader iterator draws its workers' base seed from the generator it is given, else from the
+    global torch RNG, and a resumed run (which starts a loader at the resume point) or an evaluation
+    would then leave the global RNG one draw off the straight run."""
+    return DataLoader(
+        dataset.view(),
+        batch_size=None,
+        shuffle=False,
+        num_workers=num_workers,
+        prefetch_factor=prefetch if num_workers else None,
+        pin_memory=pin,
+        generator=torch.Generator().manual_seed(dataset.seed),
+    )
 
 
 class EvalDataset(PackedDataset):

@@ -10,10 +10,9 @@ so a run with evaluations trains exactly as one without.
 from __future__ import annotations
 
 import torch
-from torch.utils.data import DataLoader
 
 from . import distributed
-from .data import EvalDataset
+from .data import EvalDataset, loader
 from .model import move_batch
 
 
@@ -31,22 +30,14 @@ def evaluate(
     prefetch: int = 2,
 ) -> float:
     """The token-mean loss of `model` over the evaluation set (every rank calls it, and gets the same)."""
-    loader = DataLoader(
-        dataset.view(),
-        batch_size=None,
-        shuffle=False,
-        num_workers=num_workers,
-        prefetch_factor=prefetch if num_workers else None,
-        pin_memory=device.type == "cuda",
-        generator=torch.Generator().manual_seed(dataset.seed),
-    )
+    batches = loader(dataset, num_workers, prefetch, device.type == "cuda")
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     tokens = 0
     try:
         with torch.no_grad():
-            for batch in loader:
+            for batch in batches:
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                     result = model(move_batch(batch, device, dtype))
                 if batch["counted"]:

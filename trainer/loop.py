@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
 from . import checkpoint, distributed, lora, param_groups
 from .accounting import RunAccounting
 from .attention import resolve_attention
 from .config import DEFAULT_MAX_STEPS, SFTSpecCore
 from .data import DEFAULT_PAD_TOKEN_ID, EvalDataset, PackedDataset, eval_dataset
+from .data import loader as data_loader
 from .evaluate import due, evaluate
 from .loss import global_label_tokens, micro_batch_objective
 from .media import PixelSpec
@@ -55,23 +55,9 @@ def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
 
 
 def batches(dataset: PackedDataset, num_workers: int, prefetch: int, pin: bool) -> Iterator[dict[str, Any]]:
-    """Micro-batches forever, epoch after epoch, starting at the dataset's saved position.
-
-    Each loader gets its own generator: a DataLoader iterator draws its workers' base seed from
-    the generator it is given, else from the global torch RNG, and a resumed run (which starts a
-    loader at the resume point) would then leave the global RNG one draw off the straight run.
-    """
+    """Micro-batches forever, epoch after epoch, starting at the dataset's saved position."""
     while True:
-        loader = DataLoader(
-            dataset.view(),
-            batch_size=None,
-            shuffle=False,
-            num_workers=num_workers,
-            prefetch_factor=prefetch if num_workers else None,
-            pin_memory=pin,
-            generator=torch.Generator().manual_seed(dataset.seed),
-        )
-        yield from loader
+        yield from data_loader(dataset, num_workers, prefetch, pin)
 
 
 @dataclass

@@ -21,6 +21,7 @@ import argparse
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -133,14 +134,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(*args.child, args.max_length, args.steps, args.threads)))
         return 0
+    return run_cases(args, CASES, "none", "freeze", __file__, "bench_freeze_memory")
+
+
+def run_cases(args: argparse.Namespace, cases: Sequence[str], base: str, label: str, script: str,
+              name: str) -> int:
+    """Each (shape, case) in a child process of `script`, a table of peak RSS and the growth saved
+    against the `base` case, and the rows as JSON (shared with bench_lora_memory)."""
     rows: list[dict[str, Any]] = []
     for shape in args.shapes:
         need, available = estimate_bytes(shape), _kib("MemAvailable:", "/proc/meminfo") * 1024
         if need > available:
             print(f"{shape}: skipped, needs ~{need / GIB:.1f} GiB, {available / GIB:.1f} GiB available")
             continue
-        for case in CASES:
-            cmd = [sys.executable, __file__, "--child", shape, case, "--max-length", str(args.max_length)]
+        for case in cases:
+            cmd = [sys.executable, script, "--child", shape, case, "--max-length", str(args.max_length)]
             cmd += ["--steps", str(args.steps), "--threads", str(args.threads)]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if proc.returncode != 0:
@@ -148,19 +156,19 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(f"{shape} {case}: {json.dumps(rows[-1])}", flush=True)
-    print(f"\n{'shape':6} {'freeze':14} {'trainable':>12} {'frozen':>12} {'built GiB':>10} {'peak RSS GiB':>13} "
+    print(f"\n{'shape':6} {label:16} {'trainable':>12} {'frozen':>12} {'built GiB':>10} {'peak RSS GiB':>13} "
           f"{'growth GiB':>11} {'growth saved':>13}")  # fmt: skip
     for row in rows:
-        base = next(r for r in rows if r["shape"] == row["shape"] and r["case"] == "none")
+        first = next(r for r in rows if r["shape"] == row["shape"] and r["case"] == base)
         row["growth_gib"] = row["peak_rss_gib"] - row["built_rss_gib"]
-        saved = 1 - row["growth_gib"] / (base["peak_rss_gib"] - base["built_rss_gib"])
+        saved = 1 - row["growth_gib"] / (first["peak_rss_gib"] - first["built_rss_gib"])
         print(
-            f"{row['shape']:6} {row['case']:14} {row['trainable_params']:>12,} {row['frozen_params']:>12,} "
+            f"{row['shape']:6} {row['case']:16} {row['trainable_params']:>12,} {row['frozen_params']:>12,} "
             f"{row['built_rss_gib']:>10.2f} {row['peak_rss_gib']:>13.2f} {row['growth_gib']:>11.2f} {saved:>13.1%}"
         )
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    name = "bench_freeze_memory.quick.json" if args.quick else "bench_freeze_memory.json"
-    (args.results_dir / name).write_text(json.dumps({"rows": rows, "max_length": args.max_length}, indent=1))
+    out = f"{name}.quick.json" if args.quick else f"{name}.json"
+    (args.results_dir / out).write_text(json.dumps({"rows": rows, "max_length": args.max_length}, indent=1))
     return 0
 
 

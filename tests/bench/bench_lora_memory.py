@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -100,37 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(*args.child, args.max_length, args.steps, args.threads)))
         return 0
-    rows: list[dict[str, Any]] = []
-    for shape in args.shapes:
-        need = freeze_bench.estimate_bytes(shape)
-        available = freeze_bench._kib("MemAvailable:", "/proc/meminfo") * 1024
-        if need > available:
-            print(f"{shape}: skipped, needs ~{need / GIB:.1f} GiB, {available / GIB:.1f} GiB available")
-            continue
-        for case in cases:
-            cmd = [sys.executable, __file__, "--child", shape, case, "--max-length", str(args.max_length)]
-            cmd += ["--steps", str(args.steps), "--threads", str(args.threads)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if proc.returncode != 0:
-                print(proc.stderr[-3000:], file=sys.stderr)
-                return 1
-            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            print(f"{shape} {case}: {json.dumps(rows[-1])}", flush=True)
-    print(f"\n{'shape':6} {'case':16} {'trainable':>12} {'frozen':>12} {'built GiB':>10} {'peak RSS GiB':>13} "
-          f"{'growth GiB':>11} {'growth saved':>13}")  # fmt: skip
-    for row in rows:
-        base = next(r for r in rows if r["shape"] == row["shape"] and r["case"] == "full")
-        row["growth_gib"] = row["peak_rss_gib"] - row["built_rss_gib"]
-        saved = 1 - row["growth_gib"] / (base["peak_rss_gib"] - base["built_rss_gib"])
-        print(
-            f"{row['shape']:6} {row['case']:16} {row['trainable_params']:>12,} {row['frozen_params']:>12,} "
-            f"{row['built_rss_gib']:>10.2f} {row['peak_rss_gib']:>13.2f} {row['growth_gib']:>11.2f} {saved:>13.1%}"
-        )
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    name = "bench_lora_memory.quick.json" if args.quick else "bench_lora_memory.json"
-    (args.results_dir / name).write_text(json.dumps({"rows": rows, "max_length": args.max_length}, indent=1))
-    return 0
-
+    return freeze_bench.run_cases(args, cases, "full", "case", __file__, "bench_lora_memory")
 
 if __name__ == "__main__":
     sys.exit(main())
