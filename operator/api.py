@@ -286,7 +286,7 @@ class PackJobSpec(CamelModel):
                 },
                 *immutable_rules(
                     "PackJob",
-                    ["source", "model", "packing", "output", "workers", "volumes"],
+                    ["source", "model", "packing", "output", "workers", "volumes", "queueName"],
                     required=frozenset({"source", "model", "output"}),
                 ),
             ]
@@ -298,7 +298,14 @@ class PackJobSpec(CamelModel):
     packing: PackingConfig = Field(default_factory=PackingConfig)
     output: PackOutput
     workers: PackWorkers = Field(default_factory=PackWorkers)
-    volumes: list[ClaimMount] = Field(default_factory=list, max_length=16)
+    volumes: list[ClaimMount] = Field(
+        default_factory=list, max_length=16, description="More claims mounted into every stage pod."
+    )
+    queue_name: str | None = Field(
+        None,
+        description="Kueue LocalQueue: the stage Jobs carry kueue.x-k8s.io/queue-name and are created "
+        "suspended, each started when the queue admits it.",
+    )
 
     @model_validator(mode="after")
     def _unique_mounts(self) -> PackJobSpec:
@@ -315,23 +322,33 @@ class PackJobSpec(CamelModel):
 class Condition(CamelModel):
     """metav1.Condition."""
 
-    type: str
-    status: Literal["True", "False", "Unknown"]
-    reason: str = Field(..., pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
-    message: str = ""
-    last_transition_time: str
-    observed_generation: int | None = None
+    type: str = Field(..., description="Created, Running, Suspended, Succeeded, Failed, Degraded, Ready, DataReady.")
+    status: Literal["True", "False", "Unknown"] = Field(..., description="Whether the condition holds.")
+    reason: str = Field(
+        ..., pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", description="Why, as one CamelCase word."
+    )
+    message: str = Field("", description="Why, for a person: what happened and what to do.")
+    last_transition_time: str = Field(..., description="When the status last flipped.")
+    observed_generation: int | None = Field(None, description="The generation it was set for.")
+
+
+class Blocked(CamelModel):
+    """A wait the operator bounds with a deadline."""
+
+    reason: str = Field(..., description="What the job waits on (PackJobNotFound, Unschedulable, …).")
+    since: str = Field(..., description="Since when, for this reason.")
 
 
 class PackStats(CamelModel):
     """What the packer reported (termination messages of its pods)."""
 
     samples_in: int | None = Field(None, description="Input records read by convert.")
-    samples_packed: int | None = None
-    samples_rejected: int | None = None
-    tokens: int | None = None
-    sequences: int | None = None
-    shards: int | None = None
+    samples_packed: int | None = Field(None, description="Samples placed in a packed sequence.")
+    samples_rejected: int | None = Field(None, description="Samples rejected (see rejects.jsonl in the pack).")
+    rejected_by_reason: dict[str, int] | None = Field(None, description="Rejected samples per reason.")
+    tokens: int | None = Field(None, description="Tokens of the packed samples.")
+    sequences: int | None = Field(None, description="Packed sequences.")
+    shards: int | None = Field(None, description="Shard files of the pack.")
     fill_ratio: float | None = Field(None, description="Real tokens / (sequences x maxLength).")
     padding_saved: float | None = Field(None, description="Padding avoided vs one sample per row.")
 
@@ -339,14 +356,27 @@ class PackStats(CamelModel):
 class PackJobStatus(CamelModel):
     """Written by the operator only."""
 
-    phase: PackPhase | None = None
+    phase: PackPhase | None = Field(None, description="Pending, a stage (Converting, Planning, Materializing), "
+                                                     "Succeeded or Failed.")
     stage: str | None = Field(None, description="Human-readable progress, e.g. `convert 3/4`.")
-    observed_generation: int | None = None
-    start_time: str | None = None
-    completion_time: str | None = None
-    conditions: list[Condition] = Field(default_factory=list)
-    stats: PackStats | None = None
+    percent_done: int | None = Field(None, description="Share of all stage indexes finished, in percent.")
+    observed_generation: int | None = Field(None, description="The generation this status was computed for.")
+    start_time: str | None = Field(None, description="When the operator first saw the PackJob.")
+    completion_time: str | None = Field(None, description="When it succeeded or failed.")
+    last_progress_time: str | None = Field(
+        None, description="When the stage or its share done last moved (the stall deadline counts from it)."
+    )
+    blocked: Blocked | None = Field(None, description="Since when the PackJob is blocked, and why.")
+    stage_seconds: dict[str, float] | None = Field(
+        None, description="Finished stages and how long each ran (kept after their Jobs are deleted)."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Created, Running, Suspended, Succeeded, Failed, Degraded and Ready."
+    )
+    stats: PackStats | None = Field(None, description="Counts the packer reported.")
     output_path: str | None = Field(None, description="The pack folder inside the output claim's mount.")
+    claim_name: str | None = Field(None, description="The PersistentVolumeClaim holding the pack.")
+    sub_path: str | None = Field(None, description="The pack folder inside that claim.")
     manifest_digest: str | None = Field(None, description="sha256 of the pack's manifest.json.")
 
 
@@ -360,10 +390,22 @@ class PackJob(CamelModel):
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Stage", "type": "string", "jsonPath": ".status.stage"},
         {
+            "name": "Done%",
+            "type": "integer",
+            "jsonPath": ".status.percentDone",
+            "description": "Share of the stage work finished",
+        },
+        {
             "name": "Samples",
             "type": "integer",
             "jsonPath": ".status.stats.samplesPacked",
             "description": "Samples packed",
+        },
+        {
+            "name": "Rejected",
+            "type": "integer",
+            "jsonPath": ".status.stats.samplesRejected",
+            "description": "Samples rejected",
         },
         {
             "name": "Fill",
@@ -521,30 +563,45 @@ class TrainingJobRef(CamelModel):
 
 
 class TrainProgress(CamelModel):
-    """Last progress the trainer reported (its JSON summary)."""
+    """Last progress the trainer reported (its metrics while running, its summary at the end)."""
 
-    step: int | None = None
-    max_steps: int | None = None
-    loss: float | None = None
+    step: int | None = Field(None, description="Optimizer steps done.")
+    max_steps: int | None = Field(None, description="Steps of the whole run, when known up front.")
+    loss: float | None = Field(None, description="Loss of the last step.")
     eval_loss: float | None = Field(None, description="Token-mean loss over the evaluation set, last evaluated.")
-    tokens_per_second: float | None = None
-    updated_at: str | None = None
+    tokens_per_second: float | None = Field(None, description="Token slots processed per second.")
+    updated_at: str | None = Field(None, description="When this was read.")
+
+
+class TrainFailure(CamelModel):
+    """A trainer pod that exited non-zero, kept after the training job deleted the pod."""
+
+    pod: str = Field(..., description="The pod's name.")
+    exit_code: int = Field(..., description="The trainer's exit code (2: configuration, ≥128: a signal).")
+    reason: str = Field(..., description="The kubelet's reason (Error, OOMKilled, …).")
+    message: str = Field(..., description="The trainer's termination message: its error, short.")
+    time: str = Field(..., description="When the operator saw it.")
 
 
 class SFTJobStatus(CamelModel):
     """Written by the operator only."""
 
-    phase: SFTPhase | None = None
-    observed_generation: int | None = None
-    start_time: str | None = None
-    completion_time: str | None = None
-    conditions: list[Condition] = Field(default_factory=list)
-    training_job: TrainingJobRef | None = None
+    phase: SFTPhase | None = Field(None, description="Pending, WaitingForData, Running, Suspended, Succeeded or Failed.")
+    observed_generation: int | None = Field(None, description="The generation this status was computed for.")
+    start_time: str | None = Field(None, description="When the operator first saw the SFTJob.")
+    completion_time: str | None = Field(None, description="When it succeeded or failed.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Created, Running, Suspended, Succeeded, Failed, Degraded, Ready and DataReady.",
+    )
+    training_job: TrainingJobRef | None = Field(None, description="The child PyTorchJob or TrainJob.")
     data_path: str | None = Field(None, description="The pack folder the run reads.")
     replica_statuses: dict[str, dict[str, Any]] | None = Field(
         None, description="Mirrored from the child job."
     )
-    progress: TrainProgress | None = None
+    progress: TrainProgress | None = Field(None, description="Live progress while running, the summary at the end.")
+    last_failure: TrainFailure | None = Field(None, description="The last trainer pod that exited non-zero.")
+    blocked: Blocked | None = Field(None, description="Since when the SFTJob is blocked, and why.")
 
 
 class SFTJob(CamelModel):
@@ -555,6 +612,9 @@ class SFTJob(CamelModel):
     SHORT_NAMES: ClassVar[list[str]] = ["sft"]
     PRINTER_COLUMNS: ClassVar[list[dict[str, str]]] = [
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step", "description": "Steps done"},
+        {"name": "Max", "type": "integer", "jsonPath": ".status.progress.maxSteps", "description": "Steps in all"},
+        {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss", "description": "Last loss"},
         {"name": "Backend", "type": "string", "jsonPath": ".spec.backend"},
         {"name": "Nodes", "type": "integer", "jsonPath": ".spec.resources.nodes"},
         {

@@ -30,6 +30,7 @@ from .api import (
     SFTJobSpec,
 )
 from .commands import EXIT_CONFIG, INDEXED_STAGES, PackStage, pack_stage_command, train_command
+from .deadlines import Deadlines
 from .policy import Policy
 
 PACK_CONTAINER = "packer"
@@ -79,6 +80,15 @@ def _policy(raw: Any) -> Policy:
         raise ValueError(f"environment variable PACKTRAIN_POLICY (the chart's `policy` values) is invalid: {exc}") from exc
 
 
+def _deadlines(raw: Any) -> Deadlines:
+    if not isinstance(raw, dict):
+        raise ValueError(f"environment variable PACKTRAIN_DEADLINES (the chart's `deadlines`) must be a mapping, got {raw!r}")
+    try:
+        return Deadlines.from_dict(raw)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"environment variable PACKTRAIN_DEADLINES (the chart's `deadlines`) is invalid: {exc}") from exc
+
+
 @dataclass(frozen=True)
 class OperatorDefaults:
     """What a spec may leave out: images and the CPU/GPU pools, set by the Helm chart through env."""
@@ -100,12 +110,20 @@ class OperatorDefaults:
     fs_group: int = WORKLOAD_ID
     # What a CR may put into its pods (the chart's `policy` values); checked before any child is created.
     policy: Policy = field(default_factory=Policy)
+    # How long a finished stage Job stays (the Job controller deletes it and its pods after), None: kept.
+    job_ttl_seconds: int | None = 86400
+    # How long a job may stay blocked before it turns Failed or Degraded (the chart's `deadlines`).
+    deadlines: Deadlines = field(default_factory=Deadlines)
 
     def __post_init__(self) -> None:
         for name in ("run_as_user", "run_as_group", "fs_group"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer (a non-root id), got {value!r}")
+        if self.job_ttl_seconds is not None and (
+            isinstance(self.job_ttl_seconds, bool) or not isinstance(self.job_ttl_seconds, int) or self.job_ttl_seconds < 0
+        ):
+            raise ValueError(f"job_ttl_seconds must be a non-negative integer or null, got {self.job_ttl_seconds!r}")
         for name in ("cpu_resources", "gpu_resources"):
             try:
                 ResourceRequirements.model_validate(getattr(self, name))
@@ -115,7 +133,9 @@ class OperatorDefaults:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorDefaults:
         """`PACKTRAIN_PACKER_IMAGE`, `PACKTRAIN_TRAINER_IMAGE`, JSON `PACKTRAIN_{CPU,GPU}_{NODE_SELECTOR,TOLERATIONS,
-        RESOURCES}` and `PACKTRAIN_{RUN_AS_USER,RUN_AS_GROUP,FS_GROUP}`."""
+        RESOURCES}`, `PACKTRAIN_{RUN_AS_USER,RUN_AS_GROUP,FS_GROUP}`, `PACKTRAIN_JOB_TTL_SECONDS` (JSON: a
+        number, or null to keep finished Jobs) and `PACKTRAIN_DEADLINES` (JSON: dataWaitSeconds,
+        unschedulableSeconds, stallSeconds)."""
         env = os.environ if env is None else env
         base = cls()
         return cls(
@@ -131,6 +151,8 @@ class OperatorDefaults:
             run_as_group=_json_env(env, "PACKTRAIN_RUN_AS_GROUP", base.run_as_group),
             fs_group=_json_env(env, "PACKTRAIN_FS_GROUP", base.fs_group),
             policy=_policy(_json_env(env, "PACKTRAIN_POLICY", {})),
+            job_ttl_seconds=_json_env(env, "PACKTRAIN_JOB_TTL_SECONDS", base.job_ttl_seconds),
+            deadlines=_deadlines(_json_env(env, "PACKTRAIN_DEADLINES", {})),
         )
 
 
@@ -327,6 +349,7 @@ def pack_job(
     indexed = stage in INDEXED_STAGES
     count = workers.count if indexed else 1
     labels = _labels(f"pack-{stage}", PACKJOB_LABEL, name, **{STAGE_LABEL: stage})
+    job_labels = {**labels, QUEUE_LABEL: spec.queue_name} if spec.queue_name else labels
     job_name = pack_job_name(name, stage)
     config_path = f"{CONFIG_DIR}/{PACK_CONFIG_FILE}"
     extra_volumes, extra_mounts = _extra_volumes(spec.volumes)
@@ -395,6 +418,10 @@ def pack_job(
         },
         "template": {"metadata": _pod_metadata(labels, workers.pod_annotations), "spec": pod_spec},
     }
+    if defaults.job_ttl_seconds is not None:
+        job_spec["ttlSecondsAfterFinished"] = defaults.job_ttl_seconds
+    if spec.queue_name:
+        job_spec["suspend"] = True  # created suspended: the queue (Kueue) admits it by unsuspending it
     if indexed:
         job_spec["completionMode"] = "Indexed"
         job_spec["backoffLimitPerIndex"] = workers.backoff_limit_per_index
@@ -405,7 +432,7 @@ def pack_job(
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": job_name, "namespace": namespace, "labels": labels},
+        "metadata": {"name": job_name, "namespace": namespace, "labels": job_labels},
         "spec": job_spec,
     }
 
@@ -496,7 +523,8 @@ def _train_resources(spec: SFTJobSpec, defaults: OperatorDefaults) -> dict[str, 
         limits["cpu"] = res.cpu
     if res.memory is not None:
         limits["memory"] = res.memory
-    return with_default_requests({"limits": limits, "requests": dict(limits)}, defaults.gpu_resources)
+    pool = defaults.gpu_resources if res.gpus_per_node else defaults.cpu_resources
+    return with_default_requests({"limits": limits, "requests": dict(limits)}, pool)
 
 
 def _train_volumes(name: str, spec: SFTJobSpec, data: DataSource) -> tuple[list[dict], list[dict]]:
@@ -533,11 +561,18 @@ def _train_metadata(name: str, namespace: str, spec: SFTJobSpec) -> dict[str, An
 
 
 def _train_scheduling(spec: SFTJobSpec, defaults: OperatorDefaults) -> dict[str, Any]:
-    """The training pods' placement: the SFTJob's own, else the operator's GPU pool."""
+    """The training pods' placement: the SFTJob's own, else the operator's GPU pool (CPU pool with no GPUs)."""
     res = spec.resources
-    return _scheduling(
-        res.node_selector, res.tolerations, res.affinity, defaults.gpu_node_selector, defaults.gpu_tolerations
-    )
+    if res.gpus_per_node == 0:
+        selector, tolerations = defaults.cpu_node_selector, defaults.cpu_tolerations
+    else:
+        selector, tolerations = defaults.gpu_node_selector, defaults.gpu_tolerations
+    return _scheduling(res.node_selector, res.tolerations, res.affinity, selector, tolerations)
+
+
+def created_suspended(spec: SFTJobSpec) -> bool:
+    """Suspended at creation when asked, or when queued: the queue (Kueue) admits it by unsuspending it."""
+    return spec.suspend or bool(spec.queue_name)
 
 
 def _train_command(name: str, spec: SFTJobSpec, data: DataSource) -> list[str]:
@@ -606,7 +641,7 @@ def pytorch_job(
             "runPolicy": {
                 "backoffLimit": spec.backoff_limit,
                 "cleanPodPolicy": spec.clean_pod_policy,
-                "suspend": spec.suspend,
+                "suspend": created_suspended(spec),
             },
             "pytorchReplicaSpecs": replicas,
         },
@@ -646,7 +681,7 @@ def train_job(
         "metadata": _train_metadata(name, namespace, spec),
         "spec": {
             "runtimeRef": {"apiGroup": "trainer.kubeflow.org", "kind": runtime.kind, "name": runtime.name},
-            "suspend": spec.suspend,
+            "suspend": created_suspended(spec),
             "trainer": trainer,
             "podTemplateOverrides": [
                 {

@@ -56,6 +56,12 @@ def _operator_parser(sub: argparse._SubParsersAction) -> None:
         metavar="NAME",
         help="coordinate with other operator replicas through this KopfPeering (default: standalone)",
     )
+    p.add_argument(
+        "--log-format",
+        choices=("plain", "full", "json"),
+        default="full",
+        help="log lines as text (plain: no timestamps) or JSON objects; each names its resource (default: %(default)s)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -82,9 +88,9 @@ def parser() -> argparse.ArgumentParser:
 def run_operator(args: argparse.Namespace) -> int:
     import kopf
 
-    from . import handlers  # noqa: F401  (registers the handlers)
+    from . import handlers, logs  # noqa: F401  (registers the handlers)
 
-    kopf.configure(verbose=args.verbose)
+    logs.configure(args.log_format, args.verbose)
     kopf.run(
         standalone=args.peering is None,
         peering_name=args.peering,

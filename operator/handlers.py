@@ -1,13 +1,17 @@
-"""kopf handlers: read the cluster, ask `builders`/`status` what to do, write the result.
+"""kopf handlers: read the cached view, ask `builders`/`status` what to do, write the result.
 
 Event-driven, without kopf timers or daemons, so kopf puts no finalizer on
 PackJobs or SFTJobs: deleting one never waits for the operator, and the garbage
 collector removes the children it owns. A parent is reconciled when it is created
-or the operator starts (`resume`), and again on every event of a child it owns
-(Jobs, pods, PyTorchJobs/TrainJobs; SFTJobs also on their PackJob's events).
-Every create is "if absent" under a deterministic name, so a restart mid-run, or
-two events racing, never makes a duplicate; every status write is conditional on
-the resourceVersion it was computed from, so a stale view never overwrites a newer one.
+or the operator starts (`resume`), on every event of a child it owns (Jobs, pods,
+PyTorchJobs/TrainJobs; SFTJobs also on their PackJob's events), and by one sweep
+every `RESYNC_INTERVAL` seconds that bounds the waits (`status.Deadlines`).
+
+Reads come from kopf indexes (`view.CachedKube`), filled by the watches kopf runs anyway,
+so an event costs no API read. Every create is "if absent" under a deterministic name,
+so a restart mid-run, a stale cache or two events racing never makes a duplicate; every
+status write is conditional on the resourceVersion it was computed from, so a stale view
+never overwrites a newer one.
 """
 
 from __future__ import annotations
@@ -20,91 +24,36 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-import aiohttp
 import kopf
 import kubernetes
 from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
-from . import builders, metrics, policy, scrape
+from . import builders, logs, metrics, policy, progress
 from . import status as st
 from .api import GROUP, VERSION, PackJobSpec, SFTJobSpec
+from .view import CachedKube, Kube
 
 log = logging.getLogger("packtrain.operator")
 
-PLURALS = {"Job": "jobs", "PyTorchJob": "pytorchjobs", "TrainJob": "trainjobs"}
 CHILD_KINDS = {
     "pytorchjob": ("kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"),
     "trainjob": ("trainer.kubeflow.org", "v1alpha1", "trainjobs", "TrainJob"),
 }
+RESYNC_INTERVAL = float(os.environ.get("PACKTRAIN_RESYNC_INTERVAL", "60"))
+
+__all__ = ["Kube", "reconcile_packjob", "reconcile_sftjob", "write_status"]
 
 
 def now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-class Kube:
-    """The few API calls the operator makes, returning plain camelCase dicts."""
-
-    def __init__(self, client: kubernetes.client.ApiClient | None = None) -> None:
-        self.client = client or kubernetes.client.ApiClient()
-        self.custom = kubernetes.client.CustomObjectsApi(self.client)
-        self.core = kubernetes.client.CoreV1Api(self.client)
-
-    def get(self, group: str, version: str, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            return self.custom.get_namespaced_custom_object(group, version, namespace, plural, name)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-
-    def list(self, group: str, version: str, plural: str, namespace: str) -> list[dict[str, Any]]:
-        return self.custom.list_namespaced_custom_object(group, version, namespace, plural).get("items", [])
-
-    def create(self, body: dict[str, Any]) -> bool:
-        """Create unless it exists; True when this call created it."""
-        group, _, version = body["apiVersion"].rpartition("/")
-        namespace = body["metadata"]["namespace"]
-        try:
-            if body["kind"] == "ConfigMap":
-                self.core.create_namespaced_config_map(namespace, body)
-            else:
-                self.custom.create_namespaced_custom_object(
-                    group, version, namespace, PLURALS[body["kind"]], body
-                )
-        except ApiException as exc:
-            if exc.status == 409:
-                return False
-            raise
-        return True
-
-    def patch(self, group: str, version: str, plural: str, namespace: str, name: str, body: dict) -> None:
-        self.custom.patch_namespaced_custom_object(group, version, namespace, plural, name, body)
-
-    def patch_status(
-        self, plural: str, namespace: str, name: str, status: dict[str, Any], resource_version: str
-    ) -> None:
-        """Merge-patch the status, refused (409) if the object changed since `resource_version` was read."""
-        body = {"metadata": {"resourceVersion": resource_version}, "status": status}
-        self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, plural, name, body)
-
-    def merge_status(self, plural: str, namespace: str, name: str, status: dict[str, Any]) -> None:
-        """Merge-patch part of the status unconditionally (fields no reconcile derives, like progress)."""
-        self.custom.patch_namespaced_custom_object_status(
-            GROUP, VERSION, namespace, plural, name, {"status": status}
-        )
-
-    def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
-        pods = self.core.list_namespaced_pod(namespace, label_selector=selector).items
-        return [self.client.sanitize_for_serialization(p) for p in pods]
-
-
 class ChildRefused(Exception):
     """The API server refused a child for good (a quota or an admission policy, an invalid object)."""
 
 
-def _create_owned(kube: Kube, owner: Mapping[str, Any], child: dict[str, Any]) -> None:
+def _create_owned(kube: Any, owner: Mapping[str, Any], child: dict[str, Any]) -> None:
     kopf.adopt(child, owner=dict(owner))
     try:
         created = kube.create(child)
@@ -116,7 +65,9 @@ def _create_owned(kube: Kube, owner: Mapping[str, Any], child: dict[str, Any]) -
             ) from exc
         raise
     if created:
-        log.info("created %s %s/%s", child["kind"], child["metadata"]["namespace"], child["metadata"]["name"])
+        meta = child["metadata"]
+        log.info("created %s %s/%s", child["kind"], meta["namespace"], meta["name"],
+                 extra=logs.ref(owner["kind"], meta["namespace"], owner["metadata"]["name"]))
 
 
 def _child_refused(kind: str, body: Mapping[str, Any], exc: ChildRefused) -> dict[str, Any]:
@@ -143,9 +94,9 @@ def _failed(body: Mapping[str, Any], reason: str, message: str) -> dict[str, Any
     """A terminal `Failed` status; `_post_transition` turns it into a Warning Event."""
     prev = body.get("status") or {}
     generation = body["metadata"].get("generation")
-    conds = prev.get("conditions") or []
-    for ctype, value in (("Ready", False), ("Succeeded", False), ("Failed", True)):
-        conds = st.set_condition(conds, ctype, value, reason, message, now(), generation)
+    conds = st.lifecycle_conditions(
+        prev.get("conditions") or [], st.Outcome("Failed", reason, message), now(), generation
+    )
     return {
         "phase": "Failed",
         "observedGeneration": generation,
@@ -155,21 +106,26 @@ def _failed(body: Mapping[str, Any], reason: str, message: str) -> dict[str, Any
 
 
 def _post_transition(kind: str, body: Mapping[str, Any], status: Mapping[str, Any]) -> None:
-    """Event on the custom resource when its phase or reason changed, and the phase gauge."""
+    """Event on the custom resource when its phase or reason changed, the phase gauge, stage durations."""
     prev = body.get("status") or {}
-    prev_reason = (st.get_condition(prev.get("conditions"), "Ready") or {}).get("reason")
-    event = st.transition_event(prev.get("phase"), prev_reason, status)
+    event = st.transition_event(prev.get("phase"), st.event_reason(prev), status)
     if event is not None:
         kopf.event(dict(body), type=event[0], reason=event[1], message=event[2])
     meta = body["metadata"]
     metrics.PHASES.record(kind, f"{meta['namespace']}/{meta['name']}", status.get("phase"))
+    # One observation per stage per pack: only the write that first records a stage observes it,
+    # and that write is conditional, so neither a racing event nor a restart observes it again.
+    before = prev.get("stageSeconds") or {}
+    for stage, seconds in (status.get("stageSeconds") or {}).items():
+        if stage not in before:
+            metrics.STAGE_SECONDS.labels(stage).observe(seconds)
 
 
 # PackJob
 
 
 def reconcile_packjob(
-    kube: Kube, body: Mapping[str, Any], defaults: builders.OperatorDefaults
+    kube: Any, body: Mapping[str, Any], defaults: builders.OperatorDefaults
 ) -> dict[str, Any]:
     """Create the next stage's Job if it is missing; return the PackJob's new status."""
     metrics.RECONCILES.labels("PackJob").inc()
@@ -191,26 +147,25 @@ def reconcile_packjob(
         for stage, job in jobs.items()
         if job is not None
     }
-    decision = st.pack_status(name, meta.get("generation"), spec, jobs, pods, prev, now())
+    decision = st.pack_status(
+        name, meta.get("generation"), spec, jobs, pods, prev, now(), defaults.deadlines
+    )
     if decision.create is not None:
         if violations := policy.check(spec, defaults):
             return _refused("PackJob", body, violations)
         try:
-            _create_owned(kube, body, builders.pack_config_map(name, namespace, spec))
+            if decision.create == st.PACK_STAGES[0]:  # the stages share the config the first one gets
+                _create_owned(kube, body, builders.pack_config_map(name, namespace, spec))
             _create_owned(kube, body, builders.pack_job(name, namespace, spec, decision.create, defaults))
         except ChildRefused as exc:
             return _child_refused("PackJob", body, exc)
-    prev_phase = prev.get("phase")
-    for stage, seconds in decision.stage_durations.items():
-        if prev_phase == st.STAGE_PHASE[stage] and decision.status.get("phase") != prev_phase:
-            metrics.STAGE_SECONDS.labels(stage).observe(seconds)
     return decision.status
 
 
 RECONCILERS = {"packjobs": ("PackJob", reconcile_packjob)}
 
 
-def write_status(memo: kopf.Memo, plural: str, body: Mapping[str, Any]) -> None:
+def write_status(memo: kopf.Memo, plural: str, body: Mapping[str, Any], **hints: Any) -> None:
     """Reconcile and store the status, retrying on a conflicting write so a stale view never wins.
 
     Several events can reconcile one parent at once (its own, its children's); the
@@ -218,10 +173,11 @@ def write_status(memo: kopf.Memo, plural: str, body: Mapping[str, Any]) -> None:
     since, otherwise read again and recomputed.
     """
     kind, reconcile = RECONCILERS[plural]
+    kube = memo.view if "view" in memo else memo.kube
     meta = body["metadata"]
     for _ in range(5):
         try:
-            status = reconcile(memo.kube, body, memo.defaults)
+            status = reconcile(kube, body, memo.defaults, **hints)
         except Exception as exc:
             metrics.ERRORS.labels(kind, type(exc).__name__).inc()
             raise
@@ -229,58 +185,143 @@ def write_status(memo: kopf.Memo, plural: str, body: Mapping[str, Any]) -> None:
             metrics.PHASES.record(kind, f"{meta['namespace']}/{meta['name']}", status.get("phase"))
             return
         try:
-            memo.kube.patch_status(plural, meta["namespace"], meta["name"], status, meta["resourceVersion"])
+            kube.patch_status(plural, meta["namespace"], meta["name"], status, meta["resourceVersion"])
         except ApiException as exc:
             if exc.status != 409:
                 raise
-            fresh = memo.kube.get(GROUP, VERSION, plural, meta["namespace"], meta["name"])
+            # Someone wrote since (kopf's own annotations, another event's status): its watch event
+            # brings the newer object into the cache moments later; the API is asked only if it does not.
+            waited = kube.wait_newer(plural, meta["namespace"], meta["name"], meta["resourceVersion"]) \
+                if hasattr(kube, "wait_newer") else None
+            fresh = waited or memo.kube.get(GROUP, VERSION, plural, meta["namespace"], meta["name"])
             if fresh is None or fresh["metadata"].get("deletionTimestamp"):
                 return
             body, meta = fresh, fresh["metadata"]
             continue
         _post_transition(kind, body, status)
-        if plural == "sftjobs":
-            _track_running(memo, body, status)
         return
     raise kopf.TemporaryError(f"{kind} {meta['name']} kept changing while its status was written", delay=5)
 
 
-def _parent_event(memo: kopf.Memo, plural: str, namespace: str, name: str) -> None:
-    parent = memo.kube.get(GROUP, VERSION, plural, namespace, name)
+def _parent_event(memo: kopf.Memo, plural: str, namespace: str, name: str, **hints: Any) -> None:
+    parent = memo.view.get(GROUP, VERSION, plural, namespace, name)
     if parent is not None and not parent["metadata"].get("deletionTimestamp"):
-        write_status(memo, plural, parent)
+        write_status(memo, plural, parent, **hints)
+
+
+def _sync(memo: kopf.Memo, indexes: Mapping[str, Any]) -> None:
+    """Point the cached view at the indexes kopf passed to this handler (the same objects every call).
+
+    kopf gives each resource object a shallow copy of the startup memo: the view itself is
+    created at startup, so every handler and the sweep share it.
+    """
+    memo.view.indexes = indexes
+
+
+# Indexes: the cached view the reconcilers read (kopf fills them from its watches).
+
+
+def _key(namespace: str | None, name: str) -> tuple[str, str]:
+    return (namespace or "", name)
+
+
+@kopf.index("batch", "v1", "jobs", labels={builders.PACKJOB_LABEL: kopf.PRESENT})
+def job_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return {_key(namespace, name): dict(body)}
+
+
+@kopf.index("", "v1", "pods", labels={builders.PACKJOB_LABEL: kopf.PRESENT})
+def pack_pod_index(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return {(builders.JOB_NAME_LABEL, *_key(namespace, labels.get(builders.JOB_NAME_LABEL, ""))): dict(body)}
+
+
+@kopf.index("", "v1", "pods", labels={builders.SFTJOB_LABEL: kopf.PRESENT})
+def sft_pod_index(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return {(builders.SFTJOB_LABEL, *_key(namespace, labels[builders.SFTJOB_LABEL])): dict(body)}
+
+
+@kopf.index("kubeflow.org", "v1", "pytorchjobs", labels={builders.SFTJOB_LABEL: kopf.PRESENT})
+def pytorchjob_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return {_key(namespace, name): dict(body)}
+
+
+@kopf.index("trainer.kubeflow.org", "v1alpha1", "trainjobs", labels={builders.SFTJOB_LABEL: kopf.PRESENT})
+def trainjob_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return {_key(namespace, name): dict(body)}
+
+
+@kopf.index(GROUP, VERSION, "packjobs")
+def packjob_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return {_key(namespace, name): dict(body)}
+
+
+@kopf.index(GROUP, VERSION, "sftjobs")
+def sftjob_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return {_key(namespace, name): dict(body)}
+
+
+# PackJob handlers
 
 
 @kopf.on.resume(GROUP, VERSION, "packjobs")
 @kopf.on.create(GROUP, VERSION, "packjobs")
-def packjob_start(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    write_status(memo, "packjobs", body)
+def packjob_start(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
+    _sync(memo, kwargs)
+    write_status(memo, "packjobs", memo.view.get(GROUP, VERSION, "packjobs", body.metadata.namespace,
+                                                 body.metadata.name) or dict(body))
 
 
 @kopf.on.event("batch", "v1", "jobs", labels={builders.PACKJOB_LABEL: kopf.PRESENT})
-def packjob_child_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **_: Any) -> None:
+def packjob_child_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **kwargs: Any) -> None:
     """A stage Job changed: move its PackJob on."""
+    _sync(memo, kwargs)
     _parent_event(memo, "packjobs", namespace, labels[builders.PACKJOB_LABEL])
 
 
 @kopf.on.event("", "v1", "pods", labels={builders.PACKJOB_LABEL: kopf.PRESENT})
-def packjob_pod_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **_: Any) -> None:
+def packjob_pod_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **kwargs: Any) -> None:
     """A stage pod changed (e.g. cannot be scheduled, which its Job does not report): refresh the PackJob."""
+    _sync(memo, kwargs)
     _parent_event(memo, "packjobs", namespace, labels[builders.PACKJOB_LABEL])
 
 
-@kopf.on.delete(GROUP, VERSION, "packjobs", optional=True)
-def packjob_deleted(namespace: str, name: str, **_: Any) -> None:
-    metrics.PHASES.forget("PackJob", f"{namespace}/{name}")
+@kopf.on.event(GROUP, VERSION, "packjobs")
+def packjob_event(
+    type: str | None, namespace: str, name: str, memo: kopf.Memo, **kwargs: Any
+) -> None:
+    """A PackJob changed or went: its gauge, and the SFTJobs that wait for (or train on) its pack."""
+    _sync(memo, kwargs)
+    if type == "DELETED":
+        _forget(memo, "PackJob", "packjobs", namespace, name)
+    for sft in memo.view.list(GROUP, VERSION, "sftjobs", namespace):
+        phase = (sft.get("status") or {}).get("phase")
+        data = (sft.get("spec") or {}).get("data") or {}
+        if phase not in st.TERMINAL and name in (data.get("packJobRef"), data.get("evalPackJobRef")):
+            write_status(memo, "sftjobs", sft)
+
+
+def _forget(memo: kopf.Memo, kind: str, plural: str, namespace: str, name: str) -> None:
+    """A deleted resource leaves the phase gauge and the caches (kopf runs no delete handler without a finalizer)."""
+    metrics.PHASES.forget(kind, f"{namespace}/{name}")
+    memo.latest.pop((plural, namespace, name), None)
+    memo.running.discard((namespace, name))
+    log.info("%s %s/%s deleted", kind, namespace, name, extra=logs.ref(kind, namespace, name))
 
 
 # SFTJob
 
 
 def reconcile_sftjob(
-    kube: Kube, body: Mapping[str, Any], defaults: builders.OperatorDefaults
+    kube: Any,
+    body: Mapping[str, Any],
+    defaults: builders.OperatorDefaults,
+    pod: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Wait for the data, create the training job once, and mirror its state."""
+    """Wait for the data, create the training job once, and mirror its state.
+
+    `pod`: the trainer pod of the event being handled, as the event carried it; a pod being
+    deleted is already gone from the cache, but its termination message is in this body.
+    """
     metrics.RECONCILES.labels("SFTJob").inc()
     meta = body["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
@@ -302,14 +343,14 @@ def reconcile_sftjob(
             packjob = kube.get(GROUP, VERSION, "packjobs", namespace, spec.data.pack_job_ref)
             readiness = st.data_readiness(spec.data.pack_job_ref, packjob)
             if not readiness.ready or packjob is None:
-                return st.waiting_status(generation, readiness, prev, now())
+                return st.waiting_status(generation, readiness, prev, now(), defaults.deadlines)
             pack_spec, pack_status = PackJobSpec.model_validate(packjob["spec"]), packjob.get("status")
         data = builders.data_source(spec, pack_spec, pack_status)
         if (eval_ref := spec.data.eval_pack_job_ref) is not None:
             evaljob = kube.get(GROUP, VERSION, "packjobs", namespace, eval_ref)
             readiness = st.data_readiness(eval_ref, evaljob)
             if not readiness.ready or evaljob is None:
-                return st.waiting_status(generation, readiness, prev, now())
+                return st.waiting_status(generation, readiness, prev, now(), defaults.deadlines)
             evals = builders.eval_source(data, eval_ref, PackJobSpec.model_validate(evaljob["spec"]))
             data = dataclasses.replace(data, eval=evals)
         data_path = data.path
@@ -327,17 +368,35 @@ def reconcile_sftjob(
                     delay=60,
                 ) from exc
             raise
-    progress = None
+    container = builders.TRAIN_CONTAINER if kind == "PyTorchJob" else builders.TRAINJOB_CONTAINER
     phase = st.child_phase(kind, child)[0]
     pods = kube.pods(namespace, f"{builders.SFTJOB_LABEL}={name}") if phase != "Suspended" else []
+    if pod is not None:
+        pods = [p for p in pods if p["metadata"]["name"] != pod["metadata"]["name"]] + [dict(pod)]
+    failure = next(
+        (f for f in (st.pod_failure(p, container, now()) for p in pods) if f is not None), None
+    )
+    known = prev.get("lastFailure") or {}
+    if failure and (failure["pod"], failure["exitCode"]) == (known.get("pod"), known.get("exitCode")):
+        failure = None  # already recorded (keep its first time)
+    train_progress = None
     if phase in st.TERMINAL:
-        for pod in pods:
-            term = st.terminated(
-                pod, builders.TRAIN_CONTAINER if kind == "PyTorchJob" else builders.TRAINJOB_CONTAINER
-            )
-            progress = progress or (st.train_progress(term.summary, now()) if term else None)
+        for p in pods:
+            term = st.terminated(p, container)
+            train_progress = train_progress or (st.train_progress(term.summary, now()) if term else None)
+        if train_progress is not None and (max_steps := spec.training.fixed_steps()) is not None:
+            train_progress["maxSteps"] = max_steps
+    data_gone = None
+    ref = spec.data.pack_job_ref
+    if ref is not None and phase not in st.TERMINAL and kube.get(GROUP, VERSION, "packjobs", namespace, ref) is None:
+        data_gone = (
+            f"PackJob {ref} was deleted while this SFTJob trains on its pack; the files stay on the claim "
+            f"until removed, but re-creating PackJob {ref} now would rewrite them under a running job"
+        )
     return st.sft_status(
-        generation, kind, child, data_path or spec.data.path or "", prev, now(), progress, pods=pods
+        generation, kind, child, data_path or spec.data.path or "", prev, now(), train_progress, pods=pods,
+        deadlines=defaults.deadlines, failure_seen=failure, data_gone=data_gone,
+        queued=spec.queue_name if phase == "Suspended" and not spec.suspend else None,
     )
 
 
@@ -346,41 +405,56 @@ RECONCILERS["sftjobs"] = ("SFTJob", reconcile_sftjob)
 
 @kopf.on.resume(GROUP, VERSION, "sftjobs")
 @kopf.on.create(GROUP, VERSION, "sftjobs")
-def sftjob_start(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    write_status(memo, "sftjobs", body)
+def sftjob_start(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
+    _sync(memo, kwargs)
+    write_status(memo, "sftjobs", memo.view.get(GROUP, VERSION, "sftjobs", body.metadata.namespace,
+                                                body.metadata.name) or dict(body))
 
 
 @kopf.on.event("kubeflow.org", "v1", "pytorchjobs", labels={builders.SFTJOB_LABEL: kopf.PRESENT})
-def sftjob_pytorchjob_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **_: Any) -> None:
+def sftjob_pytorchjob_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **kwargs: Any) -> None:
+    _sync(memo, kwargs)
     _parent_event(memo, "sftjobs", namespace, labels[builders.SFTJOB_LABEL])
 
 
 @kopf.on.event("trainer.kubeflow.org", "v1alpha1", "trainjobs", labels={builders.SFTJOB_LABEL: kopf.PRESENT})
-def sftjob_trainjob_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **_: Any) -> None:
+def sftjob_trainjob_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **kwargs: Any) -> None:
+    _sync(memo, kwargs)
     _parent_event(memo, "sftjobs", namespace, labels[builders.SFTJOB_LABEL])
 
 
 @kopf.on.event("", "v1", "pods", labels={builders.SFTJOB_LABEL: kopf.PRESENT})
-def sftjob_pod_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **_: Any) -> None:
-    _parent_event(memo, "sftjobs", namespace, labels[builders.SFTJOB_LABEL])
+def sftjob_pod_event(
+    namespace: str, labels: Mapping[str, str], body: kopf.Body, memo: kopf.Memo, **kwargs: Any
+) -> None:
+    """A trainer pod changed: mirror it, keeping its termination message before the pod is deleted."""
+    _sync(memo, kwargs)
+    _parent_event(memo, "sftjobs", namespace, labels[builders.SFTJOB_LABEL], pod=dict(body))
 
 
-@kopf.on.event(GROUP, VERSION, "packjobs")
-def sftjob_data_event(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
-    """A PackJob changed: SFTJobs waiting for it may start (or learn that it failed)."""
-    for sft in memo.kube.list(GROUP, VERSION, "sftjobs", namespace):
-        waiting = (sft.get("status") or {}).get("phase") in (None, "Pending", "WaitingForData")
-        data = (sft.get("spec") or {}).get("data") or {}
-        if waiting and name in (data.get("packJobRef"), data.get("evalPackJobRef")):
-            write_status(memo, "sftjobs", sft)
+@kopf.on.event(GROUP, VERSION, "sftjobs")
+def sftjob_event(type: str | None, namespace: str, name: str, body: kopf.Body, memo: kopf.Memo,
+                 **kwargs: Any) -> None:
+    """Track running SFTJobs for the progress scrape; forget deleted ones."""
+    _sync(memo, kwargs)
+    if type == "DELETED":
+        _forget(memo, "SFTJob", "sftjobs", namespace, name)
+    elif (body.get("status") or {}).get("phase") == "Running":
+        memo.running.add((namespace, name))
+    else:
+        memo.running.discard((namespace, name))
 
 
 @kopf.on.field(GROUP, VERSION, "sftjobs", field="spec.suspend")
 def sftjob_suspend(
     spec: kopf.Spec, name: str, namespace: str, old: Any, new: Any, memo: kopf.Memo, **_: Any
 ) -> None:
-    """Pass `spec.suspend` on to the training job (only on change, so Kueue's own toggling is left alone)."""
-    if old is None:
+    """Pass `spec.suspend` on to the training job (only on change, so Kueue's own toggling is left alone).
+
+    A queued job (spec.queueName) is resumed by its queue, not by the operator: clearing
+    `suspend` there is left to Kueue's admission.
+    """
+    if old is None or (not new and spec.get("queueName")):
         return
     group, version, plural, kind = CHILD_KINDS[spec.get("backend", "pytorchjob")]
     patch = (
@@ -395,83 +469,28 @@ def sftjob_suspend(
             raise
 
 
-@kopf.on.delete(GROUP, VERSION, "sftjobs", optional=True)
-def sftjob_deleted(namespace: str, name: str, **_: Any) -> None:
-    metrics.PHASES.forget("SFTJob", f"{namespace}/{name}")
+# Periodic sweep: bounded waits need a clock, not only events.
 
 
-# Training progress: scraped from rank 0's /metrics while a run is Running.
-
-PROGRESS_INTERVAL = float(os.environ.get("PACKTRAIN_PROGRESS_INTERVAL", "30"))
-
-
-def _track_running(memo: kopf.Memo, body: Mapping[str, Any], status: Mapping[str, Any]) -> None:
-    key = (body["metadata"]["namespace"], body["metadata"]["name"])
-    running = memo.setdefault("running", set())
-    if status.get("phase") == "Running":
-        running.add(key)
-    else:
-        running.discard(key)
-
-
-def _metrics_target(kube: Kube, namespace: str, name: str) -> tuple[str, int] | None:
-    """(the running master pod's /metrics URL, maxSteps), or None when there is nothing to scrape."""
-    body = kube.get(GROUP, VERSION, "sftjobs", namespace, name)
-    if body is None or (body.get("status") or {}).get("phase") != "Running":
-        return None
-    spec = SFTJobSpec.model_validate(body["spec"])
-    pod = st.master_pod(kube.pods(namespace, f"{builders.SFTJOB_LABEL}={name}"))
-    if pod is None:
-        return None
-    return scrape.metrics_url(pod["status"]["podIP"], spec.metrics_port), spec.training.fixed_steps()
+def sweep(memo: kopf.Memo) -> None:
+    """Reconcile every unfinished PackJob and SFTJob from the cache, so deadlines pass without an event."""
+    for plural in ("packjobs", "sftjobs"):
+        for body in memo.view.list_all(plural):
+            if (body.get("status") or {}).get("phase") not in st.TERMINAL:
+                meta = body["metadata"]
+                try:
+                    write_status(memo, plural, body)
+                except Exception:  # one broken object must not stop the sweep of the others
+                    kind = RECONCILERS[plural][0]
+                    log.exception("%s %s/%s: reconcile in the sweep failed", kind, meta["namespace"],
+                                  meta["name"], extra=logs.ref(kind, meta["namespace"], meta["name"]))
 
 
-async def update_progress(
-    kube: Kube, client: aiohttp.ClientSession, namespace: str, name: str
-) -> dict[str, Any] | None:
-    """Scrape the master pod's trainer metrics into `status.progress`; None when there is nothing to read.
-
-    The API calls and the parsing run in threads; the scrape itself is bounded in size and time (`scrape`).
-    """
+async def _sweep_loop(memo: kopf.Memo) -> None:
     loop = asyncio.get_running_loop()
-    target = await loop.run_in_executor(None, _metrics_target, kube, namespace, name)
-    if target is None:
-        return None
-    url, max_steps = target
-    try:
-        text = await scrape.fetch(client, url)
-    except scrape.ScrapeError as exc:
-        log.info("no progress for SFTJob %s/%s from %s: %s", namespace, name, url, exc)
-        return None
-    # Parsing up to MAX_BYTES of text takes a while: off the event loop kopf's handlers share.
-    progress = await loop.run_in_executor(None, st.progress_from_metrics, text, max_steps, now())
-    if progress is not None:
-        await loop.run_in_executor(None, kube.merge_status, "sftjobs", namespace, name, {"progress": progress})
-    return progress
-
-
-async def progress_round(
-    kube: Kube, client: aiohttp.ClientSession, jobs: list[tuple[str, str]], limit: asyncio.Semaphore
-) -> list[dict[str, Any] | None]:
-    """Scrape every running SFTJob at once, at most `limit` at a time; one failure stops no other."""
-
-    async def one(namespace: str, name: str) -> dict[str, Any] | None:
-        async with limit:
-            try:
-                return await update_progress(kube, client, namespace, name)
-            except Exception:  # progress is best-effort; never stop the loop
-                log.exception("progress of SFTJob %s/%s", namespace, name)
-                return None
-
-    return await asyncio.gather(*(one(namespace, name) for namespace, name in jobs))
-
-
-async def _progress_loop(memo: kopf.Memo) -> None:
-    limit = asyncio.Semaphore(scrape.CONCURRENCY)
-    async with scrape.session() as client:
-        while True:
-            await asyncio.sleep(PROGRESS_INTERVAL)
-            await progress_round(memo.kube, client, sorted(memo.get("running", ())), limit)
+    while True:
+        await asyncio.sleep(RESYNC_INTERVAL)
+        await loop.run_in_executor(None, sweep, memo)
 
 
 # Operator lifecycle
@@ -491,18 +510,25 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     except kubernetes.config.ConfigException:
         kubernetes.config.load_kube_config()
     memo.kube = Kube()
+    memo.latest = {}
+    memo.running = set()
+    memo.view = CachedKube(memo.kube, memo.latest)
     memo.defaults = builders.OperatorDefaults.from_env()
     metrics.serve(int(memo.get("metrics_port", 0) or 0))
 
 
 @kopf.on.startup()
-async def start_progress(memo: kopf.Memo, **_: Any) -> None:
-    """One loop for all running SFTJobs (a per-object kopf timer would put a finalizer on each)."""
-    memo.progress_task = asyncio.create_task(_progress_loop(memo))
+async def start_loops(memo: kopf.Memo, **_: Any) -> None:
+    """One progress loop for all running SFTJobs and one deadline sweep (per-object kopf timers would put
+    a finalizer on each)."""
+    memo.progress_task = asyncio.create_task(
+        progress.progress_loop(lambda: memo.view, lambda: sorted(memo.running), now)
+    )
+    memo.sweep_task = asyncio.create_task(_sweep_loop(memo))
 
 
 @kopf.on.cleanup()
-async def stop_progress(memo: kopf.Memo, **_: Any) -> None:
-    task = memo.get("progress_task")
-    if task is not None:
-        task.cancel()
+async def stop_loops(memo: kopf.Memo, **_: Any) -> None:
+    for task in (memo.get("progress_task"), memo.get("sweep_task")):
+        if task is not None:
+            task.cancel()

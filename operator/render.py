@@ -99,6 +99,8 @@ def operator_env(values: Mapping[str, Any], app_version: str) -> dict[str, str]:
         "PACKTRAIN_PACKER_IMAGE": _image(images["packer"], app_version),
         "PACKTRAIN_TRAINER_IMAGE": _image(images["trainer"], app_version),
         "PACKTRAIN_POLICY": json.dumps(values.get("policy") or {}),
+        "PACKTRAIN_JOB_TTL_SECONDS": json.dumps(values["operator"].get("jobTTLSecondsAfterFinished")),
+        "PACKTRAIN_DEADLINES": json.dumps(values["operator"].get("deadlines") or {}),
     }
     for pool in ("cpu", "gpu"):
         settings = values["pools"][pool]

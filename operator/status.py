@@ -8,18 +8,24 @@ functions alone, so every transition is unit-tested without a cluster.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from packtrain.packer.contract import TrainSummary
+
 from .api import PackJobSpec
-from .builders import pack_job_name, pack_output_dir
+from .builders import PACKJOB_LABEL, pack_job_name, pack_output_dir
 from .commands import EXIT_CONFIG, PACK_STAGES, PackStage
+from .deadlines import Deadlines, blocked_since, seconds_between
+from .deadlines import duration as _duration
 
 STAGE_PHASE: dict[str, str] = {"convert": "Converting", "plan": "Planning", "materialize": "Materializing"}
 TERMINAL = frozenset({"Succeeded", "Failed"})
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 _MAX_MESSAGE = 1000
+_REASON = re.compile(r"[A-Z][A-Za-z0-9]{0,63}")
 
 
 # Conditions
@@ -67,6 +73,66 @@ def get_condition(conditions: Sequence[Mapping[str, Any]] | None, type_: str) ->
     return next((c for c in conditions or () if c.get("type") == type_), None)
 
 
+RUNNING_PHASES = frozenset({"Converting", "Planning", "Materializing", "Running"})
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the conditions say: the phase, why, and the side facts each condition reports on its own."""
+
+    phase: str
+    reason: str
+    message: str
+    created: tuple[str, str] | None = None  # (reason, message) once a child exists
+    suspended: tuple[str, str] | None = None  # (reason, message) while suspended or queued
+    degraded: tuple[str, str] | None = None  # (reason, message) once a deadline has passed
+
+
+def lifecycle_conditions(
+    previous: Sequence[Mapping[str, Any]], outcome: Outcome, now: str, generation: int | None
+) -> list[dict[str, Any]]:
+    """Created, Running, Suspended, Succeeded, Failed and Degraded as Kubeflow jobs carry them, plus Ready.
+
+    Each says its own thing: Created why the child exists, Running what runs (or why not),
+    Succeeded/Failed the outcome. Ready mirrors the phase's current reason for tools that read one
+    condition (Argo CD's health checks, `kubectl wait --for=condition=Ready`).
+    """
+    o = outcome
+    done = o.phase in TERMINAL
+    conds = set_condition(previous, "Ready", o.phase == "Succeeded", o.reason, o.message, now, generation)
+    created = o.created or ("NotCreated", f"nothing created yet: {o.message}")
+    conds = set_condition(conds, "Created", o.created is not None, *created, now, generation)
+    running = o.phase in RUNNING_PHASES and o.suspended is None
+    why_not = o.suspended[0] if o.suspended and not done else o.phase
+    conds = set_condition(
+        conds, "Running", running, o.reason if running else why_not, o.message if running else "", now, generation
+    )
+    conds = set_condition(
+        conds, "Suspended", o.suspended is not None, *(o.suspended or ("NotSuspended", "")), now, generation
+    )
+    conds = set_condition(
+        conds,
+        "Succeeded",
+        o.phase == "Succeeded",
+        o.reason if o.phase == "Succeeded" else ("Failed" if o.phase == "Failed" else "NotFinished"),
+        o.message if o.phase == "Succeeded" else "",
+        now,
+        generation,
+    )
+    conds = set_condition(
+        conds,
+        "Failed",
+        o.phase == "Failed",
+        o.reason if o.phase == "Failed" else "NoFailure",
+        o.message if o.phase == "Failed" else "",
+        now,
+        generation,
+    )
+    return set_condition(
+        conds, "Degraded", o.degraded is not None, *(o.degraded or ("AsExpected", "")), now, generation
+    )
+
+
 def _outcome_conditions(
     previous: Sequence[Mapping[str, Any]],
     phase: str,
@@ -74,12 +140,10 @@ def _outcome_conditions(
     message: str,
     now: str,
     generation: int | None,
-    ready: bool,
+    ready: bool = False,
 ) -> list[dict[str, Any]]:
-    """The standard trio: Ready, Succeeded, Failed, all carrying the current reason."""
-    conds = set_condition(previous, "Ready", ready, reason, message, now, generation)
-    conds = set_condition(conds, "Succeeded", phase == "Succeeded", reason, message, now, generation)
-    return set_condition(conds, "Failed", phase == "Failed", reason, message, now, generation)
+    """The conditions of a status with no side facts (a spec refused before anything was created)."""
+    return lifecycle_conditions(previous, Outcome(phase, reason, message), now, generation)
 
 
 # Children the API server refuses
@@ -178,6 +242,7 @@ class JobState:
     total: int
     reason: str = ""
     message: str = ""
+    suspended: bool = False
 
 
 def job_state(job: Mapping[str, Any]) -> JobState:
@@ -194,6 +259,7 @@ def job_state(job: Mapping[str, Any]) -> JobState:
         total=total,
         reason=(fail or {}).get("reason", ""),
         message=(fail or {}).get("message", ""),
+        suspended=bool((job.get("spec") or {}).get("suspend")),
     )
 
 
@@ -229,6 +295,10 @@ def failure(
     config = [t for t in results if t.exit_code == EXIT_CONFIG]
     if config:
         t = config[0]
+        said = t.summary or {}
+        reason = str(said.get("reason") or "")
+        if _REASON.fullmatch(reason):  # a stage that knows why the pack is useless (NoSamples, TooManyRejected)
+            return reason, f"the {stage} stage failed: {_detail(t)}"
         detail = _detail(t) or "no message"
         return (
             "InvalidConfiguration",
@@ -250,6 +320,20 @@ def failure(
 
 # PackJob
 
+# Stage summary key (packer.contract, snake_case) -> status.stats key.
+_CONVERT_STATS = {"samples": "samplesIn", "rejected": "samplesRejected", "tokens": "tokens"}
+_PLAN_STATS = {
+    "samples": "samplesIn",
+    "packed": "samplesPacked",
+    "rejected": "samplesRejected",
+    "rejected_by_reason": "rejectedByReason",
+    "tokens": "tokens",
+    "sequences": "sequences",
+    "shards": "shards",
+    "fill_ratio": "fillRatio",
+    "padding_saved": "paddingSaved",
+}
+
 
 def pack_stats(
     previous: Mapping[str, Any] | None, summaries: Mapping[str, Sequence[Mapping[str, Any]]]
@@ -258,24 +342,12 @@ def pack_stats(
     stats: dict[str, Any] = dict(previous or {})
     convert = _by_index(summaries.get("convert", ()))
     if convert:
-        stats["samplesIn"] = sum(int(s.get("samples", 0)) for s in convert)
-        stats["samplesRejected"] = sum(int(s.get("rejected", 0)) for s in convert)
-        stats["tokens"] = sum(int(s.get("tokens", 0)) for s in convert)
+        for src, dst in _CONVERT_STATS.items():
+            stats[dst] = sum(int(s.get(src, 0)) for s in convert)
     plan = list(summaries.get("plan", ()))
     if plan:
         p = plan[-1]
-        for key, src in (
-            ("samplesIn", "samples"),
-            ("samplesPacked", "packed"),
-            ("samplesRejected", "rejected"),
-            ("tokens", "tokens"),
-            ("sequences", "sequences"),
-            ("shards", "shards"),
-            ("fillRatio", "fillRatio"),
-            ("paddingSaved", "paddingSaved"),
-        ):
-            if p.get(src) is not None:
-                stats[key] = p[src]
+        stats.update({dst: p[src] for src, dst in _PLAN_STATS.items() if p.get(src) is not None})
     return stats
 
 
@@ -289,18 +361,29 @@ def _by_index(summaries: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]
 
 def manifest_digest(summaries: Sequence[Mapping[str, Any]]) -> str | None:
     for s in summaries:
-        if s.get("manifest") and s.get("manifestSha256"):
-            return f"sha256:{s['manifestSha256']}"
+        if s.get("manifest") and s.get("manifest_sha256"):
+            return f"sha256:{s['manifest_sha256']}"
     return None
 
 
 @dataclass
 class PackDecision:
-    """The PackJob's new status and the stage Job to create next (None: nothing to create)."""
+    """The PackJob's new status, the stage Job to create next (None: nothing to create), and the stages
+    that finished in this status (their durations, observed once: when this status is written)."""
 
     status: dict[str, Any]
     create: PackStage | None = None
-    stage_durations: dict[str, float] = field(default_factory=dict)
+    finished: dict[str, float] = field(default_factory=dict)
+
+
+def _stage_units(spec: PackJobSpec, stage: str) -> int:
+    return 1 if stage == "plan" else spec.workers.count
+
+
+def percent_done(spec: PackJobSpec, done_units: int) -> int:
+    """Share of all stage indexes finished (convert and materialize count one per worker, plan one)."""
+    total = sum(_stage_units(spec, stage) for stage in PACK_STAGES)
+    return int(100 * done_units / total)
 
 
 def pack_status(
@@ -311,14 +394,23 @@ def pack_status(
     pods: Mapping[str, Sequence[Mapping[str, Any]]],
     previous: Mapping[str, Any] | None,
     now: str,
+    deadlines: Deadlines | None = None,
 ) -> PackDecision:
-    """Walk the stages in order: the first missing Job is the one to create; a failed Job ends the pack."""
+    """Walk the stages in order: the first missing Job is the one to create; a failed Job ends the pack.
+
+    A stage recorded in `status.stageSeconds` is done even when its Job is gone (deleted by
+    `ttlSecondsAfterFinished`), so it is never created again.
+    """
+    deadlines = deadlines or Deadlines()
     prev = dict(previous or {})
     if prev.get("phase") in TERMINAL:
         return PackDecision(status=prev)
+    # Counts come from the stages that finished, and from a plan that refused the pack (NoSamples).
     summaries = {
         stage: [
-            t.summary for t in _pod_results(pods.get(stage, ()), "packer") if t.exit_code == 0 and t.summary
+            t.summary
+            for t in _pod_results(pods.get(stage, ()), "packer")
+            if t.summary and ("error" not in t.summary or "samples" in t.summary)
         ]
         for stage in PACK_STAGES
     }
@@ -326,21 +418,31 @@ def pack_status(
         "observedGeneration": generation,
         "startTime": prev.get("startTime") or now,
         "outputPath": pack_output_dir(name, spec),
+        "claimName": spec.output.claim_name,
+        "subPath": (spec.output.sub_path or name).strip("/"),
         "stats": pack_stats(prev.get("stats"), summaries),
     }
     digest = manifest_digest(summaries["materialize"]) or prev.get("manifestDigest")
     if digest:
         status["manifestDigest"] = digest
-    conditions = prev.get("conditions") or []
+    done_before: dict[str, float] = dict(prev.get("stageSeconds") or {})
+    durations = stage_durations(jobs)
+    stage_seconds = dict(done_before)
     create: PackStage | None = None
     phase, reason, message = "Succeeded", "PackReady", f"pack written to {status['outputPath']}"
+    suspended: tuple[str, str] | None = None
+    blocked: str | None = None
+    stuck_message = ""
+    done_units = 0
     for stage in PACK_STAGES:
         job = jobs.get(stage)
+        if stage in done_before:
+            done_units += _stage_units(spec, stage)
+            continue
         if job is None:
             create = stage
-            total = spec.workers.count if stage != "plan" else 1
             phase, reason = STAGE_PHASE[stage], STAGE_PHASE[stage]
-            status["stage"] = f"{stage} 0/{total}"
+            status["stage"] = f"{stage} 0/{_stage_units(spec, stage)}"
             message = f"created Job {pack_job_name(name, stage)}"
             break
         state = job_state(job)
@@ -351,39 +453,65 @@ def pack_status(
             break
         if not state.complete:
             phase, reason = STAGE_PHASE[stage], STAGE_PHASE[stage]
+            done_units += min(state.succeeded, state.total)
             status["stage"] = f"{stage} {state.succeeded}/{state.total}"
             message = f"Job {pack_job_name(name, stage)}: {state.succeeded}/{state.total} done"
+            if state.suspended:
+                queue = spec.queue_name or "none"
+                suspended = ("Queued", f"Job {pack_job_name(name, stage)} is suspended until its queue "
+                                       f"({queue}) admits it")
+                reason, message = suspended
             stuck = unschedulable(pods.get(stage, ()))
             if stuck:
-                reason = "Unschedulable"
-                message = (
+                blocked = reason = "Unschedulable"
+                message = stuck_message = (
                     f"pods of Job {pack_job_name(name, stage)} cannot be scheduled: {stuck}. Check that claim "
                     f"{spec.output.claim_name} exists and that workers.nodeSelector/tolerations/resources fit "
                     "the CPU pool"
                 )
             break
+        done_units += _stage_units(spec, stage)
+        stage_seconds[stage] = durations.get(stage, 0.0)
     else:
         status["stage"] = "done"
+    status["percentDone"] = 100 if phase == "Succeeded" else percent_done(spec, done_units)
+    # Progress: the stage line or the share done moved. A stalled stage is one where neither did.
+    moved = (status.get("stage"), status["percentDone"]) != (prev.get("stage"), prev.get("percentDone"))
+    status["lastProgressTime"] = now if moved or not prev.get("lastProgressTime") else prev["lastProgressTime"]
+    if stage_seconds:
+        status["stageSeconds"] = stage_seconds
+    degraded = None
+    if blocked is not None:
+        status["blocked"] = blocked_since(prev, blocked, now)
+        waited = seconds_between(status["blocked"]["since"], now)
+        if waited > deadlines.unschedulable:
+            degraded = ("Unschedulable", f"pods unschedulable for longer than the "
+                                         f"{_duration(deadlines.unschedulable)} deadline: {stuck_message}")
+    elif phase in RUNNING_PHASES and suspended is None and create is None:
+        idle = seconds_between(status["lastProgressTime"], now)
+        if idle > deadlines.stall:
+            degraded = ("StageStalled", f"no progress in {status.get('stage')} for longer than the "
+                                        f"{_duration(deadlines.stall)} deadline: look at the pods' logs "
+                                        f"(kubectl logs -l {PACKJOB_LABEL}={name})")
     status["phase"] = phase
     if phase in TERMINAL:
         status["completionTime"] = prev.get("completionTime") or now
-    status["conditions"] = _outcome_conditions(
-        conditions, phase, reason, message, now, generation, ready=phase == "Succeeded"
-    )
-    return PackDecision(status=status, create=create, stage_durations=stage_durations(jobs))
+    created = None
+    if any(jobs.get(stage) for stage in PACK_STAGES) or done_before or create is not None:
+        created = ("StageJobCreated", f"stage Jobs {name}-<stage> created in order: {', '.join(PACK_STAGES)}")
+    outcome = Outcome(phase, reason, message, created=created, suspended=suspended, degraded=degraded)
+    status["conditions"] = lifecycle_conditions(prev.get("conditions") or [], outcome, now, generation)
+    finished = {stage: secs for stage, secs in stage_seconds.items() if stage not in done_before}
+    return PackDecision(status=status, create=create, finished=finished)
 
 
 def stage_durations(jobs: Mapping[str, Mapping[str, Any] | None]) -> dict[str, float]:
     """Seconds each finished stage Job ran (startTime → completionTime), for the stage-duration metric."""
-    from datetime import datetime
-
     out: dict[str, float] = {}
     for stage, job in jobs.items():
         st = (job or {}).get("status") or {}
         if st.get("startTime") and st.get("completionTime"):
-            start = datetime.fromisoformat(str(st["startTime"]).replace("Z", "+00:00"))
-            end = datetime.fromisoformat(str(st["completionTime"]).replace("Z", "+00:00"))
-            out[stage] = max((end - start).total_seconds(), 0.0)
+            out[stage] = seconds_between(str(st["startTime"]), str(st["completionTime"]))
     return out
 
 
@@ -420,23 +548,54 @@ def data_readiness(ref: str, packjob: Mapping[str, Any] | None) -> DataReadiness
             "fix it and re-create it under the same name, and this SFTJob continues",
         )
     stage = status.get("stage")
-    return DataReadiness(
-        False, "PackJobNotReady", f"waiting for PackJob {ref}: {phase}" + (f" ({stage})" if stage else "")
-    )
+    waiting = f"waiting for PackJob {ref}: {phase}" + (f" ({stage})" if stage else "")
+    ready = get_condition(status.get("conditions"), "Ready") or {}
+    degraded = get_condition(status.get("conditions"), "Degraded") or {}
+    # The PackJob's own blocking reason (unschedulable pods, a queue, a stalled stage), not only its phase.
+    blocking = degraded if degraded.get("status") == "True" else ready
+    if blocking is degraded or ready.get("reason") in BLOCKING_REASONS:
+        return DataReadiness(
+            False, "PackJobNotReady", f"{waiting}: {blocking.get('reason')}: {blocking.get('message')}"
+        )
+    return DataReadiness(False, "PackJobNotReady", waiting)
+
+
+# Reasons a job cannot move on by itself; their time is bounded by `Deadlines`.
+BLOCKING_REASONS = frozenset({"PackJobNotFound", "PackJobFailed", "Unschedulable", "Queued"})
 
 
 def waiting_status(
-    generation: int | None, readiness: DataReadiness, previous: Mapping[str, Any] | None, now: str
+    generation: int | None,
+    readiness: DataReadiness,
+    previous: Mapping[str, Any] | None,
+    now: str,
+    deadlines: Deadlines | None = None,
 ) -> dict[str, Any]:
-    """Phase WaitingForData, with a DataReady condition saying on what."""
+    """Phase WaitingForData, with a DataReady condition saying on what; Failed once a missing or
+    failed PackJob has been waited on longer than `deadlines.data_wait`."""
+    deadlines = deadlines or Deadlines()
     prev = dict(previous or {})
     conds = set_condition(
         prev.get("conditions") or [], "DataReady", False, readiness.reason, readiness.message, now, generation
     )
-    conds = _outcome_conditions(
-        conds, "WaitingForData", readiness.reason, readiness.message, now, generation, ready=False
-    )
-    return {"phase": "WaitingForData", "observedGeneration": generation, "conditions": conds}
+    status: dict[str, Any] = {"phase": "WaitingForData", "observedGeneration": generation}
+    hopeless = readiness.reason in ("PackJobNotFound", "PackJobFailed")
+    blocked = blocked_since(prev, readiness.reason if hopeless else None, now)
+    outcome = Outcome("WaitingForData", readiness.reason, readiness.message)
+    if blocked is not None:
+        status["blocked"] = blocked
+        waited = seconds_between(blocked["since"], now)
+        if waited > deadlines.data_wait:
+            status["phase"] = "Failed"
+            status["completionTime"] = now
+            outcome = Outcome(
+                "Failed",
+                readiness.reason,
+                f"gave up after {_duration(waited)} (deadline {_duration(deadlines.data_wait)}): "
+                f"{readiness.message}. Delete and re-create the SFTJob once the data is there.",
+            )
+    status["conditions"] = lifecycle_conditions(conds, outcome, now, generation)
+    return status
 
 
 def _true(conditions: Sequence[Mapping[str, Any]] | None) -> dict[str, Mapping[str, Any]]:
@@ -470,73 +629,39 @@ def child_phase(kind: str, child: Mapping[str, Any]) -> tuple[str, str, str]:
     return "Pending", f"{kind}Created", f"{kind} {name} created; waiting for its pods to start"
 
 
-def train_progress(summary: Mapping[str, Any] | None, now: str) -> dict[str, Any] | None:
+# TrainSummary key (packer.contract) -> status.progress key.
+_TRAIN_PROGRESS: dict[str, str] = {
+    "steps": "step",
+    "final_loss": "loss",
+    "tokens_per_second": "tokensPerSecond",
+    "eval_loss": "evalLoss",
+}
+
+
+def train_progress(summary: TrainSummary | Mapping[str, Any] | None, now: str) -> dict[str, Any] | None:
     """The trainer's JSON summary (a termination message) reduced to `status.progress`."""
     if not summary:
         return None
-    keys = {
-        "step": "step",
-        "steps": "step",
-        "maxSteps": "maxSteps",
-        "max_steps": "maxSteps",
-        "loss": "loss",
-        "final_loss": "loss",
-        "tokensPerSecond": "tokensPerSecond",
-        "tokens_per_second": "tokensPerSecond",
-        "evalLoss": "evalLoss",
-        "eval_loss": "evalLoss",
-    }
-    out = {dst: summary[src] for src, dst in keys.items() if summary.get(src) is not None}
+    out = {dst: summary[src] for src, dst in _TRAIN_PROGRESS.items() if summary.get(src) is not None}  # type: ignore[literal-required]
     if not out:
         return None
     out["updatedAt"] = now
     return out
 
 
-# The rank-0 gauges the trainer serves on its metrics port (packtrain.trainer.metrics).
-PROGRESS_GAUGES = {
-    "packtrain_train_step": "step",
-    "packtrain_train_loss": "loss",
-    "packtrain_train_tokens_per_second": "tokensPerSecond",
-    "packtrain_train_eval_loss": "evalLoss",
-}
-
-
-def progress_from_metrics(text: str, max_steps: int | None, now: str) -> dict[str, Any] | None:
-    """`status.progress` from the trainer's /metrics text (rank 0), None before the first step."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, Any] = {}
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                key = PROGRESS_GAUGES.get(sample.name)
-                if key is not None and sample.labels.get("rank", "0") == "0":
-                    out[key] = int(sample.value) if key == "step" else float(sample.value)
-    except (ValueError, OverflowError):  # not Prometheus text (the endpoint is the CR author's image)
+def pod_failure(pod: Mapping[str, Any], container: str, now: str) -> dict[str, Any] | None:
+    """`status.lastFailure` from a trainer pod whose container exited non-zero (kept before the pod is gone)."""
+    term = terminated(pod, container)
+    if term is None or term.exit_code == 0:
         return None
-    if "step" not in out:
-        return None
-    if max_steps is not None:
-        out["maxSteps"] = max_steps
-    out["updatedAt"] = now
-    return out
-
-
-def master_pod(pods: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
-    """The running rank-0 pod of a training job: PyTorchJob's master, or index 0 of a TrainJob's node job."""
-    for pod in pods:
-        status = pod.get("status") or {}
-        meta = pod.get("metadata") or {}
-        labels = meta.get("labels") or {}
-        annotations = meta.get("annotations") or {}
-        rank0 = labels.get("training.kubeflow.org/replica-type") in ("master", "Master") or (
-            labels.get(COMPLETION_INDEX, annotations.get(COMPLETION_INDEX)) == "0"
-            and labels.get("jobset.sigs.k8s.io/job-index", "0") == "0"
-        )
-        if rank0 and status.get("phase") == "Running" and status.get("podIP"):
-            return pod
-    return None
+    meta = pod.get("metadata") or {}
+    return {
+        "pod": meta.get("name", ""),
+        "exitCode": term.exit_code,
+        "reason": term.reason or "Error",
+        "message": _detail(term) or term.reason or "no message",
+        "time": now,
+    }
 
 
 def sft_status(
@@ -548,17 +673,22 @@ def sft_status(
     now: str,
     progress: Mapping[str, Any] | None = None,
     pods: Sequence[Mapping[str, Any]] = (),
+    *,
+    deadlines: Deadlines | None = None,
+    failure_seen: Mapping[str, Any] | None = None,
+    data_gone: str | None = None,
+    queued: str | None = None,
 ) -> dict[str, Any]:
-    """Mirror the child training job's state into the SFTJob's phase, conditions and replica statuses."""
+    """Mirror the child training job's state into the SFTJob's phase, conditions and replica statuses.
+
+    `failure_seen`: a trainer pod's exit seen now (`pod_failure`); kept in `status.lastFailure`
+    so the Failed condition quotes the trainer even after the child deleted the pod.
+    `data_gone`: the referenced PackJob was deleted while this job uses its pack.
+    `queued`: the queue name, when the child waits for the queue to admit (unsuspend) it.
+    """
+    deadlines = deadlines or Deadlines()
     prev = dict(previous or {})
     phase, reason, message = child_phase(kind, child)
-    stuck = unschedulable(pods) if phase in ("Pending", "Running") else None
-    if stuck:
-        reason = "Unschedulable"
-        message = (
-            f"training pods cannot be scheduled: {stuck}. Check spec.resources (GPUs, cpu, memory, "
-            "nodeSelector, tolerations) against the GPU pool, and that the claims exist"
-        )
     meta = child.get("metadata") or {}
     status: dict[str, Any] = {
         "phase": phase,
@@ -571,6 +701,28 @@ def sft_status(
             "name": meta.get("name", ""),
         },
     }
+    last_failure = failure_seen or prev.get("lastFailure")
+    if last_failure:
+        status["lastFailure"] = dict(last_failure)
+    suspended = None
+    if phase == "Suspended":
+        suspended = (reason, message)
+        if queued:
+            suspended = ("Queued", f"{kind} {meta.get('name', '')} waits for queue {queued} to admit it")
+            reason, message = suspended
+    degraded = None
+    stuck = unschedulable(pods) if phase in ("Pending", "Running") else None
+    if stuck:
+        reason = "Unschedulable"
+        message = (
+            f"training pods cannot be scheduled: {stuck}. Check spec.resources (GPUs, cpu, memory, "
+            "nodeSelector, tolerations) against the GPU pool, and that the claims exist"
+        )
+        status["blocked"] = blocked_since(prev, "Unschedulable", now)
+        waited = seconds_between(status["blocked"]["since"], now)
+        if waited > deadlines.unschedulable:
+            degraded = ("Unschedulable", f"pods unschedulable for longer than the "
+                                         f"{_duration(deadlines.unschedulable)} deadline: {message}")
     child_status = child.get("status") or {}
     replicas = child_status.get("replicaStatuses")
     if replicas is None and child_status.get("jobsStatus"):
@@ -583,19 +735,25 @@ def sft_status(
     if phase in TERMINAL:
         status["completionTime"] = prev.get("completionTime") or child_status.get("completionTime") or now
     if phase == "Failed":
-        message = f"{message}. Details: kubectl describe {kind.lower()} {meta.get('name', '')}"
-    conds = set_condition(
-        prev.get("conditions") or [],
-        "DataReady",
-        True,
-        "DataAvailable",
-        f"training on {data_path}",
-        now,
-        generation,
-    )
-    status["conditions"] = _outcome_conditions(
-        conds, phase, reason, message, now, generation, ready=phase == "Succeeded"
-    )
+        if last_failure:
+            reason = "TrainerFailed"
+            message = (
+                f"the trainer exited with code {last_failure['exitCode']} in pod {last_failure['pod']}: "
+                f"{last_failure['message']} ({kind}: {message})"
+            )
+        else:
+            message = f"{message}. Details: kubectl describe {kind.lower()} {meta.get('name', '')}"
+    if data_gone:
+        conds = set_condition(prev.get("conditions") or [], "DataReady", False, "PackJobDeleted", data_gone, now,
+                              generation)
+    else:
+        conds = set_condition(
+            prev.get("conditions") or [], "DataReady", True, "DataAvailable", f"training on {data_path}", now,
+            generation,
+        )
+    created = (f"{kind}Created", f"{kind} {meta.get('name', '')} created")
+    outcome = Outcome(phase, reason, message, created=created, suspended=suspended, degraded=degraded)
+    status["conditions"] = lifecycle_conditions(conds, outcome, now, generation)
     if progress:
         status["progress"] = dict(progress)
     elif prev.get("progress"):
@@ -604,7 +762,22 @@ def sft_status(
 
 
 # Reasons that deserve a Warning event although the phase is not Failed.
-WARNING_REASONS = frozenset({"PackJobFailed", "PackJobNotFound"})
+WARNING_REASONS = frozenset(
+    {"PackJobFailed", "PackJobNotFound", "PackJobDeleted", "Unschedulable", "StageStalled", "TrainerFailed"}
+)
+
+
+def event_reason(status: Mapping[str, Any] | None) -> str | None:
+    """The reason an Event reports: a passed deadline (Degraded) first, else the current (Ready) reason."""
+    conds = (status or {}).get("conditions")
+    degraded = get_condition(conds, "Degraded") or {}
+    if degraded.get("status") == "True":
+        return str(degraded.get("reason"))
+    data = get_condition(conds, "DataReady") or {}
+    if data.get("reason") == "PackJobDeleted":
+        return "PackJobDeleted"
+    reason = (get_condition(conds, "Ready") or {}).get("reason")
+    return None if reason is None else str(reason)
 
 
 def transition_event(
@@ -612,9 +785,13 @@ def transition_event(
 ) -> tuple[str, str, str] | None:
     """(type, reason, message) of the Event to post when the phase or its reason changed, else None."""
     phase = status.get("phase")
-    ready = get_condition(status.get("conditions"), "Ready") or {}
-    reason = str(ready.get("reason") or phase)
+    reason = event_reason(status) or str(phase)
     if not phase or (phase == previous_phase and reason == previous_reason):
         return None
+    conds = status.get("conditions")
+    said = next(
+        (c for c in (get_condition(conds, t) for t in ("Degraded", "DataReady", "Ready")) if c and c.get("reason") == reason),
+        None,
+    )
     kind = "Warning" if phase == "Failed" or reason in WARNING_REASONS else "Normal"
-    return kind, reason, str(ready.get("message") or phase)
+    return kind, reason, str((said or {}).get("message") or phase)

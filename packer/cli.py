@@ -17,11 +17,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from .config import PackConfig, load_pack_config
+from .contract import ErrorReport, pack_outcome_error
+from .family_registry import FAMILY_NAMES
 from .records import ConfigError
 from .report import report
 from .shards import ShardFormatError
 
 EXIT_CONFIG = 2
+STAGES = ("convert", "plan", "materialize")  # what pods run: their outcome goes to the termination log
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
@@ -31,7 +34,7 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--media-root", help="folder that relative media paths resolve against")
     p.add_argument("--format", choices=["auto", "sharegpt", "messages", "typed"])
     p.add_argument("--model", help="model folder (tokenizer, chat template, preprocessor config)")
-    p.add_argument("--family", choices=["qwen2-vl", "qwen2.5-vl"])
+    p.add_argument("--family", choices=list(FAMILY_NAMES))
     p.add_argument("--max-length", type=int)
     p.add_argument("--algorithm", choices=["bfd", "next_fit", "swift", "knapsack"])
     p.add_argument("--overlong", choices=["drop", "truncate", "error"])
@@ -106,6 +109,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--sample", action="append", help="only this sample id (repeatable)")
     p.add_argument("--json", action="store_true", help="JSON lines (the only output format)")
+    p = sub.add_parser("export", help="write a pack in another trainer's dataset format")
+    formats = p.add_subparsers(dest="format", required=True)
+    p = formats.add_parser(
+        "energon", help="a Megatron-Energon dataset (WebDataset tar shards and .nv-meta/)"
+    )
+    p.add_argument("path", help="the pack folder")
+    p.add_argument("-o", "--output", required=True, help="a new (or empty) folder for the dataset")
+    p.add_argument(
+        "--samples", action="store_true",
+        help="one WebDataset sample per original sample (default: one per packed sequence)",
+    )
     return ap
 
 
@@ -118,21 +132,43 @@ def _run(args: argparse.Namespace) -> int:
         return tools.verify_cmd(Path(args.path))
     if args.cmd == "unpack":
         return tools.unpack_cmd(Path(args.path), args.sample)
+    if args.cmd == "export":
+        from .export_energon import export_energon
+
+        layout = "samples" if args.samples else "packed"
+        print(json.dumps(export_energon(Path(args.path), Path(args.output), layout)), flush=True)
+        return 0
 
     cfg = build_config(args)
     out = Path(args.output)
     if args.cmd == "convert":
         report(stages.convert(cfg, out, _index(args), args.count))
     elif args.cmd == "plan":
-        report(stages.plan(cfg, out))
+        summary = stages.plan(cfg, out)
+        problem = pack_outcome_error(
+            summary["samples"], summary["packed"], summary["rejected_by_reason"], cfg.packing.max_rejected_fraction
+        )
+        if problem is not None:
+            print(f"packtrain pack plan: {problem['error']}", file=sys.stderr)
+            report({**summary, **problem})  # the counts too: the operator shows them beside the reason
+            return EXIT_CONFIG
+        report(summary)
     elif args.cmd == "materialize":
         report(stages.materialize(cfg, out, _index(args), args.count))
     elif args.cmd == "run":
         from .local import run_all
 
-        manifest = run_all(cfg, out, workers=args.workers, show_progress=not args.no_progress)
+        timings: dict[str, Any] = {}
+        manifest = run_all(cfg, out, workers=args.workers, show_progress=not args.no_progress, timings=timings)
         tools.print_stats(manifest, out)
-        print(json.dumps(tools.summary_line(manifest, out)), flush=True)
+        print(json.dumps(tools.summary_line(manifest, out) | {"timings": timings}), flush=True)
+        counts = manifest["counts"]
+        problem = pack_outcome_error(
+            counts["input"], counts["packed"], counts["rejected_by_reason"], cfg.packing.max_rejected_fraction
+        )
+        if problem is not None:
+            print(f"packtrain pack run: {problem['error']}", file=sys.stderr)
+            return EXIT_CONFIG
     return 0
 
 
@@ -146,9 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValidationError, FileNotFoundError) as exc:
         msg = str(exc)
         print(f"packtrain pack {args.cmd}: configuration error: {msg}", file=sys.stderr)
-        if args.cmd in ("convert", "plan", "materialize"):
+        if args.cmd in STAGES:
             report({"stage": args.cmd, "error": msg[:3000]})
         return EXIT_CONFIG
+    except Exception as exc:  # a crash: the short error in the termination message, the traceback in the log
+        if args.cmd in STAGES:
+            error: ErrorReport = {"stage": args.cmd, "error": f"{type(exc).__name__}: {exc}"[:3000]}
+            report(dict(error))
+        raise
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from .family_registry import FAMILY_NAMES
 from .records import ConfigError
 
 
@@ -30,7 +31,7 @@ class CamelModel(BaseModel):
 
 
 Format = Literal["auto", "sharegpt", "messages", "typed"]
-Family = Literal["qwen2-vl", "qwen2.5-vl"]
+Family = Literal[FAMILY_NAMES]  # type: ignore[valid-type]  # the registry's entries, one source
 Algorithm = Literal["bfd", "next_fit", "swift", "knapsack"]
 OverlongPolicy = Literal["drop", "truncate", "error"]
 LabelMode = Literal["all_assistant", "last_assistant", "all"]
@@ -63,10 +64,38 @@ class FieldMap(CamelModel):
     )
 
 
+MAX_MIXTURE_WEIGHT = 1000.0
+MAX_MIXTURE_SAMPLES = 10**12
+
+
+class MixtureEntry(CamelModel):
+    """How much of one `source.paths` entry a pack takes (the seed is `packing.seed`)."""
+
+    path: str = Field(..., min_length=1, description="An entry of source.paths, exactly as written there.")
+    weight: float | None = Field(
+        None,
+        gt=0,
+        le=MAX_MIXTURE_WEIGHT,
+        description="Take round(weight x records): below 1 a sample without replacement, above 1 every "
+        "record floor(weight) times plus a sample without replacement for the rest (default 1).",
+    )
+    max_samples: int | None = Field(
+        None, ge=0, le=MAX_MIXTURE_SAMPLES, description="Take at most this many (after weight), a sample."
+    )
+
+    @model_validator(mode="after")
+    def _something_set(self) -> MixtureEntry:
+        if self.weight is None and self.max_samples is None:
+            raise ValueError(f"source.mixture entry {self.path!r}: give weight or maxSamples")
+        return self
+
+
 class SourceConfig(CamelModel):
     """Where the dataset is and how to read it."""
 
-    paths: list[str] = Field(..., min_length=1, description="Files or globs (JSON arrays or JSONL).")
+    paths: list[str] = Field(
+        ..., min_length=1, description="Files or globs: JSON arrays or JSONL, or Parquet (names ending .parquet)."
+    )
     format: Format = Field("auto", description="Record format; auto detects per record.")
     field_map: FieldMap = Field(default_factory=FieldMap)
     media_root: str | None = Field(
@@ -108,11 +137,33 @@ class SourceConfig(CamelModel):
         "container before decoding (default 2^28, e.g. 128 full-HD frames or 768 frames of 590x590); "
         "larger videos are rejected as video_too_large.",
     )
+    mixture: list[MixtureEntry] = Field(
+        default_factory=list,
+        max_length=1024,
+        description="Weights or caps per source.paths entry (a source), drawn from packing.seed; entries not "
+        "listed are taken whole, once. Counts per source are in the manifest (counts.sources).",
+    )
+
+    @model_validator(mode="after")
+    def _mixture_names_paths(self) -> SourceConfig:
+        seen: set[str] = set()
+        for m in self.mixture:
+            if m.path not in self.paths:
+                raise ValueError(
+                    f"source.mixture names {m.path!r}, which is not an entry of source.paths; "
+                    "write the entry exactly as source.paths does"
+                )
+            if m.path in seen:
+                raise ValueError(f"source.mixture names {m.path!r} twice")
+            seen.add(m.path)
+        return self
 
 
 # Ceilings of the numbers a (possibly untrusted) config may ask for; each bounds a worker's memory.
-# Pixels: the Qwen2-VL / Qwen2.5-VL processors' own default maximum (16384 patches of 28x28).
-MAX_PIXELS_CEILING = 16384 * 28 * 28
+# Pixels: the largest of the released processors' own maxima: Qwen2-VL / Qwen2.5-VL allow 16384
+# patches of 28x28 per image or frame; Qwen3-VL's video bound (all sampled frames together) is
+# 24576 patches of 32x32.
+MAX_PIXELS_CEILING = 24576 * 32 * 32
 # Frames: the processors' own frame cap (FPS_MAX_FRAMES).
 MAX_FRAMES_CEILING = 768
 # Tokens per packed sequence: far beyond any context these models train with.
@@ -158,6 +209,12 @@ class ModelConfig(CamelModel):
     fps: float = Field(2.0, gt=0, description="Video frame sampling rate.")
     min_frames: int = Field(4, ge=1)
     max_frames: int = Field(768, ge=1, le=MAX_FRAMES_CEILING)
+    cap_pixels_per_frame: bool = Field(
+        True,
+        description="Qwen3-VL videos: cap each frame's pixels as the reference implementation (qwen-vl-utils) "
+        "does, transformers' cap_pixels_per_frame=True; false spends videoMaxPixels on however few frames "
+        "are sampled. Other families bound pixels per frame already.",
+    )
 
     @model_validator(mode="after")
     def _frames_order(self) -> ModelConfig:
@@ -181,9 +238,21 @@ class PackingConfig(CamelModel):
     )
     seed: int = 0
     label_mode: LabelMode = Field("all_assistant", description="Which turns are trained on.")
+    label_newline_after_turn_end: bool = Field(
+        False,
+        description="Also train the newline after each assistant turn's end token (<|im_end|>), as ms-swift "
+        "4.6 does; by default the newline belongs to the next prompt and is not trained.",
+    )
     sequences_per_shard: int = Field(1024, ge=1, le=SEQUENCES_PER_SHARD_CEILING)
     media_storage: MediaStorage = Field(
         "original", description="original bytes, or pre-resized images / sampled frames (less decode on GPUs)."
+    )
+    max_rejected_fraction: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Fail the pack when plan rejects more than this share of the samples (default: no limit; "
+        "a pack with no packed sample always fails).",
     )
 
 

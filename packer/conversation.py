@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import FieldMap
-from .families import Family
+from .family_registry import Family
 
 
 class SampleError(Exception):
@@ -238,7 +238,7 @@ def _media_list(record: dict[str, Any], column: str, kind: str) -> list[str]:
 def _refuse_audio(record: dict[str, Any], fm: FieldMap) -> None:
     if record.get(fm.audios):
         raise SampleError(
-            "unsupported_media", f"record has {fm.audios!r}: audio input is not supported by Qwen2-VL models"
+            "unsupported_media", f"record has {fm.audios!r}: audio input is not supported by the Qwen-VL families"
         )
 
 

@@ -1,9 +1,11 @@
-"""Model-family registry: what differs between VLM families at packing time.
+"""A model family bound to a model folder: token ids, vision settings, tokenizer and chat template.
 
-A family names its tokenizer class, chat-template markers, vision special
-tokens and how tool calls are written. Adding a family (InternVL,
-LLaVA-OneVision, ...) means adding a `Family` entry here and, if its vision
-tokens are not one pad run per media item, a grid rule in `vision.py`.
+The families themselves are the entries of `family_registry.FAMILIES`. Here an
+entry meets a model folder: `model_spec` reads the special-token ids from the
+folder's tokenizer files (checked against `config.json`) and the processor
+settings from its preprocessor configs, without importing transformers or
+torch, so the trainer reads the same facts; `load_model` adds the tokenizer and
+the chat template the packer renders with.
 """
 
 from __future__ import annotations
@@ -16,84 +18,163 @@ from pathlib import Path
 from typing import Any
 
 from .config import ModelConfig
+from .family_registry import FAMILIES, Family
 from .records import ConfigError
 from .vision import VisionSpec
 
-QWEN_TOOLS_INTRO = (
-    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-)
-QWEN_TOOLS_OUTRO = (
-    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
-    "\n</tool_call>"
-)
-QWEN_DEFAULT_SYSTEM = "You are a helpful assistant."
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "LoadedModel",
+    "ModelSpec",
+    "TokenIds",
+    "detect_family",
+    "family_for_model_type",
+    "get_family",
+    "load_model",
+    "model_spec",
+    "vision_spec",
+]
+
+
+def get_family(name: str) -> Family:
+    """The registry entry named `name`; ConfigError lists the known ones."""
+    family = FAMILIES.get(name)
+    if family is None:
+        raise ConfigError(f"model.family {name!r} is not one of {sorted(FAMILIES)}")
+    return family
+
+
+def family_for_model_type(model_type: str | None) -> Family:
+    """The entry whose HF `model_type` (config.json) is `model_type`."""
+    for family in FAMILIES.values():
+        if family.model_type == model_type:
+            return family
+    known = sorted(f.model_type for f in FAMILIES.values())
+    raise ConfigError(f"model_type {model_type!r} is not a supported family (known: {', '.join(known)})")
+
+
+def detect_family(folder: str | Path) -> Family:
+    """The family of a model folder, from its config.json `model_type`."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{folder}: no config.json to tell the model family from; set model.family")
+    return family_for_model_type(_read_json(path).get("model_type"))
 
 
 @dataclass(frozen=True)
-class Family:
-    """Static description of a model family."""
+class TokenIds:
+    """Ids of a family's special tokens in one model folder's vocabulary."""
 
-    name: str
-    tokenizer_class: str  # dotted path; imported directly because AutoTokenizer pulls in torch
-    assistant_header: str  # rendered text that opens an assistant turn
-    turn_end: str  # rendered text that closes a turn (trained on for assistant turns)
-    vision_start: str
-    vision_end: str
-    image_pad: str
-    video_pad: str
-    default_system: str
-    reserved_tokens: tuple[
-        str, ...
-    ]  # turn/vision structure; grounding tokens like <|box_start|> stay allowed
-
-    def tool_call_text(self, value: str) -> str:
-        """An assistant function-call turn, as the family's text template writes it."""
-        return f"<tool_call>\n{value}\n</tool_call>"
-
-    def observation_text(self, value: str) -> str:
-        """A tool result; it becomes a user turn (the VL templates have no tool role)."""
-        return f"<tool_response>\n{value}\n</tool_response>"
-
-    def system_with_tools(self, system: str | None, tools: list[Any]) -> str:
-        """The system prompt carrying tool signatures, as Qwen2.5's text template renders `tools`."""
-        lines = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
-        return (system or self.default_system) + QWEN_TOOLS_INTRO + lines + QWEN_TOOLS_OUTRO
+    im_start: int
+    turn_end: int
+    vision_start: int
+    vision_end: int
+    image_pad: int
+    video_pad: int
+    pad: int
 
 
-_QWEN = {
-    "tokenizer_class": "transformers.models.qwen2.tokenization_qwen2.Qwen2Tokenizer",
-    "assistant_header": "<|im_start|>assistant\n",
-    "turn_end": "<|im_end|>",
-    "vision_start": "<|vision_start|>",
-    "vision_end": "<|vision_end|>",
-    "image_pad": "<|image_pad|>",
-    "video_pad": "<|video_pad|>",
-    "default_system": QWEN_DEFAULT_SYSTEM,
-    "reserved_tokens": ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|vision_pad|>"),
+@dataclass(frozen=True)
+class ModelSpec:
+    """A family entry bound to a model folder: what the packer counts with and the trainer decodes with."""
+
+    family: Family
+    folder: Path
+    token_ids: TokenIds
+    vision: VisionSpec
+
+
+def _added_tokens(folder: Path) -> dict[str, int]:
+    """Special-token text -> id from the folder's tokenizer files (the same tables the tokenizer loads)."""
+    found: dict[str, int] = {}
+    path = folder / "tokenizer.json"
+    if path.is_file():
+        for tok in _read_json(path).get("added_tokens") or []:
+            if isinstance(tok, dict) and isinstance(tok.get("content"), str) and isinstance(tok.get("id"), int):
+                found[tok["content"]] = tok["id"]
+    path = folder / "tokenizer_config.json"
+    if path.is_file():
+        for key, tok in (_read_json(path).get("added_tokens_decoder") or {}).items():
+            if isinstance(tok, dict) and isinstance(tok.get("content"), str) and str(key).isdigit():
+                found[tok["content"]] = int(key)
+    path = folder / "added_tokens.json"
+    if path.is_file():
+        found.update({k: v for k, v in _read_json(path).items() if isinstance(v, int)})
+    return found
+
+
+_CONFIG_ID_KEYS = {
+    "image_pad": "image_token_id",
+    "video_pad": "video_token_id",
+    "vision_start": "vision_start_token_id",
+    "vision_end": "vision_end_token_id",
 }
 
-FAMILIES: dict[str, Family] = {
-    "qwen2-vl": Family(name="qwen2-vl", **_QWEN),
-    "qwen2.5-vl": Family(name="qwen2.5-vl", **_QWEN),
-}
+
+def token_ids(folder: Path, family: Family) -> TokenIds:
+    """The family's special-token ids as the folder's tokenizer defines them, checked against config.json."""
+    added = _added_tokens(folder)
+    ids: dict[str, int] = {}
+    for role, text in family.token_names.items():
+        if text not in added:
+            raise ConfigError(
+                f"{folder}: the tokenizer files define no {family.name} special token {text}; "
+                "point model.path at the model's own folder"
+            )
+        ids[role] = added[text]
+    path = folder / "config.json"
+    config = _read_json(path) if path.is_file() else {}
+    for role, key in _CONFIG_ID_KEYS.items():
+        value = config.get(key)
+        if isinstance(value, int) and value != ids[role]:
+            raise ConfigError(
+                f"{folder}: config.json {key} is {value} but the tokenizer has {family.token_names[role]} "
+                f"at {ids[role]}; the folder mixes two models"
+            )
+    return TokenIds(**ids)
+
+
+def model_spec(
+    folder: str | Path, family: str | Family | None = None, cfg: ModelConfig | None = None
+) -> ModelSpec:
+    """The registry entry bound to `folder` (family from config.json when not given); cheap, torch-free."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise ConfigError(f"model.path: {path} is not a folder")
+    fam = detect_family(path) if family is None else family if isinstance(family, Family) else get_family(family)
+    config = path / "config.json"
+    model_type = _read_json(config).get("model_type") if config.is_file() else None
+    if model_type is not None and model_type != fam.model_type:
+        raise ConfigError(
+            f"model.family is {fam.name} but {path}/config.json is a {model_type!r} model; set model.family "
+            f"to {', '.join(f.name for f in FAMILIES.values() if f.model_type == model_type) or 'its family'}"
+        )
+    settings = cfg if cfg is not None else ModelConfig(family=fam.name, path=str(path))
+    return ModelSpec(fam, path, token_ids(path, fam), vision_spec(path, settings, fam))
 
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """A family bound to a model folder: tokenizer, template, vision settings and token ids."""
+    """A `ModelSpec` plus the tokenizer and the chat template the packer renders with."""
 
-    family: Family
+    spec: ModelSpec
     tokenizer: Any
     chat_template: str
-    vision: VisionSpec
-    vision_start_id: int
-    vision_end_id: int
-    image_pad_id: int
-    video_pad_id: int
     reserved_tokens: frozenset[str]  # structural tokens a record's text must not contain
     render: Callable[[list[dict[str, Any]]], str]  # messages -> chat-template text
+
+    @property
+    def family(self) -> Family:
+        return self.spec.family
+
+    @property
+    def vision(self) -> VisionSpec:
+        return self.spec.vision
+
+    @property
+    def ids(self) -> TokenIds:
+        return self.spec.token_ids
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -142,34 +223,49 @@ def _pixels(config: dict[str, Any], key: str, size_key: str) -> int | None:
     return int(value) if value is not None else None
 
 
-def vision_spec(folder: Path, cfg: ModelConfig) -> VisionSpec:
-    """Vision settings: explicit config first, then the folder's processor configs, then HF defaults.
+def vision_spec(folder: Path, cfg: ModelConfig, family: Family | None = None) -> VisionSpec:
+    """Vision settings: explicit config first, then the folder's processor configs, then the family's defaults.
 
     Videos use `video_preprocessor_config.json` when present and otherwise the
     image processor's bounds, as `AutoProcessor` does for these folders.
     """
+    fam = family or get_family(cfg.family)
     pre_path = folder / "preprocessor_config.json"
     pre = _read_json(pre_path) if pre_path.is_file() else {}
     vid_path = folder / "video_preprocessor_config.json"
     vid = _read_json(vid_path) if vid_path.is_file() else pre
     model_path = folder / "config.json"
     vision_config = (_read_json(model_path) if model_path.is_file() else {}).get("vision_config") or {}
-    base = VisionSpec()
-    min_px = cfg.min_pixels or _pixels(pre, "min_pixels", "shortest_edge") or base.min_pixels
-    max_px = cfg.max_pixels or _pixels(pre, "max_pixels", "longest_edge") or base.max_pixels
+    min_px = cfg.min_pixels or _pixels(pre, "min_pixels", "shortest_edge") or fam.min_pixels
+    max_px = cfg.max_pixels or _pixels(pre, "max_pixels", "longest_edge") or fam.max_pixels
+    tps = vision_config.get("tokens_per_second") if fam.time_scaled_rope else None
     return replace(
-        base,
-        patch_size=int(pre.get("patch_size", base.patch_size)),
-        merge_size=int(pre.get("merge_size", base.merge_size)),
-        temporal_patch_size=int(pre.get("temporal_patch_size", base.temporal_patch_size)),
+        VisionSpec(),
+        patch_size=int(vid.get("patch_size", pre.get("patch_size", fam.patch_size))),
+        merge_size=int(vid.get("merge_size", pre.get("merge_size", fam.merge_size))),
+        temporal_patch_size=int(
+            vid.get("temporal_patch_size", pre.get("temporal_patch_size", fam.temporal_patch_size))
+        ),
         min_pixels=min_px,
         max_pixels=max_px,
-        video_min_pixels=cfg.video_min_pixels or _pixels(vid, "min_pixels", "shortest_edge") or min_px,
-        video_max_pixels=cfg.video_max_pixels or _pixels(vid, "max_pixels", "longest_edge") or max_px,
+        video_min_pixels=cfg.video_min_pixels
+        or _pixels(vid, "min_pixels", "shortest_edge")
+        or fam.video_min_pixels
+        or min_px,
+        video_max_pixels=cfg.video_max_pixels
+        or _pixels(vid, "max_pixels", "longest_edge")
+        or fam.video_max_pixels
+        or max_px,
         fps=cfg.fps,
         min_frames=cfg.min_frames,
         max_frames=cfg.max_frames,
-        tokens_per_second=vision_config.get("tokens_per_second"),
+        tokens_per_second=None if tps is None else float(tps),
+        frame_sampling=fam.frame_sampling,
+        video_resize=fam.video_resize,
+        cap_pixels_per_frame=cfg.cap_pixels_per_frame,
+        image_mean=tuple(float(x) for x in pre.get("image_mean", fam.image_mean)),
+        image_std=tuple(float(x) for x in pre.get("image_std", fam.image_std)),
+        rescale_factor=float(pre.get("rescale_factor", 1 / 255)),
     )
 
 
@@ -213,39 +309,23 @@ def _renderer(tokenizer: Any, template: str) -> Callable[[list[dict[str, Any]]],
 
 def load_model(cfg: ModelConfig) -> LoadedModel:
     """Load the tokenizer and template once per worker; ConfigError says what is wrong with the folder."""
-    family = FAMILIES.get(cfg.family)
-    if family is None:
-        raise ConfigError(f"model.family {cfg.family!r} is not one of {sorted(FAMILIES)}")
-    folder = Path(cfg.path)
-    if not folder.is_dir():
-        raise ConfigError(f"model.path: {folder} is not a folder")
+    family = get_family(cfg.family)
+    spec = model_spec(cfg.path, family, cfg)
+    folder = spec.folder
     try:
         tokenizer = _import(family.tokenizer_class).from_pretrained(str(folder))
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"model.path: cannot load a {cfg.family} tokenizer from {folder} ({exc})") from exc
+    for role, text in family.token_names.items():
+        if tokenizer.convert_tokens_to_ids(text) != getattr(spec.token_ids, role):
+            raise ConfigError(f"{folder}: the tokenizer does not map {text} to the id its files list")
     template = _chat_template(folder, cfg.chat_template, tokenizer)
-    ids = {}
-    for token in (
-        family.vision_start,
-        family.vision_end,
-        family.image_pad,
-        family.video_pad,
-        family.turn_end,
-    ):
-        token_id = tokenizer.convert_tokens_to_ids(token)
-        if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
-            raise ConfigError(f"{folder}: tokenizer lacks the {cfg.family} special token {token}")
-        ids[token] = token_id
-    reserved = frozenset(family.reserved_tokens) | frozenset(ids)
+    names = family.token_names
+    vision = {names[k] for k in ("vision_start", "vision_end", "image_pad", "video_pad", "turn_end")}
     return LoadedModel(
-        family=family,
+        spec=spec,
         tokenizer=tokenizer,
         chat_template=template,
-        vision=vision_spec(folder, cfg),
-        vision_start_id=ids[family.vision_start],
-        vision_end_id=ids[family.vision_end],
-        image_pad_id=ids[family.image_pad],
-        video_pad_id=ids[family.video_pad],
-        reserved_tokens=reserved,
+        reserved_tokens=frozenset(family.reserved_tokens) | frozenset(vision),
         render=_renderer(tokenizer, template),
     )

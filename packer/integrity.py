@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from .family_registry import FAMILIES
 from .shard_format import IGNORE_INDEX
 from .shards import ShardFormatError, ShardReader
 
@@ -40,6 +41,7 @@ class ModelFacts:
     image_pad_id: int | None
     video_pad_id: int | None
     merge_size: int = 2
+    video_groups: bool = False  # a video is one pad run per temporal group (Qwen3-VL timestamps)
 
 
 def _int(value: Any) -> int | None:
@@ -67,7 +69,10 @@ def model_facts(folder: str | Path) -> tuple[ModelFacts, str | None]:
         merge = _int(pre.get("merge_size")) or merge
     except (OSError, ValueError, AttributeError):
         pass
-    facts = ModelFacts(vocab, _int(config.get("image_token_id")), _int(config.get("video_token_id")), merge)
+    groups = any(f.video_timestamps for f in FAMILIES.values() if f.model_type == config.get("model_type"))
+    facts = ModelFacts(
+        vocab, _int(config.get("image_token_id")), _int(config.get("video_token_id")), merge, groups
+    )
     note = None if vocab else f"{folder}/config.json names no vocab_size: token ids are not checked against it"
     return facts, note
 
@@ -137,7 +142,10 @@ def grid_problem(
             grid = [int(ref[g]) for g in ("grid_t", "grid_h", "grid_w")]
             if min(grid) < 1 or (grid[1] * grid[2]) % m2:
                 return f"sub-sample {k}: media grid {grid} is not a whole number of merged patches"
-            want.append((ref["kind"], grid[0] * grid[1] * grid[2] // m2))
+            if ref["kind"] == "video" and facts.video_groups:
+                want += [("video", grid[1] * grid[2] // m2)] * grid[0]
+            else:
+                want.append((ref["kind"], grid[0] * grid[1] * grid[2] // m2))
         if runs != want:
             return (
                 f"sub-sample {k}: vision-token runs {runs[:4]} do not match its media grids {want[:4]} "

@@ -1,8 +1,21 @@
-"""Run all stages of a pack on this machine with N worker processes and progress bars."""
+"""Run all stages of a pack on this machine with N worker processes and progress bars.
+
+The tokenizer and processor are loaded once, in this process. With one worker every stage runs
+here; with more, the workers are forked once after the load and serve both convert and
+materialize, so a worker starts with everything loaded (a spawned worker re-imported
+transformers and re-read the tokenizer: ~3 s per `pack run` before any sample). Where fork is
+not available (macOS, Windows) workers are spawned and load their own.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import multiprocessing as mp
+import os
+import queue
+import resource
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -14,60 +27,150 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from . import stages
 from .config import PackConfig
 from .records import ConfigError, iter_records
+from .shards import MANIFEST
+
+_WORKER: dict[str, Any] = {}
+"""What a worker process holds: config, output folder, progress queue and (forked) the loaded tokenizer."""
 
 
-def _convert_job(cfg_json: dict[str, Any], out: str, index: int, count: int, queue: Any) -> dict[str, Any]:
-    cfg = PackConfig.model_validate(cfg_json)
-    return stages.convert(cfg, Path(out), index, count, progress=queue.put)
+def _init_worker(cfg_json: dict[str, Any], out: str, progress: Any) -> None:
+    if "cfg" not in _WORKER:  # spawned: nothing inherited
+        _WORKER["cfg"] = PackConfig.model_validate(cfg_json)
+    _WORKER["out"] = Path(out)
+    _WORKER["progress"] = progress
 
 
-def _materialize_job(cfg_json: dict[str, Any], out: str, index: int, count: int, queue: Any) -> dict[str, Any]:
-    cfg = PackConfig.model_validate(cfg_json)
-    return stages.materialize(cfg, Path(out), index, count, progress=queue.put)
+def peak_rss_mib() -> float:
+    """This process's peak resident memory (VmHWM; a forked worker's counts the pages it shares)."""
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(maxrss / (1 << 20 if sys.platform == "darwin" else 1 << 10), 1)
 
 
-def _run_parallel(
-    job: Callable[..., dict[str, Any]],
-    cfg: PackConfig,
-    out: Path,
+def _convert_job(index: int, count: int) -> dict[str, Any]:
+    w = _WORKER
+    summary = stages.convert(w["cfg"], w["out"], index, count, progress=w["progress"].put,
+                             tokenizer=w.get("tokenizer"))
+    return {**summary, "peak_rss_mib": peak_rss_mib()}
+
+
+def _materialize_job(index: int, count: int) -> dict[str, Any]:
+    w = _WORKER
+    summary = stages.materialize(w["cfg"], w["out"], index, count, progress=w["progress"].put)
+    return {**summary, "peak_rss_mib": peak_rss_mib()}
+
+
+def _ready() -> int:
+    return os.getpid()
+
+
+def _pool(cfg: PackConfig, out: Path, workers: int, tokenizer: Any) -> tuple[ProcessPoolExecutor, Any]:
+    """`workers` processes started now, forked from this process with the tokenizer already loaded."""
+    fork = sys.platform.startswith("linux")  # fork elsewhere (macOS) is unsafe with system frameworks
+    ctx = mp.get_context("fork" if fork else "spawn")
+    progress = ctx.Queue()
+    if fork:
+        _WORKER.update(cfg=cfg, tokenizer=tokenizer)
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                               initargs=(cfg.dump(), str(out), progress))
+    try:
+        # Start every worker before any thread of ours (progress bars) runs: a fork copies only the
+        # calling thread, and a lock another thread held would stay locked in the child.
+        for f in [pool.submit(_ready) for _ in range(workers)]:
+            f.result()
+    except BaseException:
+        pool.shutdown(cancel_futures=True)
+        raise
+    finally:
+        _WORKER.clear()
+    return pool, progress
+
+
+def _run_stage(
+    pool: ProcessPoolExecutor | None,
+    progress_queue: Any,
+    job: Callable[[int, int], dict[str, Any]],
     workers: int,
     progress: Progress,
     label: str,
     total: int | None,
+    local: Callable[[Callable[[int], None]], dict[str, Any]],
 ) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager, ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        queue = manager.Queue()
-        task = progress.add_task(label, total=total)
-        futures: list[Future[dict[str, Any]]] = [
-            pool.submit(job, cfg.dump(), str(out), i, workers, queue) for i in range(workers)
-        ]
+    task = progress.add_task(label, total=total)
+    advance: Callable[[int], None] = lambda n: progress.advance(task, n)  # noqa: E731
+    if pool is None:
+        results = [local(advance)]
+    else:
+        futures: list[Future[dict[str, Any]]] = [pool.submit(job, i, workers) for i in range(workers)]
         while not all(f.done() for f in futures):
-            while not queue.empty():
-                progress.advance(task, queue.get())
-            time.sleep(0.1)
-        while not queue.empty():
-            progress.advance(task, queue.get())
+            with contextlib.suppress(queue.Empty):
+                advance(progress_queue.get(timeout=0.1))
         results = [f.result() for f in futures]
-        progress.update(task, completed=progress.tasks[task].completed, total=progress.tasks[task].completed)
-        return results
+        while True:
+            try:
+                advance(progress_queue.get_nowait())
+            except queue.Empty:
+                break
+    done = progress.tasks[task].completed
+    progress.update(task, completed=done, total=done)
+    return results
 
 
-def run_all(cfg: PackConfig, out: Path, workers: int = 1, show_progress: bool = True) -> dict[str, Any]:
-    """convert (N processes) → plan → materialize (N processes); returns the manifest."""
+def run_all(
+    cfg: PackConfig, out: Path, workers: int = 1, show_progress: bool = True, timings: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """convert (N processes) → plan → materialize (N processes); returns the manifest.
+
+    `timings`, when given, receives each stage's wall seconds and each process's peak RSS.
+    """
+    clock = time.perf_counter()
+    stage_times: dict[str, Any] = {}
+
+    def lap(stage: str, results: list[dict[str, Any]] | None = None) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        stage_times[stage] = {"seconds": round(now - clock, 3)}
+        if results is not None and pool is not None:
+            stage_times[stage]["worker_peak_rss_mib"] = [r["peak_rss_mib"] for r in results]
+        clock = now
+
     if workers < 1:
         raise ConfigError(f"--workers {workers}: give at least 1 worker process")
     out.mkdir(parents=True, exist_ok=True)
     stages.check_output_config(cfg, out)
     total = sum(1 for _ in iter_records(cfg.source.paths, select=lambda _: False))  # counted, not parsed
+    # One tokenizer thread per worker process: the workers are the parallelism.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    pool: ProcessPoolExecutor | None = None
+    tokenizer = stages.sample_tokenizer(cfg, out)
+    pool, progress_queue = _pool(cfg, out, workers, tokenizer) if workers > 1 else (None, None)
+    lap("load")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, disable=not show_progress, transient=False) as progress:
-        converted = _run_parallel(_convert_job, cfg, out, workers, progress, "convert", total)
-        task = progress.add_task("plan", total=1)
-        plan_summary = stages.plan(cfg, out)
-        progress.advance(task)
-        _run_parallel(_materialize_job, cfg, out, workers, progress, "materialize", plan_summary["shards"])
-    manifest = stages.finalize(cfg, out)
+    try:
+        with Progress(*columns, disable=not show_progress, transient=False) as progress:
+            converted = _run_stage(
+                pool, progress_queue, _convert_job, workers, progress, "convert", total,
+                lambda advance: dict(stages.convert(cfg, out, 0, 1, progress=advance, tokenizer=tokenizer)),
+            )
+            lap("convert", converted)
+            task = progress.add_task("plan", total=1)
+            plan_summary = stages.plan(cfg, out)
+            progress.advance(task)
+            lap("plan")
+            materialized = _run_stage(
+                pool, progress_queue, _materialize_job, workers, progress, "materialize",
+                plan_summary["shards"],
+                lambda advance: dict(stages.materialize(cfg, out, 0, 1, progress=advance)),
+            )
+            lap("materialize", materialized)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    # The worker that completed the set wrote the manifest; finalize only if none did (a shard was
+    # written by an earlier, interrupted run and no worker of this run saw the set complete).
+    if any(m.get("manifest") for m in materialized):
+        manifest: dict[str, Any] | None = json.loads((out / MANIFEST).read_text())
+    else:
+        manifest = stages.finalize(cfg, out)
     if manifest is None:
         raise RuntimeError(f"materialize finished but {out} lacks shards; re-run `packtrain pack materialize`")
     seen = sum(c["samples"] for c in converted)
@@ -76,4 +179,6 @@ def run_all(cfg: PackConfig, out: Path, workers: int = 1, show_progress: bool = 
             f"{out}: this run read {seen} samples but the manifest counts {manifest['counts']['input']}; "
             "the folder holds a pack of other inputs. Use a new output folder."
         )
+    if timings is not None:
+        timings.update(stages=stage_times, workers=workers, peak_rss_mib=peak_rss_mib())
     return manifest

@@ -27,16 +27,20 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import os
 import stat
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 from .config import SourceConfig
 from .conversation import MediaRef
+from .parquet_source import EmbeddedMedia
 from .records import ConfigError, expand_paths
+from .shards import atomic_write
 from .vision import (
     MediaError,
     VisionSpec,
@@ -73,6 +77,7 @@ class MediaItem:
     frames: list[int]
     second_per_grid: float
     merge_size: int = 2
+    video_fps: float = 0.0  # video: the source frame rate (Qwen3-VL renders frame timestamps from it)
 
     @property
     def num_tokens(self) -> int:
@@ -209,17 +214,36 @@ def _target_root(base: Path, target: str) -> str:
     return _real(path.parent)
 
 
-class MediaAccess:
-    """Resolves, reads and measures the media of one source, with a per-worker cache by resolved path."""
+EMBEDDED_DIR = "embedded"
+"""Name of the folder (in the pack's work folder) embedded media are kept in until materialize."""
 
-    def __init__(self, source: SourceConfig, spec: VisionSpec, *, base_dir: Path | None = None) -> None:
+
+class MediaAccess:
+    """Resolves, reads and measures the media of one source, with a per-worker cache by resolved path.
+
+    Media embedded in a dataset file (`parquet_source.EmbeddedMedia`) are measured from their
+    bytes under the same caps and decoders, and written to `embedded_dir` under their sha256,
+    where the materialize stage reads them like any file.
+    """
+
+    def __init__(
+        self,
+        source: SourceConfig,
+        spec: VisionSpec,
+        *,
+        base_dir: Path | None = None,
+        embedded_dir: Path | None = None,
+    ) -> None:
         self.roots = MediaRoots(source, base_dir)
         self.limits = MediaLimits.of(source)
         self.spec = spec
+        self.embedded_dir = embedded_dir
         self._cache: OrderedDict[tuple[str, Path], MediaItem | MediaError] = OrderedDict()
 
     def item(self, ref: MediaRef, dataset_dir: Path) -> MediaItem:
         """The measured media item a reference names, or MediaError with a reject reason."""
+        if isinstance(ref.ref, EmbeddedMedia):
+            return self._embedded(ref.kind, ref.ref)
         path = self.roots.resolve(ref.ref, dataset_dir)
         key = (ref.kind, path)
         cached = self._cache.get(key)
@@ -236,6 +260,48 @@ class MediaAccess:
         if isinstance(cached, MediaError):
             raise MediaError(cached.reason, cached.detail)
         return cached
+
+    def _embedded(self, kind: str, ref: EmbeddedMedia) -> MediaItem:
+        """Measure bytes from the dataset file (untrusted like any file), then keep them by sha256."""
+        data = ref.data
+        cap = self.limits.image_bytes if kind == "image" else self.limits.video_bytes
+        if len(data) > cap:
+            raise MediaError("media_too_large", f"{ref}: {_too_large(kind, len(data), cap).detail}")
+        digest = hashlib.sha256(data).hexdigest()
+        path = (self.embedded_dir or Path(EMBEDDED_DIR)) / digest[:2] / digest
+        key = (kind, path)
+        cached = self._cache.get(key)
+        if cached is None:
+            try:
+                cached = _decoded(str(ref), lambda: _measure_bytes(kind, path, data, self.spec, self.limits))
+            except MediaError as exc:
+                cached = exc
+            self._cache[key] = cached
+            if len(self._cache) > _MEDIA_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        if isinstance(cached, MediaError):
+            raise MediaError(cached.reason, cached.detail)
+        if self.embedded_dir is not None and not path.is_file():
+            atomic_write(path, data)  # same name, same bytes: concurrent workers write identical files
+        return cached
+
+
+def _measure_bytes(kind: str, path: Path, data: bytes, spec: VisionSpec, limits: MediaLimits) -> MediaItem:
+    if kind == "image":
+        return _image_item(path, data, spec, limits)
+    return _video_item(path, io.BytesIO(data), len(data), spec, limits)
+
+
+def _decoded(name: str, work: Callable[[], MediaItem]) -> MediaItem:
+    """`work()`, with every failure a MediaError naming `name` (decoders raise anything on hostile input)."""
+    try:
+        return work()
+    except MediaError as exc:
+        raise MediaError(exc.reason, f"{name}: {exc.detail}") from exc
+    except OSError as exc:
+        raise MediaError("missing_media", f"{name}: cannot read ({exc.strerror or exc})") from exc
+    except Exception as exc:  # one file must not stop a worker
+        raise MediaError("corrupt_media", f"{name}: unreadable ({type(exc).__name__}: {exc})") from exc
 
 
 def measure(
@@ -364,7 +430,8 @@ def _video_item(path: Path, f: BinaryIO, cap: int, spec: VisionSpec, limits: Med
     g = video_grid(info, len(frames), spec)
     spg = second_per_grid(frames, info.total_frames, info.fps, spec)
     return MediaItem(
-        "video", path, key, g.height, g.width, g.grid_t, g.grid_h, g.grid_w, frames, spg, spec.merge_size
+        "video", path, key, g.height, g.width, g.grid_t, g.grid_h, g.grid_w, frames, spg, spec.merge_size,
+        info.fps,
     )
 
 

@@ -2,7 +2,8 @@
 
 Original bytes keep shards small and exact (the trainer re-applies the same
 resize rule). `resized` moves decode and resize work off the GPU nodes: images
-become PNGs of exactly height x width, videos the sampled frames as PNGs.
+become PNGs of exactly height x width, videos the sampled frames as PNGs, made by
+`pixels` (the Hugging Face processor's pixels, as the trainer decodes originals).
 """
 
 from __future__ import annotations
@@ -12,32 +13,25 @@ import io
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import numpy as np
 from PIL import Image
 
 from .media import SNIFF_BYTES, MediaLimits, hash_capped, open_regular, read_capped, sniff_container
+from .pixels import decode_rgb, resize_uint8
 from .records import ConfigError
-from .vision import MediaError, upright
+from .vision import MediaError
 
 
-def _png(img: Image.Image) -> bytes:
+def _png(pixels: np.ndarray) -> bytes:
+    """Lossless, so the trainer reads back exactly the pixels `packer.pixels` made."""
     buf = io.BytesIO()
-    img.save(buf, format="PNG", optimize=False)
+    Image.fromarray(pixels, "RGB").save(buf, format="PNG", optimize=False)
     return buf.getvalue()
-
-
-def resize_rgb(img: Image.Image, height: int, width: int) -> Image.Image:
-    """RGB at exactly (height, width), bicubic like the Qwen2-VL image processor."""
-    img = upright(img)
-    if img.mode != "RGB":
-        img = img.convert("RGBA").convert("RGB") if img.mode in ("P", "LA", "PA") else img.convert("RGB")
-    if img.size != (width, height):
-        img = img.resize((width, height), Image.Resampling.BICUBIC)
-    return img
 
 
 def video_frames(
     f: BinaryIO, indices: list[int], height: int, width: int, name: str = "video"
-) -> list[Image.Image]:
+) -> list[np.ndarray]:
     """The frames at `indices` (decode order) at height x width, through an allowed demuxer only.
 
     Each wanted frame is resized as soon as it is decoded, so memory holds one source-size frame
@@ -52,7 +46,7 @@ def video_frames(
         raise ValueError(f"{name}: not a video in an allowed container")
     f.seek(0)
     wanted = set(indices)
-    frames: dict[int, Image.Image] = {}
+    frames: dict[int, np.ndarray] = {}
     with av.open(f, format=demuxer) as container:
         stream = container.streams.video[0]
         declared = (stream.codec_context.width, stream.codec_context.height)
@@ -63,7 +57,7 @@ def video_frames(
                     f"{declared[0]}x{declared[1]}; re-encode the video"
                 )
             if i in wanted:
-                frames[i] = resize_rgb(frame.to_image(), height, width)
+                frames[i] = resize_uint8(frame.to_ndarray(format="rgb24"), height, width)
             if len(frames) == len(wanted):
                 break
     missing = wanted - frames.keys()
@@ -118,8 +112,7 @@ def media_blob(
             return {"key": ref["key"], "kind": kind, "encoding": "original", "data": data, "frames": []}
         h, w = ref["height"], ref["width"]
         if kind == "image":
-            with Image.open(io.BytesIO(data)) as img:
-                return {"key": ref["key"], "kind": "image", "encoding": "resized",
-                        "data": _png(resize_rgb(img, h, w)), "frames": []}
+            pixels = resize_uint8(decode_rgb(data), h, w)
+            return {"key": ref["key"], "kind": "image", "encoding": "resized", "data": _png(pixels), "frames": []}
         frames = [_png(fr) for fr in video_frames(f, list(ref["frames"]), h, w, str(path))]
     return {"key": ref["key"], "kind": "video", "encoding": "resized", "data": b"", "frames": frames}

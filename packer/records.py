@@ -1,9 +1,11 @@
-"""Reading dataset files: JSON arrays and JSONL, one `RawRecord` per record, never failing on bad data.
+"""Reading dataset files: JSON arrays, JSONL and Parquet, one `RawRecord` per record, never failing on bad data.
 
-A bad line or array item becomes a RawRecord with `error` set, so the convert stage
-turns it into a reject and goes on; only configuration mistakes (a path that matches
-nothing) stop the job. Files are streamed: memory holds one record (at most
-`MAX_RECORD_BYTES` of JSON text) and one read chunk, never a whole file.
+A bad line, array item or Parquet row becomes a RawRecord with `error` set, so the
+convert stage turns it into a reject and goes on; only configuration mistakes (a path
+that matches nothing) stop the job. Files are streamed: memory holds one record (at
+most `MAX_RECORD_BYTES` of JSON text) and one read chunk, or one batch of a Parquet
+row group (`parquet_source`), never a whole file. The format is told by the file
+name: `.parquet` is Parquet, anything else JSON or JSONL (told from the content).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class RawRecord:
     error: str | None
     reason: str | None = None
     name: str = ""  # the source's name in rejects and shards (see `source_names`); default: the file name
+    copy: int = 0  # which repeat of the record this is, when a mixture weight above 1 repeats it
 
     @property
     def source_name(self) -> str:
@@ -43,9 +46,30 @@ class RawRecord:
 _GLOB_CHARS = frozenset("*?[")
 
 
+@dataclass(frozen=True)
+class SourceFile:
+    """One dataset file of a job: its path, its name in samples (`source_names`) and the
+    `source.paths` entry that named it first (mixture weights and per-source counts use it)."""
+
+    path: Path
+    name: str
+    entry: str
+
+
+def source_files(paths: Sequence[str], base_dir: Path | None = None) -> list[SourceFile]:
+    """Every file of the job, in reading order, with its name and `source.paths` entry."""
+    found = _expand(paths, base_dir)
+    names = source_names([p for p, _ in found])
+    return [SourceFile(p, name, entry) for (p, entry), name in zip(found, names, strict=True)]
+
+
 def expand_paths(paths: Sequence[str], base_dir: Path | None = None) -> list[Path]:
     """Files named by `paths` (globs expanded, sorted within each pattern, first occurrence kept)."""
-    found: list[Path] = []
+    return [p for p, _ in _expand(paths, base_dir)]
+
+
+def _expand(paths: Sequence[str], base_dir: Path | None) -> list[tuple[Path, str]]:
+    found: list[tuple[Path, str]] = []
     seen: set[Path] = set()
     for pattern in paths:
         try:
@@ -65,7 +89,7 @@ def expand_paths(paths: Sequence[str], base_dir: Path | None = None) -> list[Pat
             resolved = m.resolve()
             if resolved not in seen:
                 seen.add(resolved)
-                found.append(m)
+                found.append((m, pattern))
     return found
 
 
@@ -90,25 +114,74 @@ SKIPPED = "skipped"
 """`RawRecord.reason` of a record `iter_records(select=...)` did not read (it is not a reject)."""
 
 Want = Callable[[], bool]
+Copies = Sequence[int] | None
+"""How many times each record of a file is taken (a mixture's sample); None: each once."""
+Weigh = Callable[[list[SourceFile]], list[Copies]]
+
+
+def is_parquet(path: Path) -> bool:
+    return path.suffix.lower() == ".parquet"
 
 
 def iter_records(
-    paths: Sequence[str], base_dir: Path | None = None, select: Callable[[int], bool] | None = None
+    paths: Sequence[str],
+    base_dir: Path | None = None,
+    select: Callable[[int], bool] | None = None,
+    weigh: Weigh | None = None,
 ) -> Iterator[RawRecord]:
-    """Every record of every file, in a deterministic order; the format is detected from the content.
+    """Every record of every file, in a deterministic order; the format is detected per file.
 
-    With `select`, a record whose global position it refuses is yielded as a placeholder
-    (reason `SKIPPED`) without decoding or parsing it, so a convert worker parses only its
-    own share of a file (JSONL or JSON array); positions stay those of the full iteration.
+    Records are read in units: one JSON record, or one Parquet row group. With `select`, a
+    unit whose global number it refuses is not read: its records are yielded as placeholders
+    (reason `SKIPPED`), so a convert worker parses only its own share of a file and positions
+    (the order of yielded records) stay those of the full iteration. `weigh` gives how many
+    times each record is taken (`mixture.weigher`): a record taken k times is yielded k times
+    (`copy` 0..k-1), one taken 0 times not at all.
     """
-    files = expand_paths(paths, base_dir)
-    want: Want | None = None
-    if select is not None:
-        positions = itertools.count()
-        want = lambda: select(next(positions))  # noqa: E731  (called once per record, in order)
-    for path, name in zip(files, source_names(files), strict=True):
-        for raw in _read_file(path, want):
-            yield raw if name == path.name else dataclasses.replace(raw, name=name)
+    files = source_files(paths, base_dir)
+    copies = weigh(files) if weigh is not None else [None] * len(files)
+    units = itertools.count()
+
+    def unit_wanted() -> bool:
+        return select is None or select(next(units))
+
+    for sf, times in zip(files, copies, strict=True):
+        for raw in _read_source(sf.path, unit_wanted, times, select is None and times is None):
+            n = 1 if times is None else _times(times, raw.index)
+            if n == 1 and sf.name == sf.path.name:
+                yield raw
+                continue
+            for k in range(n):
+                yield dataclasses.replace(raw, name=sf.name, copy=k)
+
+
+def _times(times: Sequence[int], index: int) -> int:
+    return int(times[index]) if index < len(times) else 0  # a file grown since it was counted: not sampled
+
+
+def _read_source(path: Path, unit_wanted: Want, times: Copies, everything: bool) -> Iterator[RawRecord]:
+    if is_parquet(path):
+        from .parquet_source import read_parquet  # pyarrow's Parquet reader, only for Parquet jobs
+
+        yield from read_parquet(path, unit_wanted, times)
+        return
+    records = itertools.count()
+
+    def want() -> bool:  # one JSON record is one unit; a record the mixture does not take is not parsed
+        wanted, index = unit_wanted(), next(records)
+        return wanted and (times is None or _times(times, index) > 0)
+
+    yield from _read_file(path, None if everything else want)
+
+
+def count_records(path: Path) -> int:
+    """How many records `iter_records` yields for a file (a Parquet file's footer; a JSON file is scanned)."""
+    if is_parquet(path):
+        from .parquet_source import parquet_rows
+
+        rows = parquet_rows(path)
+        return 1 if rows is None else sum(rows)  # an unreadable file is one reject
+    return sum(1 for _ in _read_file(path, lambda: False))
 
 
 def _skipped(path: Path, index: int) -> RawRecord:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .shard_format import FORMAT_VERSION, MEDIA_SCHEMA, SEQUENCE_SCHEMA
 
@@ -182,10 +183,13 @@ def shard_paths(index: int) -> tuple[str, str]:
     return f"shards/{index:05d}.arrow", f"shards/{index:05d}.media.arrow"
 
 
-def write_shard(out_dir: Path, index: int, rows: list[dict[str, Any]], media: list[dict[str, Any]]) -> dict[str, Any]:
-    """Write one shard (sequences + its deduplicated media) and return its manifest entry."""
+def write_shard(
+    out_dir: Path, index: int, rows: list[dict[str, Any]] | pa.Table, media: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Write one shard (sequences, as rows or a SEQUENCE_SCHEMA table, + its deduplicated media) and
+    return its manifest entry."""
     seq_rel, media_rel = shard_paths(index)
-    seq_table = pa.Table.from_pylist(rows, schema=SEQUENCE_SCHEMA)
+    seq_table = rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(rows, schema=SEQUENCE_SCHEMA)
     media_table = pa.Table.from_pylist(media, schema=MEDIA_SCHEMA)
     # Media first: a sequence file under its final name implies its media exist.
     media_sha = write_table(out_dir / media_rel, media_table)
@@ -196,7 +200,7 @@ def write_shard(out_dir: Path, index: int, rows: list[dict[str, Any]], media: li
         "sha256": seq_sha,
         "bytes": (out_dir / seq_rel).stat().st_size,
         "rows": seq_table.num_rows,
-        "tokens": sum(len(r["input_ids"]) for r in rows),
+        "tokens": int(pc.sum(pc.list_value_length(seq_table.column("input_ids"))).as_py() or 0),
         "media_file": media_rel,
         "media_sha256": media_sha,
         "media_bytes": (out_dir / media_rel).stat().st_size,

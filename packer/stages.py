@@ -25,11 +25,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .config import PackConfig
-from .media import MediaLimits, MediaRoots
+from .contract import ConvertSummary, MaterializeSummary, PlanSummary
+from .media import EMBEDDED_DIR, MediaLimits, MediaRoots
 from .media_store import media_blob
+from .mixture import repeat, source_counts, weigher
 from .plan import lower_bound, plan_bins
-from .records import ConfigError, iter_records
-from .shard_format import FORMAT_VERSION, IGNORE_INDEX
+from .records import SKIPPED, ConfigError, iter_records, source_files
+from .shard_format import FORMAT_VERSION, IGNORE_INDEX, MEDIA_REF, SEQUENCE_SCHEMA
 from .shards import (
     MANIFEST,
     REJECTS,
@@ -45,7 +47,7 @@ from .shards import (
     write_shard,
     write_table,
 )
-from .tokenize import Reject, SampleTokenizer, TokenizedSample, truncate_sample
+from .tokenize import Reject, SampleTokenizer, TokenizedSample
 
 WORK = "work"
 CONFIG_CLAIM = "config.json"
@@ -165,7 +167,7 @@ def _reject_row(r: Reject, position: int) -> dict[str, Any]:
 
 
 def _apply_overlong(
-    cfg: PackConfig, sample: TokenizedSample, position: int
+    cfg: PackConfig, tokenizer: SampleTokenizer, sample: TokenizedSample, position: int
 ) -> TokenizedSample | Reject:
     max_length = cfg.packing.max_length
     if len(sample.input_ids) <= max_length:
@@ -178,17 +180,31 @@ def _apply_overlong(
             "raise packing.maxLength or set packing.overlong to drop or truncate"
         )
     if policy == "truncate":
-        cut = truncate_sample(sample, max_length)
+        cut = tokenizer.truncate(sample, max_length)
         if cut is not None:
             return cut
         detail += "; cannot truncate without cutting a vision-token run or losing all labels"
     return Reject(sample.source, sample.index, sample.sample_id, "overlong", detail)
 
 
+def sample_tokenizer(cfg: PackConfig, out: Path) -> SampleTokenizer:
+    """The tokenizer and processor a convert worker of `out` uses; load it once and hand it to every
+    worker slice (`convert(tokenizer=...)`, forked workers) instead of each slice re-reading it."""
+    return SampleTokenizer(cfg.source, cfg.model, cfg.packing, embedded_dir=_work(out) / EMBEDDED_DIR)
+
+
 def convert(
-    cfg: PackConfig, out: Path, index: int, count: int, progress: Progress | None = None
-) -> dict[str, Any]:
-    """Tokenize and measure every `count`-th input record starting at `index`."""
+    cfg: PackConfig,
+    out: Path,
+    index: int,
+    count: int,
+    progress: Progress | None = None,
+    tokenizer: SampleTokenizer | None = None,
+) -> ConvertSummary:
+    """Tokenize and measure every `count`-th input record starting at `index`.
+
+    `tokenizer`: one `sample_tokenizer(cfg, out)` already loaded (default: load it here).
+    """
     if not 0 <= index < count:
         raise ConfigError(f"convert index {index} is outside 0..{count - 1}")
     work = _work(out)
@@ -200,23 +216,28 @@ def convert(
     if summary_path.is_file():
         return json.loads(summary_path.read_text())
 
-    tokenizer = SampleTokenizer(cfg.source, cfg.model, cfg.packing)
+    tokenizer = tokenizer or sample_tokenizer(cfg, out)
     # Converted rows go to Arrow record batches every PART_BATCH_TOKENS tokens: Python int lists cost
     # ~80 bytes a token (Arrow: 8), and one batch's list offsets are int32 (2^31 tokens at most).
     batches: list[pa.RecordBatch] = []
     rows: list[dict[str, Any]] = []
     pending_tokens = converted = tokens = 0
     rejected = seen = 0
-    mine: Callable[[int], bool] = lambda position: position % count == index  # noqa: E731
+    # A unit is one JSON record or one Parquet row group (`records.iter_records`).
+    mine: Callable[[int], bool] = lambda unit: unit % count == index  # noqa: E731
+    records = iter_records(cfg.source.paths, select=mine, weigh=weigher(cfg.source, cfg.packing.seed))
+    first: TokenizedSample | Reject | None = None  # a record's result, reused for its mixture repeats
     # Rejects stream to their file (a worker may reject millions: a missing media folder).
     with atomic_writer(work / "convert" / f"rejects-{name}.jsonl") as reject_file:
-        for position, raw in enumerate(iter_records(cfg.source.paths, select=mine)):
-            if not mine(position):
+        for position, raw in enumerate(records):
+            if raw.reason == SKIPPED:
                 continue  # another worker's record, yielded unparsed
             seen += 1
-            result = tokenizer(raw)
+            if raw.copy == 0 or first is None:
+                first = tokenizer(raw)
+            result = repeat(first, raw.copy)
             if isinstance(result, TokenizedSample):
-                result = _apply_overlong(cfg, result, position)
+                result = _apply_overlong(cfg, tokenizer, result, position)
             if isinstance(result, Reject):
                 row = _reject_row(result, position)
                 reject_file.write((json.dumps(row, sort_keys=True, ensure_ascii=False) + "\n").encode())
@@ -253,7 +274,7 @@ def convert(
         converted += len(rows)
         tokens += pending_tokens
     write_table(work / "convert" / f"part-{name}.arrow", pa.Table.from_batches(batches, schema=PART_SCHEMA))
-    summary = {
+    summary: ConvertSummary = {
         "stage": "convert",
         "index": index,
         "count": count,
@@ -288,16 +309,30 @@ def _convert_parts(out: Path) -> int:
 
 
 def _input_fingerprints(cfg: PackConfig) -> list[dict[str, Any]]:
-    from .records import expand_paths, source_names
-
-    files = expand_paths(cfg.source.paths)
     return [
-        {"name": name, "path": str(p), "bytes": p.stat().st_size, "sha256": sha256_file(p)}
-        for p, name in zip(files, source_names(files), strict=True)
+        {"name": f.name, "path": str(f.path), "entry": f.entry, "bytes": f.path.stat().st_size,
+         "sha256": sha256_file(f.path)}
+        for f in source_files(cfg.source.paths)
     ]
 
 
-def plan(cfg: PackConfig, out: Path) -> dict[str, Any]:
+SMALL_PACK_SHARDS = 16
+"""A pack too small to fill this many shards of `sequencesPerShard` gets this many smaller shards
+(of at least MIN_SHARD_SEQUENCES), so materialize spreads over up to 16 workers even for a pack that
+one full shard would hold."""
+MIN_SHARD_SEQUENCES = 4
+
+
+def shard_size(sequences: int, sequences_per_shard: int) -> int:
+    """Sequences per shard: `sequences_per_shard`, smaller for a small pack (see SMALL_PACK_SHARDS).
+
+    A function of the pack alone, never of the worker count: the same inputs and config give the
+    same shards whatever the number of workers.
+    """
+    return max(1, min(sequences_per_shard, max(MIN_SHARD_SEQUENCES, -(-sequences // SMALL_PACK_SHARDS))))
+
+
+def plan(cfg: PackConfig, out: Path) -> PlanSummary:
     """Assign every converted sample to a packed sequence and sequences to shards."""
     work = _work(out)
     summary_path = work / "plan.json"
@@ -309,6 +344,7 @@ def plan(cfg: PackConfig, out: Path) -> dict[str, Any]:
 
     count = _convert_parts(out)
     positions, parts, rows, lengths, ids = [], [], [], [], []
+    packed_by_file: Counter[str] = Counter()  # per source file name, for the per-source counts
     converted_total = 0
     for i in range(count):
         name = _part_name(i, count)
@@ -320,6 +356,7 @@ def plan(cfg: PackConfig, out: Path) -> dict[str, Any]:
         rows.append(np.arange(len(pos), dtype=np.int32))
         lengths.append(table.column("length").to_numpy().astype(np.int64))
         converted_total += len(pos)
+        packed_by_file.update({v["values"]: v["counts"] for v in pc.value_counts(table.column("source")).to_pylist()})
 
     position = np.concatenate(positions) if positions else np.zeros(0, np.int64)
     order = np.argsort(position, kind="stable")
@@ -334,10 +371,11 @@ def plan(cfg: PackConfig, out: Path) -> dict[str, Any]:
     else:
         order, offsets = np.zeros(0, np.int64), np.zeros(1, np.int64)
     sequences = len(offsets) - 1
+    per_shard = shard_size(sequences, p.sequences_per_shard)
     offsets32 = pa.array(offsets, pa.int32())
     plan_table = pa.table(
         {
-            "shard": pa.array(np.arange(sequences) // p.sequences_per_shard, pa.int32()),
+            "shard": pa.array(np.arange(sequences) // per_shard, pa.int32()),
             "parts": pa.ListArray.from_arrays(offsets32, pa.array(part_of[order], pa.int32())),
             "rows": pa.ListArray.from_arrays(offsets32, pa.array(row_of[order], pa.int32())),
         },
@@ -347,6 +385,7 @@ def plan(cfg: PackConfig, out: Path) -> dict[str, Any]:
 
     # Each worker's rejects are in position order: merge them, streaming, into input order.
     reasons: Counter[str] = Counter()
+    rejected_by_file: Counter[str] = Counter()
     with contextlib.ExitStack() as stack, atomic_writer(out / REJECTS) as f:
         files = [stack.enter_context((work / "convert" / f"rejects-{_part_name(i, count)}.jsonl").open("rb"))
                  for i in range(count)]
@@ -354,6 +393,7 @@ def plan(cfg: PackConfig, out: Path) -> dict[str, Any]:
         reject_ids: list[str] = []
         for r in heapq.merge(*streams, key=lambda r: r["position"]):
             reasons[r["reason"]] += 1
+            rejected_by_file[r["source"]] += 1
             if isinstance(r.get("id"), str):
                 reject_ids.append(r["id"])
             keep = {k: r[k] for k in ("source", "index", "id", "reason", "detail")}
@@ -368,21 +408,24 @@ def plan(cfg: PackConfig, out: Path) -> dict[str, Any]:
             file=sys.stderr,
         )
     tokens = int(length.sum())
-    shards = -(-sequences // p.sequences_per_shard)
-    summary = {
+    shards = -(-sequences // per_shard)
+    summary: PlanSummary = {
         "stage": "plan",
         "samples": converted_total + rejected,
         "packed": converted_total,
         "rejected": rejected,
-        "rejectedByReason": dict(sorted(reasons.items())),
-        "duplicateIds": duplicates,
+        "rejected_by_reason": dict(sorted(reasons.items())),
+        "duplicate_ids": duplicates,
         "sequences": sequences,
         "shards": shards,
         "tokens": tokens,
-        "lowerBound": lower_bound(length, p.max_length) if len(length) else 0,
-        "fillRatio": round(tokens / (sequences * p.max_length), 6) if sequences else 0.0,
+        "lower_bound": lower_bound(length, p.max_length) if len(length) else 0,
+        "fill_ratio": round(tokens / (sequences * p.max_length), 6) if sequences else 0.0,
         # Fraction of fixed-length sequences saved versus one sample per sequence.
-        "paddingSaved": round(1 - sequences / converted_total, 6) if converted_total else 0.0,
+        "padding_saved": round(1 - sequences / converted_total, 6) if converted_total else 0.0,
+        "sources": source_counts(
+            source_files(cfg.source.paths), cfg.source.mixture, packed_by_file, rejected_by_file
+        ),
     }
     atomic_write_json(
         summary_path,
@@ -416,37 +459,72 @@ def _load_plan(out: Path) -> tuple[dict[str, Any], pa.Table]:
     return json.loads((work / "plan.json").read_text()), read_table(work / "plan.arrow")
 
 
+def _lists(offsets: np.ndarray, values: pa.Array) -> pa.ListArray:
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), values)
+
+
 def _build_shard(
-    cfg: PackConfig, plan_table: pa.Table, shard_rows: list[int], part_tables: dict[int, pa.Table]
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    sequences: list[dict[str, Any]] = []
+    cfg: PackConfig,
+    plan_rows: pa.Table,
+    part_tables: dict[int, pa.Table],
+    embedded: Path | None = None,
+) -> tuple[pa.Table, list[dict[str, Any]]]:
+    """One shard's sequences (SEQUENCE_SCHEMA), built column-wise: the sub-samples are taken from
+    the convert parts and regrouped by offsets, so no token becomes a Python object."""
+    parts_col = plan_rows.column("parts").combine_chunks()
+    rows_col = plan_rows.column("rows").combine_chunks()
+    seq_off = parts_col.offsets.to_numpy() - parts_col.offsets[0].as_py()  # sub-samples per sequence
+    flat_parts = parts_col.flatten().to_numpy()
+    flat_rows = rows_col.flatten().to_numpy()
+    pieces, where = [], []
+    for part in np.unique(flat_parts):
+        at = np.nonzero(flat_parts == part)[0]
+        pieces.append(part_tables[int(part)].take(pa.array(flat_rows[at])))
+        where.append(at)
+    samples = pa.concat_tables(pieces).combine_chunks() if pieces else PART_SCHEMA.empty_table()
+    if pieces:
+        samples = samples.take(pa.array(np.argsort(np.concatenate(where), kind="stable")))
+    n = samples.num_rows
+    length = samples.column("length").combine_chunks()
+    token_off = np.concatenate([[0], np.cumsum(length.to_numpy(), dtype=np.int64)])[seq_off]
+    if token_off[-1] >= 2**31:
+        raise ConfigError("a shard holds 2^31 tokens or more; lower packing.sequencesPerShard")
+    media = samples.column("media").combine_chunks()
+    per_sample = pc.list_value_length(media).to_numpy(zero_copy_only=False).astype(np.int64)
+    flat_media = media.flatten()
+    media_of = np.repeat(np.arange(n), per_sample)  # the sub-sample of each media item
+    seq_of = np.repeat(np.arange(len(seq_off) - 1), np.diff(seq_off))
+    children = dict(zip([f.name for f in flat_media.type], flat_media.flatten(), strict=True))
+    refs = pa.StructArray.from_arrays(
+        [pa.array(media_of - seq_off[seq_of[media_of]], pa.int32()),
+         *(children[f.name] for f in MEDIA_REF if f.name != "sample")],
+        fields=list(MEDIA_REF),
+    )
+    table = pa.Table.from_arrays(
+        [
+            _lists(token_off, samples.column("input_ids").combine_chunks().flatten()),
+            _lists(token_off, samples.column("labels").combine_chunks().flatten()),
+            _lists(seq_off, length),
+            _lists(seq_off, samples.column("sample_id").combine_chunks()),
+            _lists(seq_off, samples.column("source").combine_chunks()),
+            _lists(seq_off, samples.column("index").combine_chunks()),
+            _lists(np.concatenate([[0], np.cumsum(per_sample)])[seq_off], refs),
+        ],
+        schema=SEQUENCE_SCHEMA,
+    )
     blobs: dict[str, dict[str, Any]] = {}
     limits, roots = MediaLimits.of(cfg.source), MediaRoots(cfg.source).all_roots()
-    for r in shard_rows:
-        entry = plan_table.slice(r, 1).to_pylist()[0]
-        seq: dict[str, Any] = {
-            "input_ids": [], "labels": [], "seq_lens": [], "sample_ids": [],
-            "sources": [], "indices": [], "media": [],
-        }
-        for sub, (part, row) in enumerate(zip(entry["parts"], entry["rows"], strict=True)):
-            sample = part_tables[part].slice(row, 1).to_pylist()[0]
-            seq["input_ids"].extend(sample["input_ids"])
-            seq["labels"].extend(sample["labels"])
-            seq["seq_lens"].append(sample["length"])
-            seq["sample_ids"].append(sample["sample_id"])
-            seq["sources"].append(sample["source"])
-            seq["indices"].append(sample["index"])
-            for m in sample["media"]:
-                seq["media"].append({k: v for k, v in m.items() if k != "path"} | {"sample": sub})
-                if m["key"] not in blobs:
-                    blobs[m["key"]] = media_blob(m, cfg.packing.media_storage, limits, roots)
-        sequences.append(seq)
-    return sequences, [blobs[k] for k in sorted(blobs)]
+    if embedded is not None:  # media convert took from the dataset files, kept by sha256
+        roots |= {os.path.realpath(embedded)}
+    for i, key in enumerate(children["key"].to_pylist()):
+        if key not in blobs:
+            blobs[key] = media_blob(flat_media[i].as_py(), cfg.packing.media_storage, limits, roots)
+    return table, [blobs[k] for k in sorted(blobs)]
 
 
 def materialize(
     cfg: PackConfig, out: Path, index: int, count: int, progress: Progress | None = None
-) -> dict[str, Any]:
+) -> MaterializeSummary:
     """Write every `count`-th shard starting at `index`; the worker that completes the set writes the manifest."""
     if not 0 <= index < count:
         raise ConfigError(f"materialize index {index} is outside 0..{count - 1}")
@@ -470,13 +548,13 @@ def materialize(
         done = work / "shards" / f"{s:05d}.json"
         if done.is_file() and _shard_intact(out, json.loads(done.read_text())):
             continue
-        shard_rows = np.nonzero(shard_col == s)[0].tolist()
-        for r in shard_rows:
-            for part in plan_table.column("parts")[r].as_py():
-                if part not in part_tables:
-                    name = _part_name(part, plan_info["convert_workers"])
-                    part_tables[part] = read_table(work / "convert" / f"part-{name}.arrow")
-        sequences, media = _build_shard(cfg, plan_table, shard_rows, part_tables)
+        rows = np.nonzero(shard_col == s)[0]  # a shard's rows are consecutive (plan: sequence // size)
+        plan_rows = plan_table.slice(int(rows[0]), len(rows)) if len(rows) else plan_table.slice(0, 0)
+        for part in np.unique(plan_rows.column("parts").combine_chunks().flatten().to_numpy()).tolist():
+            if part not in part_tables:
+                name = _part_name(part, plan_info["convert_workers"])
+                part_tables[part] = read_table(work / "convert" / f"part-{name}.arrow")
+        sequences, media = _build_shard(cfg, plan_rows, part_tables, work / EMBEDDED_DIR)
         entry = write_shard(out, s, sequences, media)
         atomic_write_json(done, entry)
         written += 1
@@ -490,7 +568,7 @@ def materialize(
         "shards": len(mine),
         "written": written,
         "manifest": manifest is not None,
-        "manifestSha256": sha256_file(out / MANIFEST) if manifest is not None else None,
+        "manifest_sha256": sha256_file(out / MANIFEST) if manifest is not None else None,
     }
 
 
@@ -528,17 +606,18 @@ def finalize(cfg: PackConfig, out: Path) -> dict[str, Any] | None:
             "input": summary["samples"],
             "packed": summary["packed"],
             "rejected": summary["rejected"],
-            "rejected_by_reason": summary["rejectedByReason"],
-            DUPLICATE_IDS: summary.get("duplicateIds", 0),
+            "rejected_by_reason": summary["rejected_by_reason"],
+            DUPLICATE_IDS: summary.get("duplicate_ids", 0),
+            "sources": summary.get("sources", {}),  # per source.paths entry: input = packed + rejected
         },
         "tokens": summary["tokens"],
         "label_tokens": sum(_label_tokens(out, e) for e in entries),
         "sequences": summary["sequences"],
-        "lower_bound": summary["lowerBound"],
+        "lower_bound": summary["lower_bound"],
         "max_length": p.max_length,
         "algorithm": p.algorithm,
-        "fill_ratio": summary["fillRatio"],
-        "padding_saved": summary["paddingSaved"],
+        "fill_ratio": summary["fill_ratio"],
+        "padding_saved": summary["padding_saved"],
         "rejects": {"file": REJECTS, "sha256": plan_info["rejects_sha256"]},
         "shards": entries,
     }

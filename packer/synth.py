@@ -154,25 +154,32 @@ def generate_dataset(
     seed: int = 0,
     image_frac: float = IMAGE_FRAC,
     video_frac: float = VIDEO_FRAC,
+    media_pool: int = 0,
 ) -> Path:
     """Write `out_dir/data.jsonl` plus `images/` and `videos/`; return the JSONL path.
 
     Records follow the `messages` format with `<image>`/`<video>` placeholders,
     media paths relative to the JSONL's folder. Text lengths are lognormal per
     turn and multi-turn, like `synthetic_lengths`, scaled down to words.
+    `media_pool` > 0 draws each image and video from a pool of at most that many
+    files per kind (each written once, as datasets reuse COCO images), so a
+    million samples fit on a disk; 0 writes one file per use.
     """
     _check_fracs(image_frac, video_frac)
     if n_samples < 0:
         raise ValueError(f"n_samples must be >= 0, got {n_samples}")
+    if media_pool < 0:
+        raise ValueError(f"media_pool must be >= 0, got {media_pool}")
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     (out / "videos").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     vocabulary = _vocabulary(rng)
     path = out / "data.jsonl"
+    pool = _MediaPool(out, seed, media_pool) if media_pool else None
     with path.open("w", encoding="utf-8") as f:
         for index in range(n_samples):
-            record = _record(rng, vocabulary, out, index, image_frac, video_frac)
+            record = _record(rng, vocabulary, out, index, image_frac, video_frac, pool)
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
     return path
 
@@ -185,14 +192,16 @@ def _vocabulary(rng: np.random.Generator) -> tuple[list[str], npt.NDArray[np.flo
     words = sorted({"".join(rng.choice(_SYLLABLES, int(rng.integers(1, 5)))) for _ in range(3000)})
     rng.shuffle(words)
     weights = 1.0 / np.arange(1, len(words) + 1)
-    return words, weights / weights.sum()
+    cdf = np.cumsum(weights / weights.sum())
+    return words, cdf / cdf[-1]
 
 
 def _sentence_text(
     rng: np.random.Generator, vocabulary: tuple[list[str], npt.NDArray[np.float64]], n_words: int
 ) -> str:
-    words, p = vocabulary
-    chosen = [words[i] for i in rng.choice(len(words), n_words, p=p).tolist()]
+    words, cdf = vocabulary
+    # What rng.choice(len(words), n_words, p=...) draws, without re-validating p on every call.
+    chosen = [words[i] for i in cdf.searchsorted(rng.random(n_words), side="right").tolist()]
     parts: list[str] = []
     for start in range(0, n_words, 12):
         sentence = " ".join(chosen[start : start + 12])
@@ -207,6 +216,7 @@ def _record(
     index: int,
     image_frac: float,
     video_frac: float,
+    pool: _MediaPool | None = None,
 ) -> dict[str, object]:
     kind = rng.random()
     n_images = 0
@@ -232,11 +242,37 @@ def _record(
             {"role": "assistant", "content": _sentence_text(rng, vocabulary, min(assistant_words, 8000))}
         )
     record: dict[str, object] = {"id": f"synth-{index:06d}", "messages": messages}
+    if pool is not None:
+        if n_images:
+            record["images"] = [pool.image(int(rng.integers(pool.size))) for _ in range(n_images)]
+        if n_videos:
+            record["videos"] = [pool.video(int(rng.integers(pool.size)))]
+        return record
     if n_images:
         record["images"] = [_write_image(rng, out, index, slot) for slot in range(n_images)]
     if n_videos:
         record["videos"] = [_write_video(rng, out, index)]
     return record
+
+
+class _MediaPool:
+    """Media files shared by many records, each written on first use from its own seed (so the
+    dataset does not depend on which record draws a file first)."""
+
+    def __init__(self, out: Path, seed: int, size: int) -> None:
+        self.out, self.seed, self.size = out, seed, size
+        self._images: dict[int, str] = {}
+        self._videos: dict[int, str] = {}
+
+    def image(self, k: int) -> str:
+        if k not in self._images:
+            self._images[k] = _write_image(np.random.default_rng((self.seed, 0, k)), self.out, k, 0)
+        return self._images[k]
+
+    def video(self, k: int) -> str:
+        if k not in self._videos:
+            self._videos[k] = _write_video(np.random.default_rng((self.seed, 1, k)), self.out, k)
+        return self._videos[k]
 
 
 def _write_image(rng: np.random.Generator, out: Path, index: int, slot: int) -> str:

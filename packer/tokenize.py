@@ -8,10 +8,20 @@ processor does, at a fraction of the cost.
 
 Label policy: an assistant turn is trained on from the first token after
 `<|im_start|>assistant\\n` through its closing `<|im_end|>` (the end token is
-learned, so the model stops; the newline after it belongs to the next prompt),
-as LLaMA-Factory and ms-swift do. Function-call turns are assistant turns;
-tool results are user turns. `label_mode: all` trains on every token except
-vision tokens.
+learned, so the model stops). By default the newline after `<|im_end|>` is not
+trained: it belongs to the next prompt, and a model that stops at `<|im_end|>`
+never generates it. Trainers differ here: ms-swift 4.6 also trains that newline
+(measured: identical input ids, about 2% more label tokens on a chat mix), and
+LLaMA-Factory's Qwen templates put it in the assistant slot
+(`{{content}}<|im_end|>\\n`) too. `packing.labelNewlineAfterTurnEnd: true`
+trains it, to match them. Function-call turns are assistant turns; tool results
+are user turns. `label_mode: all` trains on every token except vision tokens
+(a Qwen3-VL video's frame timestamps included).
+
+Qwen3-VL videos: the template's `<|video_pad|>` becomes one
+`<{t:.1f} seconds><|vision_start|>` + pads + `<|vision_end|>` block per temporal
+group, as `Qwen3VLProcessor` renders it; the timestamps are tokenized alone
+(added tokens split the text around them, so this equals tokenizing the whole).
 """
 
 from __future__ import annotations
@@ -27,10 +37,8 @@ from .families import LoadedModel, load_model
 from .media import MediaAccess, MediaItem
 from .records import MAX_NESTING_DEPTH, MAX_RECORD_BYTES, ConfigError, RawRecord
 from .shard_format import IGNORE_INDEX
-from .vision import MediaError
+from .vision import MediaError, frame_timestamps
 
-QWEN_VISION_START_ID = 151652
-QWEN_VISION_END_ID = 151653
 # Normalizers that shrink text at most 3-fold (canonical or compatibility (de)composition: Hangul jamo
 # compose 9 bytes into 3); a margin of 4 keeps the cheap overlong bound sound under them.
 _BOUNDED_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD"})
@@ -54,6 +62,8 @@ REJECT_REASONS: dict[str, str] = {
     "bad_utf8": "a line or array item is not valid UTF-8, or has a lone surrogate escape",
     "record_too_large": f"one record's JSON text is over {MAX_RECORD_BYTES >> 20} MiB "
     "(records.MAX_RECORD_BYTES); counted, not read",
+    "bad_parquet": "a Parquet file's footer, a row group or a row does not decode (a file that cannot be "
+    "opened is one reject, a row group that fails one reject per row it declares)",
     "malformed_record": "the record is not a conversation this packer can read (see detail)",
     "empty_conversation": "no turns, or nothing to train on",
     "placeholder_mismatch": "image/video placeholders in the text and the listed media do not pair up",
@@ -98,15 +108,18 @@ class SampleTokenizer:
         packing: PackingConfig,
         *,
         base_dir: Path | None = None,
+        embedded_dir: Path | None = None,
     ) -> None:
         self.source = source
         self.packing = packing
         self.model: LoadedModel = load_model(model)
         self._backend = self.model.tokenizer.backend_tokenizer
         self._encode = _fast_encoder(self._backend)
-        self._media = MediaAccess(source, self.model.vision, base_dir=base_dir)
+        self._media = MediaAccess(source, self.model.vision, base_dir=base_dir, embedded_dir=embedded_dir)
         self._parser = ConversationParser(source.format, source.field_map, self.model.family)
+        self._newline_id = self._single_id("\n") if packing.label_newline_after_turn_end else None
         self._header_ids, self._end_id = self._assistant_markers()
+        self._timestamp_ids: dict[str, list[int]] = {}
         self._max_chars = self._fitting_chars()
 
     def __call__(self, raw: RawRecord) -> TokenizedSample | Reject:
@@ -143,8 +156,8 @@ class SampleTokenizer:
         return truncate_sample(
             sample,
             max_length,
-            vision_start_id=self.model.vision_start_id,
-            vision_end_id=self.model.vision_end_id,
+            vision_start_id=self.model.ids.vision_start,
+            vision_end_id=self.model.ids.vision_end,
         )
 
     def render(self, turns: list[Turn]) -> str:
@@ -190,18 +203,46 @@ class SampleTokenizer:
         except Exception as exc:  # a broken user template can raise anything from Jinja
             raise ConfigError(f"chat template does not render a plain conversation: {exc}") from exc
         header_ids = self._backend.encode(header.rstrip("\n"), add_special_tokens=False).ids
-        end_id = self.model.tokenizer.convert_tokens_to_ids(family.turn_end)
+        end_id = self.model.ids.turn_end
         ids = self._encode(text)
         got = self.model.tokenizer.decode(
-            [t for a, b in _assistant_spans(ids, header_ids, end_id) for t in ids[a:b]]
+            [t for a, b in _assistant_spans(ids, header_ids, end_id, self._newline_id) for t in ids[a:b]]
         )
-        want = "b" + family.turn_end + "d" + family.turn_end
+        after = "\n" if self._newline_id is not None else ""
+        want = "b" + family.turn_end + after + "d" + family.turn_end + after
         if not header.endswith("\n") or got != want:
             raise ConfigError(
                 f"chat template does not mark assistant turns with {header!r} ... {family.turn_end!r} "
                 f"(trained text of a probe: {got!r}, expected {want!r}); labels cannot be placed"
             )
         return header_ids, end_id
+
+    def _single_id(self, text: str) -> int:
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if len(ids) != 1:
+            raise ConfigError(f"the tokenizer splits {text!r} into {len(ids)} tokens; expected one")
+        return ids[0]
+
+    def _video_block(self, item: MediaItem) -> list[int]:
+        """A Qwen3-VL video's tokens in place of its pad: per temporal group a timestamp and a vision run."""
+        m = self.model.ids
+        per_group = item.grid_h * item.grid_w // item.merge_size**2
+        stamps = frame_timestamps(item.frames, item.video_fps, self.model.vision.temporal_patch_size)
+        if len(stamps) != item.grid_t:
+            raise SampleError(
+                "corrupt_media", f"video has {item.grid_t} temporal groups but {len(stamps)} timestamps"
+            )
+        block: list[int] = []
+        for t in stamps:
+            text = f"<{t:.1f} seconds>"
+            ts = self._timestamp_ids.get(text)
+            if ts is None:
+                ts = self._timestamp_ids[text] = self._backend.encode(text, add_special_tokens=False).ids
+            block += ts
+            block.append(m.vision_start)
+            block += [m.video_pad] * per_group
+            block.append(m.vision_end)
+        return block
 
     def _fitting_chars(self) -> int | None:
         """Most characters a rendered text may have and still fit `maxLength`, or None (no sound bound).
@@ -248,17 +289,17 @@ class SampleTokenizer:
     def _tokenize(self, text: str, media: list[MediaItem]) -> tuple[list[int], list[int]]:
         """Ids and labels with pads expanded; plain list operations (slices share int objects), since
         per-token Python or numpy work would cost as much as the tokenizer itself."""
-        m = self.model
+        m = self.model.ids
         ids = self._encode(text)
         n = len(ids)
         mode = self.packing.label_mode
         if mode == "all":
             labels = list(ids)
-            for a, b in _runs(ids, m.vision_start_id, m.vision_end_id):
+            for a, b in _runs(ids, m.vision_start, m.vision_end):
                 labels[a:b] = [IGNORE_INDEX] * (b - a)
             trained = n - labels.count(IGNORE_INDEX)
         else:
-            spans = _assistant_spans(ids, self._header_ids, self._end_id)
+            spans = _assistant_spans(ids, self._header_ids, self._end_id, self._newline_id)
             if mode == "last_assistant":
                 spans = spans[-1:]
             labels = [IGNORE_INDEX] * n
@@ -267,8 +308,8 @@ class SampleTokenizer:
             trained = sum(b - a for a, b in spans)
         if trained == 0:
             raise SampleError("empty_conversation", "no token is left to train on")
-        pads = _pad_positions(ids, m.image_pad_id, m.video_pad_id)
-        kinds = ["image" if ids[p] == m.image_pad_id else "video" for p in pads]
+        pads = _pad_positions(ids, m.image_pad, m.video_pad)
+        kinds = ["image" if ids[p] == m.image_pad else "video" for p in pads]
         if kinds != [x.kind for x in media]:
             raise SampleError(
                 "placeholder_mismatch",
@@ -279,12 +320,18 @@ class SampleTokenizer:
         out_ids: list[int] = []
         out_labels: list[int] = []
         prev = 0
+        timestamps = self.model.family.video_timestamps
         for p, item in zip(pads, media, strict=True):
-            count = item.num_tokens
             out_ids += ids[prev:p]
-            out_ids += [ids[p]] * count
             out_labels += labels[prev:p]
-            out_labels += [IGNORE_INDEX] * count
+            if timestamps and item.kind == "video":
+                block = self._video_block(item)
+                out_ids += block
+                out_labels += [IGNORE_INDEX] * len(block)
+            else:
+                count = item.num_tokens
+                out_ids += [ids[p]] * count
+                out_labels += [IGNORE_INDEX] * count
             prev = p + 1
         out_ids += ids[prev:]
         out_labels += labels[prev:]
@@ -309,8 +356,11 @@ def _template_content(turn: Turn) -> str | list[dict[str, str]]:
     return [{"type": p.kind} if isinstance(p, MediaRef) else {"type": "text", "text": p} for p in turn.parts]
 
 
-def _assistant_spans(ids: list[int], header: list[int], end_id: int) -> list[tuple[int, int]]:
-    """Token spans trained on: from the token after each assistant header's newline through the next end token."""
+def _assistant_spans(
+    ids: list[int], header: list[int], end_id: int, newline_id: int | None = None
+) -> list[tuple[int, int]]:
+    """Token spans trained on: from the token after each assistant header's newline through the next end
+    token, and the newline token right after it when `newline_id` is given."""
     spans = []
     first, k, n = header[0], len(header), len(ids)
     pos = 0
@@ -327,23 +377,36 @@ def _assistant_spans(ids: list[int], header: list[int], end_id: int) -> list[tup
             stop = ids.index(end_id, start) + 1
         except ValueError:
             stop = n
+        if newline_id is not None and stop < n and ids[stop] == newline_id:
+            stop += 1
         spans.append((start, stop))
         pos = stop
 
 
 def _runs(ids: list[int], start_id: int, end_id: int) -> list[tuple[int, int]]:
-    """Spans from each start token through the next end token (vision runs)."""
+    """Spans from each outermost start token through its matching end token: one per media item
+    (a Qwen3-VL video nests one run per temporal group inside its own)."""
     runs = []
     pos = 0
+    n = len(ids)
     while True:
         try:
             a = ids.index(start_id, pos)
         except ValueError:
             return runs
-        try:
-            b = ids.index(end_id, a) + 1
-        except ValueError:
-            b = len(ids)
+        depth, b = 1, a + 1
+        while depth and b < n:
+            try:
+                e = ids.index(end_id, b)
+            except ValueError:
+                b = n
+                break
+            try:
+                nxt = ids.index(start_id, b, e)
+            except ValueError:
+                depth, b = depth - 1, e + 1
+            else:
+                depth, b = depth + 1, nxt + 1
         runs.append((a, b))
         pos = b
 
@@ -363,8 +426,8 @@ def truncate_sample(
     sample: TokenizedSample,
     max_length: int,
     *,
-    vision_start_id: int = QWEN_VISION_START_ID,
-    vision_end_id: int = QWEN_VISION_END_ID,
+    vision_start_id: int,
+    vision_end_id: int,
 ) -> TokenizedSample | None:
     """Cut the tail to `max_length` tokens, never inside a vision run; None if no trained token is left.
 

@@ -7,7 +7,7 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 from pydantic import ValidationError
@@ -16,6 +16,9 @@ from rich.table import Table
 
 from .records import ConfigError, iter_records
 from .shards import REJECTS, ShardFormatError, ShardReader, read_manifest
+
+if TYPE_CHECKING:
+    from .config import PackConfig
 
 EXIT_DATA = 2  # a damaged or edited pack is bad input, like a configuration error
 
@@ -28,10 +31,11 @@ def summary_line(manifest: dict[str, Any], out: Path) -> dict[str, Any]:
         "packed": c["packed"],
         "rejected": c["rejected"],
         "sequences": manifest["sequences"],
-        "lowerBound": manifest["lower_bound"],
+        "lower_bound": manifest["lower_bound"],
         "tokens": manifest["tokens"],
-        "fillRatio": manifest["fill_ratio"],
-        "paddingSaved": manifest["padding_saved"],
+        "fill_ratio": manifest["fill_ratio"],
+        "padding_saved": manifest["padding_saved"],
+        "sources": c.get("sources", {}),
     }
 
 
@@ -44,6 +48,10 @@ def print_stats(manifest: dict[str, Any], out: Path, console: Console | None = N
         ("packed", c["packed"]),
         ("rejected", c["rejected"]),
         *((f"  rejected: {k}", v) for k, v in c["rejected_by_reason"].items()),
+        *(
+            (f"  source {k}", f"{v['input']} taken of {v['records']}: {v['packed']} packed, {v['rejected']} rejected")
+            for k, v in c.get("sources", {}).items()
+        ),
         ("tokens", manifest["tokens"]),
         ("label tokens", manifest.get("label_tokens", "")),
         ("sequences", f"{manifest['sequences']} (lower bound {manifest['lower_bound']})"),
@@ -153,7 +161,7 @@ def verify(path: Path, notes: list[str] | None = None) -> list[str]:
     for r in rejects:
         seen[(r["source"], r["index"])] += 1
     dupes = [k for k, v in seen.items() if v > 1]
-    if dupes:
+    if dupes and not any((e.weight or 0) > 1 for e in cfg.source.mixture):  # else: repeats, checked below
         problems.append(f"{len(dupes)} samples appear more than once, e.g. {dupes[:3]}")
     c = m.get("counts") or {}
     if found.packed != c.get("packed") or len(rejects) != c.get("rejected") or (
@@ -171,12 +179,33 @@ def verify(path: Path, notes: list[str] | None = None) -> list[str]:
         duplicates, _ = count_duplicate_ids([pa.array(ids, pa.string())])
         if duplicates != c[DUPLICATE_IDS]:
             problems.append(f"counts.{DUPLICATE_IDS} is {c[DUPLICATE_IDS]}, the pack holds {duplicates}")
-    problems.extend(_check_inputs(m, seen))
+    problems.extend(_check_source_counts(c))
+    problems.extend(_check_inputs(m, seen, cfg))
     return problems
 
 
-def _check_inputs(manifest: dict[str, Any], seen: Counter[tuple[str, int]]) -> list[str]:
-    """Re-read the inputs, when still reachable, to prove no sample went missing."""
+def _check_source_counts(counts: dict[str, Any]) -> list[str]:
+    """Per source: input = packed + rejected, and the sources add up to the pack's counts."""
+    sources = counts.get("sources")
+    if not isinstance(sources, dict) or not sources:
+        return []  # a pack made before per-source counts
+    problems = [
+        f"counts.sources[{entry!r}]: input {s.get('input')} != packed {s.get('packed')} + rejected {s.get('rejected')}"
+        for entry, s in sources.items()
+        if not isinstance(s, dict) or s.get("input") != (s.get("packed") or 0) + (s.get("rejected") or 0)
+    ]
+    for key in ("input", "packed", "rejected"):
+        total = sum(s.get(key) or 0 for s in sources.values() if isinstance(s, dict))
+        if total != counts.get(key):
+            problems.append(f"counts.sources add up to {total} {key}, counts.{key} is {counts.get(key)}")
+    return problems
+
+
+def _check_inputs(manifest: dict[str, Any], seen: Counter[tuple[str, int]], cfg: PackConfig) -> list[str]:
+    """Re-read the inputs, when still reachable, to prove no sample went missing (and, with a
+    mixture, that each record was taken as many times as the seeded draw says)."""
+    from .mixture import weigh_files
+    from .records import SourceFile
     from .shards import sha256_file
 
     paths = [Path(i["path"]) for i in manifest["inputs"]]
@@ -188,10 +217,14 @@ def _check_inputs(manifest: dict[str, Any], seen: Counter[tuple[str, int]]) -> l
         if sha256_file(p) != i["sha256"]
     ]
     # Escaped: these are file names, not patterns. Only (source, index) is needed, so nothing is parsed.
-    records = iter_records([glob.escape(str(p)) for p in paths], select=lambda _: False)
-    expected = {(raw.source_name, raw.index) for raw in records}
-    missing = expected - seen.keys()
-    extra = seen.keys() - expected
+    files = [SourceFile(p, i["name"], i.get("entry", "")) for p, i in zip(paths, manifest["inputs"], strict=True)]
+    copies = weigh_files(files, cfg.source.mixture, cfg.packing.seed)
+    records = iter_records(
+        [glob.escape(str(p)) for p in paths], select=lambda _: False, weigh=lambda _: copies
+    )
+    expected = Counter((raw.source_name, raw.index) for raw in records)
+    missing = expected - seen
+    extra = seen - expected
     if missing:
         problems.append(f"{len(missing)} input samples neither packed nor rejected, e.g. {sorted(missing)[:3]}")
     if extra:

@@ -3,9 +3,11 @@
 The token count of a media item depends only on its (oriented) size and, for
 videos, on which frames are sampled. Both are read from file headers here, so
 converting a dataset costs about as much as hashing its files. The rules are
-copies of the Hugging Face Qwen2-VL processors (transformers 5.x:
-`smart_resize`, `Qwen2VLVideoProcessor.sample_frames`, PyAV `read_video_pyav`);
-`tests/packer/test_tokenize_parity.py` proves they agree.
+copies of the Hugging Face Qwen2-VL and Qwen3-VL processors (transformers 5.x:
+`smart_resize`, `Qwen2VLVideoProcessor.sample_frames`, `Qwen3VLVideoProcessor`'s
+sampling and volume resize, PyAV `read_video_pyav`); which rule applies comes
+from the family entry through `VisionSpec`. `tests/packer/test_tokenize_parity.py`
+proves they agree.
 """
 
 from __future__ import annotations
@@ -52,6 +54,13 @@ class VisionSpec:
     min_frames: int = 4
     max_frames: int = 768
     tokens_per_second: float | None = None  # Qwen2.5-VL: temporal position ids per second of video
+    frame_sampling: str = "stride"  # "stride" (Qwen2VLVideoProcessor) or "linspace" (Qwen3VLVideoProcessor)
+    video_resize: str = "frame"  # "frame": bounds per frame; "volume": over frames x height x width
+    cap_pixels_per_frame: bool = False  # volume rule: the reference per-frame pixel cap
+    max_video_tokens: int = 768  # its per-frame token ceiling
+    image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
+    image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
+    rescale_factor: float = 1 / 255
 
     @property
     def factor(self) -> int:
@@ -120,13 +129,59 @@ def image_grid(info: ImageInfo, spec: VisionSpec) -> Grid:
 
 def video_grid(info: VideoInfo, num_frames: int, spec: VisionSpec) -> Grid:
     """Patch grid of a video; an odd frame count is padded by repeating the last frame."""
-    h, w = smart_resize(info.height, info.width, spec.factor, spec.video_min_pixels, spec.video_max_pixels)
+    if spec.video_resize == "volume":
+        h, w = _volume_resize(num_frames, info.height, info.width, spec)
+    else:
+        h, w = smart_resize(
+            info.height, info.width, spec.factor, spec.video_min_pixels, spec.video_max_pixels
+        )
     grid_t = -(-num_frames // spec.temporal_patch_size)
     return Grid(h, w, grid_t, h // spec.patch_size, w // spec.patch_size)
 
 
+def _volume_resize(num_frames: int, height: int, width: int, spec: VisionSpec) -> tuple[int, int]:
+    """`Qwen3VLVideoProcessor.resize`: pixel bounds over frames x height x width, with the optional
+    per-frame cap of the reference implementation (`cap_pixels_per_frame`)."""
+    factor, tf = spec.factor, spec.temporal_patch_size
+    min_pixels, max_pixels = spec.video_min_pixels, spec.video_max_pixels
+    if num_frames < tf:
+        raise MediaError("corrupt_media", f"{num_frames} sampled frame(s); at least {tf} are needed")
+    if spec.cap_pixels_per_frame:
+        frame_cap = spec.max_video_tokens * factor * factor
+        per_frame = max(min(frame_cap, max_pixels // num_frames), int(min_pixels * 1.05))
+        max_pixels = per_frame * num_frames
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise MediaError(
+            "aspect_ratio",
+            f"{width}x{height}: aspect ratio {max(height, width) / min(height, width):.1f} exceeds "
+            f"{MAX_ASPECT_RATIO}, which the Qwen3-VL video processor refuses",
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / tf) * tf
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 def sample_frame_indices(total_frames: int, video_fps: float, spec: VisionSpec) -> list[int]:
-    """Indices of the decoded frames the processor keeps (`Qwen2VLVideoProcessor.sample_frames` with fps).
+    """Indices of the decoded frames the family's video processor keeps when sampling at `spec.fps`."""
+    if spec.frame_sampling == "linspace":
+        return _linspace_indices(total_frames, video_fps, spec)
+    return _stride_indices(total_frames, video_fps, spec)
+
+
+def _stride_indices(total_frames: int, video_fps: float, spec: VisionSpec) -> list[int]:
+    """`Qwen2VLVideoProcessor.sample_frames` with fps: a multiple of the temporal patch, by a fixed stride.
 
     The reference computes `torch.arange(0, total, total / n).int()` in float32; the
     float32 rounding is reproduced so indices match bit for bit.
@@ -144,6 +199,31 @@ def sample_frame_indices(total_frames: int, video_fps: float, spec: VisionSpec) 
     count = math.ceil(total_frames / step)
     values = (np.arange(count, dtype=np.float64) * step).astype(np.float32)
     return values.astype(np.int32).tolist()
+
+
+def _linspace_indices(total_frames: int, video_fps: float, spec: VisionSpec) -> list[int]:
+    """`Qwen3VLVideoProcessor.sample_frames` with fps: evenly spaced over the clip, first and last kept."""
+    n = int(total_frames / video_fps * spec.fps)
+    n = min(max(n, spec.min_frames), spec.max_frames, total_frames)
+    if n < spec.temporal_patch_size:
+        raise MediaError(
+            "corrupt_media",
+            f"video has {total_frames} frame(s); at least {spec.temporal_patch_size} are needed to sample it",
+        )
+    return np.linspace(0, total_frames - 1, n).round().astype(int).tolist()
+
+
+def frame_timestamps(indices: list[int], video_fps: float, temporal_patch_size: int) -> list[float]:
+    """Seconds of each temporal group, as `Qwen3VLProcessor._calculate_timestamps` computes them:
+    the mean time of the group's first and last sampled frame (the last frame pads the final group)."""
+    padded = list(indices)
+    if len(padded) % temporal_patch_size:
+        padded += [padded[-1]] * (temporal_patch_size - len(padded) % temporal_patch_size)
+    seconds = [i / video_fps for i in padded]
+    return [
+        (seconds[i] + seconds[i + temporal_patch_size - 1]) / 2
+        for i in range(0, len(seconds), temporal_patch_size)
+    ]
 
 
 def second_per_grid(indices: list[int], total_frames: int, video_fps: float, spec: VisionSpec) -> float:

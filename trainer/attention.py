@@ -1,8 +1,10 @@
 """Per-sample attention isolation for packed sequences, and the choice of kernel.
 
 Restarting position ids is not enough: under SDPA/eager, `transformers`' Qwen2-VL
-builds a plain causal mask over the whole row and samples see each other. So
-every backend gets explicit boundaries:
+builds a plain causal mask over the whole row and samples see each other, and
+Qwen3-VL's text model infers boundaries from a restarting text position row only
+when no KV cache exists (its default `use_cache=True` makes one). So the model
+always runs with `use_cache=False` and every backend gets explicit boundaries:
 
 * varlen: PyTorch's own FlashAttention varlen kernel (`torch.nn.attention.varlen`,
   CUDA only, no extra package), given `cu_seq_lens`; the kernel never crosses them;
@@ -11,7 +13,7 @@ every backend gets explicit boundaries:
 * sdpa (and eager): a dense block-diagonal causal boolean mask: O(L^2) memory, the CPU reference.
 
 The vision tower is isolated per image / frame (and per window) by `transformers`
-itself from `grid_thw`: for backends other than flash it calls the attention
+itself from `grid_thw` (Qwen3-VL's learned position grid is also resampled per item): for backends other than flash it calls the attention
 function once per segment, which varlen and flex then treat as one sequence.
 """
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +165,28 @@ def load(
     return state
 
 
+def _export(
+    out: Path,
+    gathered: dict[str, torch.Tensor],
+    convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    saver: Any,
+    source_folder: str | Path,
+    env: DistEnv,
+) -> Path | None:
+    """Write one Hugging Face folder from a state dict every rank gathered: the main rank converts
+    the names and dtypes, saves with `saver.save_pretrained` and copies the tokenizer and processor
+    files; all ranks wait for it, so no rank reads a half-written export."""
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        saver.save_pretrained(out, state_dict=convert(gathered))
+        for name in HF_SIDE_FILES:
+            src = Path(source_folder) / name
+            if src.is_file():
+                shutil.copy2(src, out / name)
+    barrier()
+    return out if env.is_main else None
+
+
 def save_hf(
     out: Path,
     model: torch.nn.Module,
@@ -173,14 +196,14 @@ def save_hf(
     dtype: torch.dtype,
 ) -> Path | None:
     """The final model as a Hugging Face folder (weights, config, tokenizer and processor files)."""
-    state = get_model_state_dict(model, options=FULL)
-    if env.is_main:
-        state = {k.removeprefix("hf."): v.to(dtype) for k, v in state.items()}
-        out.mkdir(parents=True, exist_ok=True)
-        hf_model.save_pretrained(out, state_dict=state)
-        _copy_side_files(source_folder, out)
-    barrier()
-    return out if env.is_main else None
+    return _export(
+        out,
+        get_model_state_dict(model, options=FULL),
+        lambda state: {k.removeprefix("hf."): v.to(dtype) for k, v in state.items()},
+        hf_model,
+        source_folder,
+        env,
+    )
 
 
 def save_final(
@@ -202,13 +225,6 @@ def save_final(
     return final
 
 
-def _copy_side_files(source_folder: str | Path, out: Path) -> None:
-    for name in HF_SIDE_FILES:
-        src = Path(source_folder) / name
-        if src.is_file():
-            shutil.copy2(src, out / name)
-
-
 def save_adapter(
     out: Path,
     model: torch.nn.Module,
@@ -219,15 +235,15 @@ def save_adapter(
 ) -> Path | None:
     """The LoRA adapters in PEFT's format (adapter_config.json, adapter_model.safetensors) plus the
     tokenizer and processor files, gathered from every rank (DDP or FSDP2)."""
-    state = trainable_state(model)
-    if env.is_main:
-        # VLMForTraining names the HF model `hf`; PeftModel names it `base_model.model`.
-        state = {"base_model.model." + k.removeprefix("hf."): v.to(dtype) for k, v in state.items()}
-        out.mkdir(parents=True, exist_ok=True)
-        adapter.save_pretrained(out, state_dict=state)
-        _copy_side_files(source_folder, out)
-    barrier()
-    return out if env.is_main else None
+    # VLMForTraining names the HF model `hf`; PeftModel names it `base_model.model`.
+    return _export(
+        out,
+        trainable_state(model),
+        lambda state: {"base_model.model." + k.removeprefix("hf."): v.to(dtype) for k, v in state.items()},
+        adapter,
+        source_folder,
+        env,
+    )
 
 
 def save_merged(
@@ -240,12 +256,10 @@ def save_merged(
 ) -> Path | None:
     """The adapters merged into the base weights (W + alpha/r x B·A), saved as the plain Hugging
     Face model: merged from the gathered state dict, so sharded (FSDP2) weights merge the same."""
-    state = get_model_state_dict(model, options=FULL)
-    if env.is_main:
+
+    def convert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         plain = {k.removeprefix("hf."): v for k, v in state.items()}
         merged = lora.merged_state_dict(plain, lora.scalings(hf_model))
-        out.mkdir(parents=True, exist_ok=True)
-        hf_model.save_pretrained(out, state_dict={k: v.to(dtype) for k, v in merged.items()})
-        _copy_side_files(source_folder, out)
-    barrier()
-    return out if env.is_main else None
+        return {k: v.to(dtype) for k, v in merged.items()}
+
+    return _export(out, get_model_state_dict(model, options=FULL), convert, hf_model, source_folder, env)

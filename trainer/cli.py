@@ -11,9 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 from pydantic import ValidationError
 
+from packtrain.packer.contract import ErrorReport
 from packtrain.packer.records import ConfigError
 from packtrain.packer.shards import ShardFormatError
 
@@ -62,8 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg.training.max_steps = opts.max_steps
         cfg = type(cfg).model_validate(cfg.model_dump())
     except (ConfigError, ValidationError, FileNotFoundError) as exc:
-        print(f"packtrain train: configuration error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+        return _fail(f"configuration error: {exc}")
 
     from . import distributed
     from .loop import train
@@ -71,20 +73,33 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = train(cfg, reporter=reporter_for(opts.log_format, sys.stdout, cfg.training.log_every))
     except ShardFormatError as exc:  # data.path is not a finished pack, or one that was damaged or edited
-        print(f"packtrain train: {worker_message(exc)}", file=sys.stderr)
-        return EXIT_CONFIG
+        return _fail(worker_message(exc))
     except ConfigError as exc:  # found once the model is built (LoRA targets, a freeze leaving nothing)
-        print(f"packtrain train: configuration error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+        return _fail(f"configuration error: {exc}")
+    except Exception as exc:  # a crash: the short error in the termination message, the traceback in the log
+        _terminate({"error": f"{type(exc).__name__}: {worker_message(exc)}"})
+        raise
     if distributed.environ().is_main:
         print(json.dumps(summary), flush=True)
-        # On Kubernetes the operator reads the summary from the pod's termination message.
-        from packtrain.packer.report import compact, termination_log_path
-
-        term = termination_log_path()
-        if term is not None:
-            term.write_text(compact(summary))
+        _terminate(summary)
     return 0
+
+
+def _terminate(doc: Mapping[str, Any]) -> None:
+    """On Kubernetes the operator reads the summary, or the error, from the pod's termination message."""
+    from packtrain.packer.report import compact, termination_log_path
+
+    term = termination_log_path()
+    if term is not None:
+        term.write_text(compact(dict(doc)))
+
+
+def _fail(message: str) -> int:
+    """A configuration problem: said on stderr and in the termination message; exit 2 (no retry helps)."""
+    print(f"packtrain train: {message}", file=sys.stderr)
+    error: ErrorReport = {"error": message[:3000]}
+    _terminate(error)
+    return EXIT_CONFIG
 
 
 if __name__ == "__main__":

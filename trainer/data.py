@@ -19,13 +19,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from packtrain.packer.families import ModelSpec
 from packtrain.packer.integrity import PackIntegrityError, row_problem
 from packtrain.packer.shard_format import IGNORE_INDEX
 from packtrain.packer.shards import ShardReader
 
 from .config import DataSpec
 from .media import PixelSpec, media_pixels
-from .rope import FamilyInfo, Grid, family_info, packed_positions, sample_positions
+from .rope import packed_positions, sample_positions
 from .sampler import (
     Layout,
     Plan,
@@ -41,16 +42,6 @@ from .sampler import (
     units_and_costs,
 )
 
-DEFAULT_PAD_TOKEN_ID = 151643  # <|endoftext|> in the Qwen2 vocabulary
-
-
-def _grids(media: Sequence[dict[str, Any]], kind: str) -> list[Grid]:
-    return [
-        Grid(int(m["grid_t"]), int(m["grid_h"]), int(m["grid_w"]), float(m.get("second_per_grid") or 1.0))
-        for m in media
-        if m["kind"] == kind
-    ]
-
 
 def shift_labels(labels: np.ndarray, seq_lens: Sequence[int]) -> np.ndarray:
     """Next-token targets per sub-sample: position t learns labels[t+1] of the *same* sample, and
@@ -64,7 +55,7 @@ def shift_labels(labels: np.ndarray, seq_lens: Sequence[int]) -> np.ndarray:
     return out
 
 
-def _media_tensors(rows: Sequence[dict[str, Any]], fam: FamilyInfo) -> dict[str, torch.Tensor]:
+def _media_tensors(rows: Sequence[dict[str, Any]], spec: ModelSpec) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for kind, pixel_key, grid_key in (
         ("image", "pixel_values", "image_grid_thw"),
@@ -84,20 +75,20 @@ def _media_tensors(rows: Sequence[dict[str, Any]], fam: FamilyInfo) -> dict[str,
         if pixels:
             out[pixel_key] = torch.cat(pixels)
             out[grid_key] = torch.tensor(grids, dtype=torch.long)
-            if kind == "video" and fam.time_scaled:
+            if kind == "video" and spec.family.time_scaled_rope:
                 out["second_per_grid_ts"] = torch.tensor(spg, dtype=torch.float32)
     return out
 
 
-def collate_packed(rows: Sequence[dict[str, Any]], family: str | FamilyInfo) -> dict[str, Any]:
+def collate_packed(rows: Sequence[dict[str, Any]], spec: ModelSpec) -> dict[str, Any]:
     """Packed sequences (SEQUENCE_SCHEMA rows + decoded `pixels`) → one (1, T) row for the model.
 
     Returns `input_ids`, `labels` (as stored), `shift_labels` (next-token targets that never
     cross a sample boundary), `position_ids` (4, 1, T: the 1-D text row that restarts per
     sample, then per-sample mRoPE), `cu_seq_lens`/`max_length` (varlen boundaries), the
-    pixel tensors and grids in order of appearance, and bookkeeping counts.
+    pixel tensors and grids in order of appearance, and bookkeeping counts. `spec` is the model
+    folder's family registry entry (`packer.families.model_spec`).
     """
-    fam = family_info(family)
     ids_parts, label_parts, shift_parts, pos_parts, lens = [], [], [], [], []
     sample_ids: list[str] = []
     for row in rows:
@@ -107,17 +98,11 @@ def collate_packed(rows: Sequence[dict[str, Any]], family: str | FamilyInfo) -> 
         if len(labels) != len(ids) or sum(seq_lens) != len(ids) or min(seq_lens, default=1) < 1:
             raise ValueError(f"malformed row: {len(ids)} tokens, {len(labels)} labels, seq_lens {seq_lens}")
         media = row.get("media") or []
-        per_sample = [
-            (
-                _grids([m for m in media if m["sample"] == k], "image"),
-                _grids([m for m in media if m["sample"] == k], "video"),
-            )
-            for k in range(len(seq_lens))
-        ]
+        per_sample = [[m for m in media if m["sample"] == k] for k in range(len(seq_lens))]
         ids_parts.append(ids)
         label_parts.append(labels)
         shift_parts.append(shift_labels(labels, seq_lens))
-        pos_parts.append(packed_positions(ids, seq_lens, per_sample, fam))
+        pos_parts.append(packed_positions(ids, seq_lens, per_sample, spec))
         lens.extend(seq_lens)
         sample_ids.extend(row.get("sample_ids") or [f"?{i}" for i in range(len(seq_lens))])
     lens_t = torch.tensor(lens, dtype=torch.int64)
@@ -139,7 +124,7 @@ def collate_packed(rows: Sequence[dict[str, Any]], family: str | FamilyInfo) -> 
         "padded_tokens": int(lens_t.sum()),
         "attention_cost": attention_cost(lens),
     }
-    batch.update(_media_tensors(rows, fam))
+    batch.update(_media_tensors(rows, spec))
     return batch
 
 
@@ -164,11 +149,12 @@ def split_row(row: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def collate_padded(
-    samples: Sequence[dict[str, Any]], family: str | FamilyInfo, pad_token_id: int = DEFAULT_PAD_TOKEN_ID
+    samples: Sequence[dict[str, Any]], spec: ModelSpec, pad_token_id: int | None = None
 ) -> dict[str, Any]:
     """The baseline: one sample per row, right-padded to the longest in the batch, as common
-    trainers do; positions are each sample's mRoPE (3, B, L) and a 2-D padding mask."""
-    fam = family_info(family)
+    trainers do; positions are each sample's mRoPE (3, B, L) and a 2-D padding mask. Pads with
+    `pad_token_id`, by default the tokenizer's pad token."""
+    pad_token_id = spec.token_ids.pad if pad_token_id is None else pad_token_id
     lengths = [len(s["input_ids"]) for s in samples]
     width = max(lengths)
     b = len(samples)
@@ -186,9 +172,7 @@ def collate_padded(
         labels[i, :n] = torch.from_numpy(lab)
         shifted[i, :n] = torch.from_numpy(shift_labels(lab, [n]))
         mask[i, :n] = 1
-        pos[:, i, :n] = torch.from_numpy(
-            sample_positions(sid, _grids(media, "image"), _grids(media, "video"), fam)
-        )
+        pos[:, i, :n] = torch.from_numpy(sample_positions(sid, media, spec))
     batch: dict[str, Any] = {
         "input_ids": ids,
         "labels": labels,
@@ -203,7 +187,7 @@ def collate_padded(
         "padded_tokens": b * width,
         "attention_cost": b * width * width,
     }
-    batch.update(_media_tensors(samples, fam))
+    batch.update(_media_tensors(samples, spec))
     return batch
 
 
@@ -219,7 +203,7 @@ class PackedDataset(torch.utils.data.Dataset):
     def __init__(
         self,
         path: str | Path,
-        family: str | FamilyInfo,
+        spec: ModelSpec,
         pixel_spec: PixelSpec | None = None,
         *,
         rank: int = 0,
@@ -228,7 +212,7 @@ class PackedDataset(torch.utils.data.Dataset):
         grad_accum: int = 1,
         seed: int = 0,
         mode: str = "packed",
-        pad_token_id: int = DEFAULT_PAD_TOKEN_ID,
+        pad_token_id: int | None = None,
         verify_checksums: bool = True,
         vocab_size: int | None = None,
         eval_fraction: float = 0.0,
@@ -236,10 +220,11 @@ class PackedDataset(torch.utils.data.Dataset):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.path = Path(path)
-        self.family = family_info(family)
-        self.pixel_spec = pixel_spec or PixelSpec()
+        self.spec = spec
+        self.pixel_spec = pixel_spec or PixelSpec.from_folder(spec.folder)
         self.rank = rank
-        self.mode, self.pad_token_id, self.vocab_size = mode, pad_token_id, vocab_size
+        self.mode, self.vocab_size = mode, vocab_size
+        self.pad_token_id = spec.token_ids.pad if pad_token_id is None else pad_token_id
         self.verify_checksums = verify_checksums
         self._reader: ShardReader | None = ShardReader(self.path, verify_checksums=verify_checksums)
         self.manifest = self._reader.manifest
@@ -338,7 +323,7 @@ class PackedDataset(torch.utils.data.Dataset):
         units = self.micro_batches()[index]
         cache: dict[tuple[Any, ...], torch.Tensor] = {}
         if self.mode == "packed":
-            batch = collate_packed([self._decoded_row(self.units[u][0], cache) for u in units], self.family)
+            batch = collate_packed([self._decoded_row(self.units[u][0], cache) for u in units], self.spec)
         else:
             rows: dict[int, list[dict[str, Any]]] = {}
             samples = []
@@ -347,7 +332,7 @@ class PackedDataset(torch.utils.data.Dataset):
                 if seq not in rows:
                     rows[seq] = split_row(self._decoded_row(seq, cache))
                 samples.append(rows[seq][sub])
-            batch = collate_padded(samples, self.family, self.pad_token_id)
+            batch = collate_padded(samples, self.spec, self.pad_token_id)
         batch["position"] = [self.position.epoch, index]
         return batch
 
@@ -376,7 +361,7 @@ class EvalDataset(PackedDataset):
     def __init__(
         self,
         path: str | Path,
-        family: str | FamilyInfo,
+        spec: ModelSpec,
         pixel_spec: PixelSpec | None = None,
         *,
         sequences: Sequence[int] | None = None,
@@ -384,13 +369,13 @@ class EvalDataset(PackedDataset):
         world_size: int = 1,
         units_per_micro_batch: int = 1,
         mode: str = "packed",
-        pad_token_id: int = DEFAULT_PAD_TOKEN_ID,
+        pad_token_id: int | None = None,
         verify_checksums: bool = True,
         vocab_size: int | None = None,
     ) -> None:
         super().__init__(
             path,
-            family,
+            spec,
             pixel_spec,
             rank=rank,
             world_size=world_size,
@@ -428,7 +413,7 @@ def eval_dataset(train: PackedDataset, spec: DataSpec) -> EvalDataset | None:
         return None
     evaluation = EvalDataset(
         train.path if path is None else path,
-        train.family,
+        train.spec,
         train.pixel_spec,
         sequences=train.eval_sequences if path is None else None,
         rank=train.rank,
@@ -440,6 +425,8 @@ def eval_dataset(train: PackedDataset, spec: DataSpec) -> EvalDataset | None:
         vocab_size=train.vocab_size,
     )
     family = evaluation.manifest.get("family")
-    if family not in (None, train.family.name):
-        raise ValueError(f"the evaluation pack {path} was made for {family}, but the model is {train.family.name}")
+    if family not in (None, train.spec.family.name):
+        raise ValueError(
+            f"the evaluation pack {path} was made for {family}, but the model is {train.spec.family.name}"
+        )
     return evaluation

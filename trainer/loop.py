@@ -22,15 +22,22 @@ from . import checkpoint, distributed, lora, param_groups
 from .accounting import RunAccounting
 from .attention import resolve_attention
 from .config import DEFAULT_MAX_STEPS, SFTSpecCore
-from .data import DEFAULT_PAD_TOKEN_ID, EvalDataset, PackedDataset, eval_dataset
+from .data import EvalDataset, PackedDataset, eval_dataset
 from .data import loader as data_loader
 from .evaluate import due, evaluate
 from .loss import global_label_tokens, micro_batch_objective
 from .media import PixelSpec
 from .metrics import ModelShape, Stopwatch, TrainMetrics, device_peak_tflops
-from .model import VLMForTraining, apply_layer_options, build_model, load_config, move_batch, parameter_groups
+from .model import (
+    VLMForTraining,
+    apply_layer_options,
+    build_model,
+    checked_spec,
+    load_config,
+    move_batch,
+    parameter_groups,
+)
 from .progress import JsonLines, Reporter
-from .rope import family_from_config
 from .sampler import imbalance, plan_epoch, total_steps
 
 
@@ -109,14 +116,12 @@ def setup(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> R
     dtype = resolve_dtype(t.dtype, device)
     backend = resolve_attention(t.attention, device, dtype=dtype)
     config = load_config(cfg.model.path, cfg.model.config_overrides)
-    family = family_from_config(config)
-    if cfg.model.family is not None and cfg.model.family != family.name:
-        raise ValueError(f"model.family is {cfg.model.family} but {cfg.model.path} is a {family.name} model")
+    spec = checked_spec(cfg.model.path, config, cfg.model.family)
 
     pad_id = config.text_config.pad_token_id
     dataset = PackedDataset(
         cfg.data.path,
-        family,
+        spec,
         PixelSpec.from_folder(cfg.model.path),
         rank=env.rank,
         world_size=env.world_size,
@@ -124,15 +129,15 @@ def setup(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> R
         grad_accum=t.grad_accum,
         seed=t.seed,
         mode=t.mode,
-        pad_token_id=DEFAULT_PAD_TOKEN_ID if pad_id is None else pad_id,
+        pad_token_id=pad_id,
         # One process per node reads every shard to check it; its peers share that filesystem.
         verify_checksums=cfg.data.verify_checksums and env.local_rank == 0,
         vocab_size=config.text_config.vocab_size,
         eval_fraction=cfg.data.eval_fraction,
     )
     pack_family = dataset.manifest.get("family")
-    if pack_family not in (None, family.name):
-        raise ValueError(f"the pack was made for {pack_family} but the model is {family.name}")
+    if pack_family not in (None, spec.family.name):
+        raise ValueError(f"the pack was made for {pack_family} but the model is {spec.family.name}")
     lay = dataset.layout
     # Planning epoch 0 raises when the pack holds less than one global step.
     first_plan = plan_epoch(dataset.costs, lay.world_size, lay.units_per_rank, lay.seed, 0)

@@ -23,9 +23,10 @@ from .config import LoraSpec
 
 ADAPTER = "default"
 # Module-name prefixes of the parts adapters may go into: the language model's layers, and the
-# vision tower's blocks and merger (never the embeddings, the LM head or the patch-embedding conv).
+# vision tower's blocks and mergers, Qwen3-VL's DeepStack ones included (never the embeddings, the
+# LM head or the patch-embedding conv).
 LLM_PREFIX = r"model\.language_model\."
-VISION_PREFIX = r"model\.visual\.(?:blocks|merger)\."
+VISION_PREFIX = r"model\.visual\.(?:blocks|merger|deepstack_merger_list)\."
 
 
 def target_regex(spec: LoraSpec) -> str:

@@ -3,10 +3,12 @@
 The packer counted vision tokens from a resized size and, for video, a set of
 sampled frame indices; both are stored in each media ref. Here the trainer
 decodes to *that* size and *those* frames, so the token count always matches,
-then repeats the steps of the `transformers` Qwen2-VL image / video processors
-(RGB conversion onto white, torchvision bicubic antialiased resize of uint8
-pixels, fused rescale+normalize in float32, patchify grouped by 2x2 merge
-windows). Runs in dataloader workers.
+then repeats the steps of the `transformers` Qwen2-VL / Qwen3-VL image and video
+processors. Decoding and resizing are `packtrain.packer.pixels`, the one pixel
+pipeline the packer's `mediaStorage: resized` also uses (upright RGB with alpha
+dropped, torchvision's antialiased bicubic resize of uint8 pixels); then fused
+rescale+normalize in float32 and patchify grouped by the merge windows. Runs in
+dataloader workers.
 """
 
 from __future__ import annotations
@@ -21,11 +23,10 @@ from typing import Any
 import av
 import numpy as np
 import torch
-from PIL import Image
 from torchvision.transforms.v2 import functional as tvF
 
 from packtrain.packer.media import SNIFF_BYTES, sniff_container
-from packtrain.packer.vision import upright
+from packtrain.packer.pixels import decode_rgb, image_rgb, resize_uint8
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -62,22 +63,6 @@ class PixelSpec:
         return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
 
 
-def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB with transparency composited onto white, as `transformers.image_transforms.convert_to_rgb`."""
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    return image.convert("RGB")
-
-
-def _resize(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """uint8 (..., C, H, W) → (..., C, height, width), the call the HF torchvision backend makes."""
-    if tuple(frames.shape[-2:]) == (height, width):
-        return frames
-    return tvF.resize(frames, [height, width], interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
-
-
 def _normalize(frames: torch.Tensor, spec: PixelSpec) -> torch.Tensor:
     # Fused rescale + normalize, with the same float32 constants as the HF backend.
     mean = torch.tensor(spec.image_mean) * (1.0 / spec.rescale_factor)
@@ -108,10 +93,8 @@ def patchify_video(video: torch.Tensor, spec: PixelSpec) -> torch.Tensor:
 
 def image_pixels(data: bytes, height: int, width: int, spec: PixelSpec) -> torch.Tensor:
     """Encoded image bytes → patches at exactly height x width."""
-    with Image.open(io.BytesIO(data)) as img:
-        rgb = np.asarray(to_rgb(upright(img)))
-    frame = torch.from_numpy(rgb.copy()).permute(2, 0, 1)
-    return patchify_image(_normalize(_resize(frame, height, width), spec), spec)
+    frame = torch.from_numpy(np.require(image_rgb(data, height, width), requirements=["C", "W"])).permute(2, 0, 1)
+    return patchify_image(_normalize(frame, spec), spec)
 
 
 def decode_video_frames(
@@ -135,10 +118,7 @@ def decode_video_frames(
         for i, frame in enumerate(container.decode(video=0)):
             if i in want:
                 rgb = frame.to_ndarray(format="rgb24")
-                if size is not None:
-                    chw = _resize(torch.from_numpy(rgb).permute(2, 0, 1), *size)
-                    rgb = chw.permute(1, 2, 0).contiguous().numpy()
-                got[i] = rgb
+                got[i] = rgb if size is None else resize_uint8(rgb, *size)
             if i >= wanted[-1]:
                 break
     missing = [i for i in wanted if i not in got]
@@ -149,8 +129,9 @@ def decode_video_frames(
 
 def video_pixels_from_frames(frames: np.ndarray, height: int, width: int, spec: PixelSpec) -> torch.Tensor:
     """(T, H, W, 3) uint8 frames → patches at exactly height x width."""
-    video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
-    return patchify_video(_normalize(_resize(video, height, width), spec), spec)
+    video = torch.from_numpy(np.require(resize_uint8(frames, height, width), requirements=["C", "W"]))
+    video = video.permute(0, 3, 1, 2)
+    return patchify_video(_normalize(video, spec), spec)
 
 
 def media_pixels(blob: dict[str, Any], ref: dict[str, Any], spec: PixelSpec) -> torch.Tensor:
@@ -160,10 +141,7 @@ def media_pixels(blob: dict[str, Any], ref: dict[str, Any], spec: PixelSpec) -> 
         pixels = image_pixels(blob["data"], height, width, spec)
     elif ref["kind"] == "video":
         if blob["encoding"] == "resized":
-            frames = []
-            for png in blob["frames"]:
-                with Image.open(io.BytesIO(png)) as img:
-                    frames.append(np.asarray(to_rgb(img)))
+            frames = [decode_rgb(png) for png in blob["frames"]]
             pixels = video_pixels_from_frames(np.stack(frames), height, width, spec)
         else:
             pixels = video_pixels_from_frames(

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from packtrain.packer.contract import train_metric
+
 if TYPE_CHECKING:  # imported where used: the device benchmark reads the FLOPs model without it
     from prometheus_client import Gauge
 
@@ -193,7 +195,7 @@ class TrainMetrics:
         labels = ["rank"]
 
         def gauge(name: str, doc: str, extra: list[str] | None = None) -> Gauge:
-            return Gauge(f"packtrain_train_{name}", doc, labels + (extra or []), registry=self.registry)
+            return Gauge(train_metric(name), doc, labels + (extra or []), registry=self.registry)
 
         self.g = {
             "tokens_per_second": gauge(

@@ -1,4 +1,4 @@
-"""Building Qwen2-VL / Qwen2.5-VL with `transformers`, and the packed forward.
+"""Building Qwen2-VL / Qwen2.5-VL / Qwen3-VL with `transformers`, and the packed forward.
 
 `build_model` reads the folder's config.json (merged with overrides), loads real
 weights when present (or when `init: pretrained`), else initialises randomly
@@ -19,12 +19,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+from packtrain.packer.families import ModelSpec, family_for_model_type, model_spec
+from packtrain.packer.records import ConfigError
 
 from .attention import HF_IMPLEMENTATION, attention_kwargs, register_backend
 from .config import LOSS_CHUNK_TOKENS
 from .loss import token_losses
-from .rope import FamilyInfo, family_from_config
 
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 
@@ -48,9 +49,37 @@ def load_config(folder: str | Path, overrides: dict[str, Any] | None = None) -> 
     raw = json.loads((Path(folder) / "config.json").read_text())
     raw = deep_merge(raw, overrides or {})
     model_type = raw.pop("model_type", None)
-    if model_type not in ("qwen2_vl", "qwen2_5_vl"):
-        raise ValueError(f"{folder}: model_type {model_type!r} is not qwen2_vl or qwen2_5_vl")
+    family_for_model_type(model_type)  # a ConfigError naming the supported families
     return AutoConfig.for_model(model_type, **raw)
+
+
+def checked_spec(folder: str | Path, config: PretrainedConfig, family: str | None = None) -> ModelSpec:
+    """The folder's family registry entry (what the pack was counted with), checked against the
+    model config the trainer builds (config.json plus overrides): a pack and a model that disagree
+    on token ids or patch geometry would train on misplaced vision features."""
+    spec = model_spec(folder, family)
+    if config.model_type != spec.family.model_type:
+        raise ConfigError(
+            f"model.family is {spec.family.name} but {folder} holds a {config.model_type} model; "
+            "drop model.family or point model.path at a matching folder"
+        )
+    vision = config.vision_config
+    pairs = {
+        "image_token_id": (config.image_token_id, spec.token_ids.image_pad),
+        "video_token_id": (config.video_token_id, spec.token_ids.video_pad),
+        "vision_config.spatial_merge_size": (vision.spatial_merge_size, spec.vision.merge_size),
+        "vision_config.patch_size": (vision.patch_size, spec.vision.patch_size),
+        "vision_config.temporal_patch_size": (vision.temporal_patch_size, spec.vision.temporal_patch_size),
+    }
+    if spec.family.time_scaled_rope:
+        pairs["vision_config.tokens_per_second"] = (vision.tokens_per_second, spec.vision.tokens_per_second)
+    for key, (model_value, folder_value) in pairs.items():
+        if model_value != folder_value:
+            raise ConfigError(
+                f"{key} is {model_value} in the model config but {folder_value} in {folder}'s processor "
+                "and tokenizer files (what packs are counted with); remove it from model.configOverrides"
+            )
+    return spec
 
 
 def build_model(
@@ -128,7 +157,6 @@ class VLMForTraining(nn.Module):
         super().__init__()
         self.hf = model
         self.backend = backend
-        self.family: FamilyInfo = family_from_config(model.config)
         # Under DDP/FSDP every rank must use the vision tower every step, or gradient
         # reduction waits forever for a rank whose batch happened to be text-only.
         self.always_run_vision = always_run_vision
@@ -154,16 +182,25 @@ class VLMForTraining(nn.Module):
         if not parts:
             if not self.always_run_vision:
                 return {}, None
-            m, p, tp = self.family.spatial_merge_size, self.family.patch_size, self.family.temporal_patch_size
+            vision = self.hf.config.vision_config
+            m, p, tp = vision.spatial_merge_size, vision.patch_size, vision.temporal_patch_size
             dummy = torch.zeros(m * m, 3 * tp * p * p, dtype=visual.dtype, device=visual.device)
             grid = torch.tensor([[1, m, m]], device=visual.device)
-            return {}, visual(dummy, grid_thw=grid).pooler_output.sum() * 0.0
+            out = visual(dummy, grid_thw=grid)
+            used = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
+            return {}, sum(f.sum() for f in used) * 0.0
         grids = torch.cat([g for _, _, g in parts])
-        merged = visual(torch.cat([px for _, px, _ in parts]).to(visual.dtype), grid_thw=grids).pooler_output
-        features = torch.split(merged, (grids.prod(-1) // self.family.spatial_merge_size**2).tolist())
+        out = visual(torch.cat([px for _, px, _ in parts]).to(visual.dtype), grid_thw=grids)
+        sizes = (grids.prod(-1) // self.hf.config.vision_config.spatial_merge_size**2).tolist()
+        features = torch.split(out.pooler_output, sizes)
+        # DeepStack (Qwen3-VL): per-layer features of the same tokens, split the same way; the model
+        # adds them at the placeholder positions, which are each sample's own.
+        deepstack = [torch.split(f, sizes) for f in getattr(out, "deepstack_features", None) or []]
         encoded, first = {}, 0
         for kind, _, grid in parts:
-            encoded[kind] = BaseModelOutputWithPooling(pooler_output=features[first : first + len(grid)])
+            items = slice(first, first + len(grid))
+            extra = {"deepstack_features": [layer[items] for layer in deepstack]} if deepstack else {}
+            encoded[kind] = type(out)(pooler_output=features[items], **extra)
             first += len(grid)
         return encoded, None
 

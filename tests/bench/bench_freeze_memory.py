@@ -67,12 +67,11 @@ def child(shape: str, case: str, max_length: int, steps: int, threads: int) -> d
     gpu_bench.import_packtrain()
     from packtrain.trainer import param_groups
     from packtrain.trainer.loss import micro_batch_objective
-    from packtrain.trainer.model import VLMForTraining, build_model, load_config
-    from packtrain.trainer.rope import family_from_config
+    from packtrain.trainer.model import VLMForTraining, build_model, checked_spec, load_config
 
     torch.set_num_threads(threads)
     cfg = load_config(QWEN2_VL, SHAPES[shape])
-    fam = family_from_config(cfg)
+    fam = checked_spec(QWEN2_VL, cfg)
     samples = gpu_bench.draw_samples(200, 0, max_length, fam, cfg.vision_start_token_id)
     # The packed row with the most vision patches: the tower's activations are what freezing it spares.
     row = max(gpu_bench.pack(samples, max_length), key=_patches)

@@ -44,13 +44,12 @@ def child(shape: str, case: str, max_length: int, steps: int, threads: int) -> d
     from packtrain.trainer import lora, param_groups
     from packtrain.trainer.config import LoraSpec
     from packtrain.trainer.loss import micro_batch_objective
-    from packtrain.trainer.model import VLMForTraining, build_model, load_config
-    from packtrain.trainer.rope import family_from_config
+    from packtrain.trainer.model import VLMForTraining, build_model, checked_spec, load_config
 
     torch.set_num_threads(threads)
     overrides = freeze_bench.SHAPES[shape]
     cfg = load_config(freeze_bench.QWEN2_VL, overrides)
-    fam = family_from_config(cfg)
+    fam = checked_spec(freeze_bench.QWEN2_VL, cfg)
     samples = gpu_bench.draw_samples(200, 0, max_length, fam, cfg.vision_start_token_id)
     row = max(gpu_bench.pack(samples, max_length), key=freeze_bench._patches)
     hf = build_model(freeze_bench.QWEN2_VL, init="random", overrides=overrides, seed=0)

@@ -59,13 +59,18 @@ def child(
 
     gpu_bench.import_packtrain()
     from packtrain.trainer.loss import micro_batch_objective
-    from packtrain.trainer.model import VLMForTraining, apply_layer_options, build_model, load_config
-    from packtrain.trainer.rope import family_from_config
+    from packtrain.trainer.model import (
+        VLMForTraining,
+        apply_layer_options,
+        build_model,
+        checked_spec,
+        load_config,
+    )
 
     torch.set_num_threads(threads)
     sizes = gpu_bench.TINY if quick else MODEL
     cfg = load_config(gpu_bench.MODEL, sizes)
-    fam = family_from_config(cfg)
+    fam = checked_spec(gpu_bench.MODEL, cfg)
     rows = gpu_bench.pack(
         gpu_bench.draw_samples(samples, 0, max_length, fam, cfg.vision_start_token_id), max_length
     )

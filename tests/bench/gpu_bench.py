@@ -139,7 +139,7 @@ def draw_samples(n: int, seed: int, max_length: int, fam: Any, vision_start: int
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
     text = synth.synthetic_lengths(4 * n, seed, max_length, image_frac=0.0, video_frac=0.0)
-    patch, merge = fam.patch_size, fam.spatial_merge_size
+    patch, merge, tp = fam.vision.patch_size, fam.vision.merge_size, fam.vision.temporal_patch_size
     samples: list[dict[str, Any]] = []
     for length in text.tolist():
         if len(samples) == n:
@@ -161,7 +161,7 @@ def draw_samples(n: int, seed: int, max_length: int, fam: Any, vision_start: int
                 np.array([h]), np.array([w]), synth.VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS
             )
             grids.append(
-                ("video", frames // fam.temporal_patch_size, int(hh[0]) // patch, int(ww[0]) // patch)
+                ("video", frames // tp, int(hh[0]) // patch, int(ww[0]) // patch)
             )
         vision = sum(t * (h // merge) * (w // merge) + 2 for _, t, h, w in grids)
         if length + vision > max_length:
@@ -171,7 +171,7 @@ def draw_samples(n: int, seed: int, max_length: int, fam: Any, vision_start: int
         labels = [IGNORE_INDEX] * user + ids[user:]
         media_ids: list[int] = []
         for kind_name, t, h, w in grids:
-            pad = fam.image_token_id if kind_name == "image" else fam.video_token_id
+            pad = fam.token_ids.image_pad if kind_name == "image" else fam.token_ids.video_pad
             media_ids += [vision_start] + [pad] * (t * (h // merge) * (w // merge)) + [vision_start + 1]
         media = [
             {"kind": k, "grid_t": t, "grid_h": h, "grid_w": w, "second_per_grid": 1.0, "sample": 0}
@@ -184,7 +184,7 @@ def draw_samples(n: int, seed: int, max_length: int, fam: Any, vision_start: int
                 "sample_ids": [f"synth-{len(samples)}"],
                 "media": media,
                 "pixels": [
-                    torch.randn(t * h * w, 3 * fam.temporal_patch_size * patch * patch, generator=gen)
+                    torch.randn(t * h * w, 3 * tp * patch * patch, generator=gen)
                     for _, t, h, w in grids
                 ],
             }
@@ -227,14 +227,6 @@ def _shift(labels: np.ndarray, seq_lens: list[int]) -> np.ndarray:
     return out
 
 
-def _grids(media: list[dict[str, Any]], kind: str) -> list[Any]:
-    from packtrain.trainer.rope import Grid
-
-    return [
-        Grid(m["grid_t"], m["grid_h"], m["grid_w"], m["second_per_grid"]) for m in media if m["kind"] == kind
-    ]
-
-
 def _media(rows: list[dict[str, Any]], fam: Any) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for kind, px_key, grid_key in (
@@ -247,7 +239,7 @@ def _media(rows: list[dict[str, Any]], fam: Any) -> dict[str, torch.Tensor]:
         if pairs:
             out[px_key] = torch.cat([p for _, p in pairs])
             out[grid_key] = torch.tensor([[m["grid_t"], m["grid_h"], m["grid_w"]] for m, _ in pairs])
-            if kind == "video" and fam.time_scaled:
+            if kind == "video" and fam.family.time_scaled_rope:
                 out["second_per_grid_ts"] = torch.tensor(
                     [m["second_per_grid"] for m, _ in pairs], dtype=torch.float32
                 )
@@ -262,13 +254,7 @@ def collate_packed(rows: list[dict[str, Any]], fam: Any) -> dict[str, Any]:
     ids, shifted, pos, lens = [], [], [], []
     for row in rows:
         r_ids = np.asarray(row["input_ids"], dtype=np.int64)
-        per_sample = [
-            (
-                _grids([m for m in row["media"] if m["sample"] == k], "image"),
-                _grids([m for m in row["media"] if m["sample"] == k], "video"),
-            )
-            for k in range(len(row["seq_lens"]))
-        ]
+        per_sample = [[m for m in row["media"] if m["sample"] == k] for k in range(len(row["seq_lens"]))]
         ids.append(r_ids)
         shifted.append(_shift(np.asarray(row["labels"], dtype=np.int64), row["seq_lens"]))
         pos.append(packed_positions(r_ids, row["seq_lens"], per_sample, fam))
@@ -307,10 +293,7 @@ def collate_padded(samples: list[dict[str, Any]], fam: Any, pad_id: int) -> dict
         ids[i, :n] = torch.from_numpy(sid)
         shifted[i, :n] = torch.from_numpy(_shift(np.asarray(s["labels"], dtype=np.int64), [n]))
         mask[i, :n] = 1
-        media = [{**m, "sample": 0} for m in s["media"]]
-        pos[:, i, :n] = torch.from_numpy(
-            sample_positions(sid, _grids(media, "image"), _grids(media, "video"), fam)
-        )
+        pos[:, i, :n] = torch.from_numpy(sample_positions(sid, s["media"], fam))
     batch = {
         "input_ids": ids,
         "shift_labels": shifted,
@@ -341,13 +324,12 @@ def padded_grad_accum(manifest: dict[str, Any], padded_batch: int) -> int:
 class Bench:
     def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
         from packtrain.trainer.metrics import GpuProbe, device_peak_tflops
-        from packtrain.trainer.model import load_config
-        from packtrain.trainer.rope import family_from_config
+        from packtrain.trainer.model import checked_spec, load_config
 
         self.args, self.device = args, device
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.config = load_config(MODEL, TINY if args.tiny else None)
-        self.fam = family_from_config(self.config)
+        self.fam = checked_spec(MODEL, self.config)
         self.peak = device_peak_tflops(device)
         self.probe = GpuProbe.open(device)
         pad = self.config.text_config.pad_token_id

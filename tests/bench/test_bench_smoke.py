@@ -93,12 +93,11 @@ def test_gpu_bench_batches_are_the_trainers(shared_dir: Path) -> None:
     import torch
 
     from packtrain.trainer import data
-    from packtrain.trainer.model import load_config
-    from packtrain.trainer.rope import family_from_config
+    from packtrain.trainer.model import checked_spec, load_config
 
     bench = load("gpu_bench")
     config = load_config(bench.MODEL, bench.TINY)
-    fam = family_from_config(config)
+    fam = checked_spec(bench.MODEL, config)
     samples = bench.draw_samples(60, 0, 4096, fam, config.vision_start_token_id)
     assert {m["kind"] for s in samples for m in s["media"]} == {"image", "video"}
     rows = bench.pack(samples, 4096)
@@ -143,3 +142,34 @@ def test_bench_lora_memory_quick(shared_dir: Path, tmp_path: Path, capsys: pytes
     assert full["losses"] == lora["losses"]  # adapters start with B = 0: the first forward is the base model's
     assert lora["growth_gib"] < full["growth_gib"]
     assert "growth saved" in capsys.readouterr().out
+
+
+def test_bench_scale_small(shared_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--samples", "60", "--media-pool", "8", "--planner-n", "50000", "--results-dir", str(tmp_path)]
+    assert load("bench_scale").main(args) == 0
+    result = json.loads((tmp_path / "bench_scale.small.json").read_text())
+    runs = result["runs"]
+    assert [r["workers"] for r in runs] == [1, 2]
+    assert result["counts_add_up"] and result["same_pack_any_workers"]
+    assert all(set(r["stages"]) == {"load", "convert", "plan", "materialize"} for r in runs)
+    assert len(runs[1]["stages"]["convert"]["worker_peak_rss_mib"]) == 2
+    assert all(r["sequences"] >= r["lower_bound"] > 0 and r["output_bytes"] > 0 for r in runs)
+    assert result["planner"]["valid"] and result["planner"]["n"] == 50000
+    assert [r["workers"] for r in result["overhead_10_samples"]] == [1, 2]
+    assert all(r["cpu_s"] > 0 for r in [*runs, *result["overhead_10_samples"]])
+    assert "load avg" in capsys.readouterr().out
+
+
+def test_bench_parquet_quick(shared_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert load("bench_parquet").main(["--quick", "--results-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "bench_parquet.quick.json").read_text())
+    assert result["convert"]["parquet"]["samples_per_cpu_second"] > 0 and result["parquet_vs_jsonl"] > 0
+    assert result["read_large_file"]["rows"] == 64
+    assert "Parquet / JSONL convert rate" in capsys.readouterr().out
+
+
+def test_bench_pixels_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert load("bench_pixels").main(["--quick", "--repeat", "1", "--results-dir", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_pixels.json").read_text())["rows"]
+    assert rows and all(r["numpy_equal"] for r in rows)
+    assert "torchvision ms" in capsys.readouterr().out

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata as md
+import importlib.util
 import json
 import re
 import subprocess
@@ -47,7 +48,9 @@ IMAGE_PACKAGES = {
 
 # Imports an image may lack, with the reason no pod reaches them.
 NOT_IN_PODS: dict[str, dict[str, str]] = {
-    "packer": {"matplotlib": "`packtrain pack inspect --plot` (plot extra) is a workstation tool"},
+    "packer": {"matplotlib": "`packtrain pack inspect --plot` (plot extra) is a workstation tool",
+               "torch": "packer.pixels calls torchvision's resize only where torch is already loaded (the trainer)",
+               "torchvision": "packer.pixels calls torchvision's resize only where torch is already loaded"},
 }
 
 
@@ -67,17 +70,24 @@ def instructions(image: str) -> list[tuple[str, str]]:
     return out
 
 
+def lock_module() -> Any:
+    """images/lock.py, the one source of which extras each image installs."""
+    spec = importlib.util.spec_from_file_location("images_lock", IMAGES / "lock.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def installed_extras(image: str) -> set[str]:
-    """Extras of the project install (`pip install ".[a,b]"` or of the built packtrain wheel)."""
-    found = []
-    for word, args in instructions(image):
-        if word != "RUN" or "pip install" not in args:
-            continue
-        for m in re.finditer(r"""(?:^|\s)"?(?:\.|\$\(ls /wheels/packtrain-\*\.whl\))(?:\[([\w,-]+)\])?"?(?=\s|$)""",
-                             args):
-            found.append(set(filter(None, (m.group(1) or "").split(","))))
-    assert len(found) == 1, f"{image}: expected one install of the project, found {found}"
-    return found[0]
+    """Extras of the project install: the image installs its hash-locked requirements (made from
+    pyproject with these extras) and the packtrain wheel with --no-deps."""
+    runs = [a for w, a in instructions(image) if w == "RUN"]
+    copies = [a for w, a in instructions(image) if w == "COPY"]
+    assert any(a.startswith(f"images/{image}/requirements.txt ") for a in copies), f"{image}: its lock is not copied"
+    assert sum("--require-hashes" in a and "-r /opt/packtrain/requirements.txt" in a for a in runs) == 1, image
+    assert sum("--no-deps" in a and "packtrain-*.whl" in a for a in runs) == 1, image
+    return set(lock_module().IMAGE_EXTRAS[image])
 
 
 def entrypoint(image: str) -> list[str]:
@@ -114,8 +124,8 @@ def test_dockerfile_is_multistage_pinned_and_non_root(image: str) -> None:
 def test_images_install_the_issue_extras() -> None:
     assert installed_extras("operator") == {"operator"}
     assert installed_extras("packer") == set()
-    assert installed_extras("trainer") == {"trainer", "flash"}
-    assert "pytorch/pytorch:" in (IMAGES / "trainer" / "Dockerfile").read_text()
+    # flash-attn has no wheel on PyPI and is imported lazily: the trainer image runs without it.
+    assert installed_extras("trainer") == {"trainer"}
 
 
 # --- which distributions an image has ---------------------------------------------------------
@@ -128,10 +138,10 @@ def _wanted(req: Requirement, extras: set[str]) -> bool:
 
 
 @cache
-def allowed_distributions(extras: frozenset[str]) -> frozenset[str]:
-    """packtrain's dependencies with `extras`, and theirs, as installed here."""
+def allowed_distributions(extras: frozenset[str], omit: frozenset[str] = frozenset()) -> frozenset[str]:
+    """packtrain's dependencies with `extras` (less the core ones in `omit`), and theirs, as installed here."""
     project = PYPROJECT["project"]
-    todo = [Requirement(r) for r in project["dependencies"]]
+    todo = [Requirement(r) for r in project["dependencies"] if canonicalize_name(Requirement(r).name) not in omit]
     for extra in extras:
         todo += [Requirement(r) for r in project["optional-dependencies"][extra]]
     seen: set[tuple[str, frozenset[str]]] = set()
@@ -150,6 +160,12 @@ def allowed_distributions(extras: frozenset[str]) -> frozenset[str]:
             continue  # e.g. flash-attn, GPU-only: allowed, and nothing here imports it
         todo += [r for r in map(Requirement, requires) if _wanted(r, set(req.extras))]
     return frozenset(names)
+
+
+def image_distributions(image: str) -> frozenset[str]:
+    """What the image's lock installs: its extras, less the core dependencies it omits."""
+    omit = frozenset(canonicalize_name(n) for n in lock_module().IMAGE_OMITS.get(image, {}))
+    return allowed_distributions(frozenset(installed_extras(image)), omit)
 
 
 @cache
@@ -270,7 +286,7 @@ def static_problems(roots: list[str], allowed: frozenset[str], exempt: frozenset
 
 @pytest.mark.parametrize("image", sorted(IMAGE_PACKAGES))
 def test_image_packages_import_only_what_the_image_installs(image: str) -> None:
-    allowed = allowed_distributions(frozenset(installed_extras(image)))
+    allowed = image_distributions(image)
     roots = [m for package in IMAGE_PACKAGES[image] for m in package_modules(package)]
     assert roots
     exempt = frozenset(NOT_IN_PODS.get(image, {}))
@@ -373,7 +389,7 @@ print(json.dumps(sorted(m for m in sys.modules if m.startswith("packtrain"))))
 def run_in_image(image: str, argvs: list[list[str]]) -> list[str]:
     """Start each command as the image would (one interpreter), up to its parsed arguments;
     returns the packtrain modules loaded."""
-    allowed = sorted(allowed_distributions(frozenset(installed_extras(image))))
+    allowed = sorted(image_distributions(image))
     proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(allowed), json.dumps(argvs)],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, f"{image}: {argvs} failed:\n{proc.stderr[-3000:]}"

@@ -4,14 +4,22 @@
 # Everything comes from the Go module proxy: kube-apiserver, kube-controller-manager,
 # kube-scheduler and kubectl from k8s.io/kubernetes, etcd from go.etcd.io/etcd/server/v3/embed,
 # helm from helm.sh/helm/v3, the Kubeflow training-operator from its module, and the Kubeflow
-# CRDs copied out of their modules. Results go to a cache keyed by the Kubernetes version, and
-# a component is rebuilt only when its inputs change, so a warm run takes well under a second.
+# CRDs copied out of their modules. The add-ons the end-to-end tests run (skipped with
+# --no-addons): Kueue's controller from sigs.k8s.io/kueue, the Kubeflow Trainer v2 controller and
+# the JobSet controller it drives from github.com/kubeflow/trainer/v2 and sigs.k8s.io/jobset
+# (versions in tests/cluster/go/{kueue,trainer}/go.mod), their CRDs and the torch-distributed
+# ClusterTrainingRuntime copied out of the same modules into the add-on dir (installed only by the
+# tests that use them), and Prometheus from Debian's package (apt-get download + dpkg -x).
+# Results go to a cache keyed by the Kubernetes version, and a component is rebuilt only when its
+# inputs change, so a warm run takes well under a second.
 #
-# Usage: bash tests/cluster/build.sh [--print-bin-dir | --print-crd-dir | --update-gomod | --force]
-#                                    [--no-training-operator]
+# Usage: bash tests/cluster/build.sh [--print-bin-dir | --print-crd-dir | --print-addon-dir |
+#                                     --update-gomod | --force] [--no-training-operator] [--no-addons]
 # --update-gomod regenerates tests/cluster/go/kube/go.mod (done automatically when K8S_VERSION
 # changes); --force rebuilds everything (e.g. after changing the ldflags below).
 # The last line of stdout is the bin directory. Details go to <cache>/build.log.
+# An add-on that cannot be had on this machine (no Debian package for Prometheus) is recorded in
+# <cache>/UNAVAILABLE-<name>, so only the tests that need it skip (outside CI).
 #
 # Environment:
 #   PACKTRAIN_CACHE_DIR    cache root (default: ${XDG_CACHE_HOME:-~/.cache}/packtrain)
@@ -41,18 +49,22 @@ CRDS="$CLUSTER_DIR/crds"
 STAMPS="$CLUSTER_DIR/stamps"
 LOG="$CLUSTER_DIR/build.log"
 UNAVAILABLE="$CLUSTER_DIR/UNAVAILABLE"
+ADDONS="$CLUSTER_DIR/addons"
 
 WITH_TRAINING_OPERATOR=1
+WITH_ADDONS=1
 UPDATE_GOMOD=0
 FORCE=0
 for arg in "$@"; do
   case "$arg" in
     --print-bin-dir) echo "$BIN"; exit 0 ;;
     --print-crd-dir) echo "$CRDS"; exit 0 ;;
+    --print-addon-dir) echo "$ADDONS"; exit 0 ;;
     --update-gomod) UPDATE_GOMOD=1 ;;
     --force) FORCE=1 ;;
     --no-training-operator) WITH_TRAINING_OPERATOR=0 ;;
-    -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --no-addons) WITH_ADDONS=0 ;;
+    -h|--help) sed -n '2,34p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "build.sh: unknown argument $arg (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -239,6 +251,102 @@ else
   chmod -R u+w "$CRDS"
   echo "$CRD_STAMP" >"$STAMPS/crds"
   say "CRDs copied to $CRDS"
+fi
+
+# --- add-ons for the end-to-end tests: Kueue, Trainer v2 + JobSet, Prometheus ------------------
+mod_info() { (cd "$GO_SRC/$1" && go list -m -f "{{.$3}}" "$2" 2>>"$LOG"); }
+
+# build_tool NAME WRAPPER PACKAGE MODULE: build PACKAGE (of MODULE, required by the wrapper module
+# tests/cluster/go/WRAPPER) into $BIN/NAME; rebuilt when the wrapper's go.mod/go.sum change.
+build_tool() {
+  local name="$1" wrapper="$2" pkg="$3" module="$4" st version
+  st="$(stamp "$name" "$(module_files "$GO_SRC/$wrapper")")"
+  if fresh "$name" "$st" && [[ -x "$BIN/$name" ]]; then
+    say "$name: up to date"
+    return
+  fi
+  fetch_modules "$GO_SRC/$wrapper"
+  version="$(mod_info "$wrapper" "$module" Version)"
+  say "building $name from $module $version"
+  t0=$SECONDS
+  (cd "$GO_SRC/$wrapper" && run go build -p 2 -trimpath -ldflags "-s -w" -o "$BIN/$name" "$pkg") ||
+    { say "$name build failed; see $LOG"; exit 1; }
+  echo "$st" >"$STAMPS/$name"
+  say "$name $version built in $((SECONDS - t0)) s"
+}
+
+# Debian's prometheus package: the candidate version apt knows (after `apt-get update` when it knows
+# none and we are root), downloaded and unpacked into the cache; fetched again when it changes.
+prometheus_candidate() {
+  apt-cache policy prometheus 2>/dev/null | awk '$1 == "Candidate:" && $2 != "(none)" { print $2 }'
+}
+prometheus_unavailable() {
+  if [[ -x "$BIN/prometheus" ]]; then
+    say "prometheus: keeping the cached one ($1)"
+  else
+    echo "$1" >"$CLUSTER_DIR/UNAVAILABLE-prometheus"
+    say "CANNOT FETCH prometheus: $1 (recorded in $CLUSTER_DIR/UNAVAILABLE-prometheus)"
+  fi
+}
+fetch_prometheus() {
+  local version deb dest="$CACHE_ROOT/prometheus" st
+  rm -f "$CLUSTER_DIR/UNAVAILABLE-prometheus"
+  if ! command -v apt-get >/dev/null || ! command -v dpkg >/dev/null; then
+    prometheus_unavailable "no apt-get/dpkg on this machine to fetch Debian's prometheus package"
+    return
+  fi
+  version="$(prometheus_candidate)"
+  if [[ -z "$version" && "$(id -u)" == 0 ]]; then
+    run apt-get update -q || true
+    version="$(prometheus_candidate)"
+  fi
+  if [[ -z "$version" ]]; then
+    prometheus_unavailable "apt knows no 'prometheus' package (run apt-get update as root)"
+    return
+  fi
+  st="$(stamp prometheus "$version")"
+  if fresh prometheus "$st" && bins_present prometheus promtool; then
+    say "prometheus $version (Debian): up to date"
+    return
+  fi
+  say "fetching Debian's prometheus $version"
+  t0=$SECONDS
+  rm -rf "$dest" && mkdir -p "$dest/deb"
+  (cd "$dest/deb" && run apt-get download "prometheus=$version") ||
+    { prometheus_unavailable "apt-get download prometheus=$version failed; see $LOG"; return; }
+  deb="$(ls "$dest"/deb/prometheus_*.deb)"
+  run dpkg -x "$deb" "$dest/root" || { say "dpkg -x $deb failed; see $LOG"; exit 1; }
+  cp "$dest/root/usr/bin/prometheus" "$dest/root/usr/bin/promtool" "$BIN/"
+  echo "$st" >"$STAMPS/prometheus"
+  say "prometheus $version fetched in $((SECONDS - t0)) s"
+}
+
+if [[ $WITH_ADDONS == 1 ]]; then
+  build_tool kueue kueue sigs.k8s.io/kueue/cmd/kueue sigs.k8s.io/kueue
+  build_tool trainer-controller-manager trainer github.com/kubeflow/trainer/v2/cmd/trainer-controller-manager \
+    github.com/kubeflow/trainer/v2
+  build_tool jobset trainer sigs.k8s.io/jobset sigs.k8s.io/jobset
+  ADDON_STAMP="$(stamp addons "$(cat "$GO_SRC/kueue/go.sum" "$GO_SRC/trainer/go.sum")")"
+  if fresh addons "$ADDON_STAMP" && [[ -d "$ADDONS/kueue/crds" ]]; then
+    say "add-on CRDs and runtimes: up to date"
+  else
+    built_trainer="$(mod_info trainer github.com/kubeflow/trainer/v2 Version)"
+    [[ "$built_trainer" == "$TRAINER_VERSION" ]] || {
+      say "tests/cluster/go/trainer/go.mod requires trainer $built_trainer, but TRAINER_VERSION is $TRAINER_VERSION"
+      exit 1
+    }
+    kueue_dir="$(mod_info kueue sigs.k8s.io/kueue Dir)"
+    jobset_dir="$(mod_info trainer sigs.k8s.io/jobset Dir)"
+    trainer_dir="$(mod_info trainer github.com/kubeflow/trainer/v2 Dir)"
+    rm -rf "$ADDONS" && mkdir -p "$ADDONS/kueue/crds" "$ADDONS/jobset/crds" "$ADDONS/trainer/runtimes"
+    cp "$kueue_dir"/config/components/crd/bases/*.yaml "$ADDONS/kueue/crds/"
+    cp "$jobset_dir"/config/components/crd/bases/*.yaml "$ADDONS/jobset/crds/"
+    cp "$trainer_dir/manifests/base/runtimes/torch_distributed.yaml" "$ADDONS/trainer/runtimes/"
+    chmod -R u+w "$ADDONS"
+    echo "$ADDON_STAMP" >"$STAMPS/addons"
+    say "add-on CRDs and runtimes copied to $ADDONS"
+  fi
+  fetch_prometheus
 fi
 
 rm -f "$UNAVAILABLE"

@@ -441,6 +441,138 @@ class ControlPlane:
         self._wait_ready(f"http://127.0.0.1:{probe}/readyz", None, time.monotonic() + timeout, "training-operator")
         return comp
 
+    # -- add-ons: Kueue, JobSet, Kubeflow Trainer v2 (built by build.sh) ------------------------
+    # Like the training-operator, each runs with its admission webhooks unregistered: the API server
+    # could reach a webhook only through a Service with loopback endpoints, which it refuses. Their
+    # controllers are unchanged; what goes untested is the webhooks' own work: Kueue's defaulting
+    # (suspending a queued Job on create: the operator creates queued children suspended instead)
+    # and validation, JobSet's and Trainer's defaulting/validation (the CRD schemas still apply).
+
+    @property
+    def addon_dir(self) -> Path:
+        """Where build.sh copies the add-ons' CRDs and runtimes (installed only by tests that use them)."""
+        return self.bin.parent / "addons"
+
+    def install_addon_manifests(self, *subdirs: str) -> None:
+        """Server-side apply every manifest under the add-on dir's ``subdirs`` (CRDs wait until Established)."""
+        files = [f for d in subdirs for f in sorted((self.addon_dir / d).rglob("*.yaml"))]
+        if not files:
+            raise RuntimeError(f"nothing under {self.addon_dir}/{{{','.join(subdirs)}}}: run `bash tests/cluster/build.sh`")
+        args: list[str] = ["apply", "--server-side", "--force-conflicts"]
+        for f in files:
+            args += ["-f", str(f)]
+        self.kubectl(*args)
+        crds = [f"crd/{yaml.safe_load(f.read_text())['metadata']['name']}" for f in files
+                if yaml.safe_load(f.read_text()).get("kind") == "CustomResourceDefinition"]
+        if crds:
+            self.kubectl("wait", "--for=condition=Established", "--timeout=60s", *crds)
+
+    def _addon_exe(self, name: str) -> Path:
+        exe = self.bin / name
+        if not exe.is_file():
+            raise RuntimeError(f"no {name} in {self.bin}: run `bash tests/cluster/build.sh` (without --no-addons)")
+        return exe
+
+    def _addon_certs(self, name: str) -> Path:
+        """A serving certificate for an add-on's webhook and metrics servers (nothing calls them)."""
+        certs = self.root / name / "certs"
+        certs.mkdir(parents=True, exist_ok=True)
+        serving = self._pki.serving()
+        _write(certs / "tls.crt", serving.cert_pem, 0o644)
+        _write(certs / "tls.key", serving.key_pem)
+        return certs
+
+    def _start_addon(
+        self, name: str, namespace: str, config: dict[str, Any], args: Sequence[str], probe: int, timeout: float
+    ) -> Component:
+        self.kubectl("apply", "-f", "-", input=json.dumps(
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}))
+        cfg = self.root / name / "config.yaml"
+        cfg.write_text(yaml.safe_dump(config))
+        env = {**self.env(), "POD_NAMESPACE": namespace, "TMPDIR": str(self.root / name)}
+        comp = self._spawn(name, [f"--kubeconfig={self.kubeconfig}", f"--config={cfg}", *args],
+                           exe=[str(self._addon_exe(name))], env=env)
+        self._wait_ready(f"http://127.0.0.1:{probe}/readyz", None, time.monotonic() + timeout, name)
+        return comp
+
+    def start_kueue(
+        self, frameworks: Sequence[str] = ("batch/job", "kubeflow.org/pytorchjob"), namespace: str = "kueue-system",
+        timeout: float = 120,
+    ) -> Component:
+        """Run Kueue's controller manager (sigs.k8s.io/kueue, built by build.sh) with its CRDs.
+
+        Webhooks unregistered (see above). Kueue reads its
+        metrics certificate from a fixed /etc/kueue/metrics/certs when its own certificate
+        management is off, so ours is written there when that folder holds none.
+        """
+        self.install_addon_manifests("kueue")
+        certs = self._addon_certs("kueue")
+        metrics_certs = Path("/etc/kueue/metrics/certs")
+        try:
+            metrics_certs.mkdir(parents=True, exist_ok=True)
+            for f in ("tls.crt", "tls.key"):
+                if not (metrics_certs / f).exists():
+                    shutil.copy(certs / f, metrics_certs / f)
+        except OSError as e:
+            raise RuntimeError(f"Kueue needs its metrics certificate in {metrics_certs} and it cannot be written: {e}"
+                               ) from e
+        probe = free_port()
+        config = {
+            "apiVersion": "config.kueue.x-k8s.io/v1beta2", "kind": "Configuration",
+            "namespace": namespace,
+            "health": {"healthProbeBindAddress": f"127.0.0.1:{probe}"},
+            "metrics": {"bindAddress": f"127.0.0.1:{free_port()}"},
+            "webhook": {"port": free_port(), "host": "127.0.0.1", "certDir": str(certs)},
+            "leaderElection": {"leaderElect": False},
+            "internalCertManagement": {"enable": False},
+            # Its on-demand visibility API server binds a fixed port; nothing here queries it.
+            "featureGates": {"VisibilityOnDemand": False},
+            "integrations": {"frameworks": list(frameworks)},
+        }
+        return self._start_addon("kueue", namespace, config, [], probe, timeout)
+
+    def start_jobset(self, namespace: str = "jobset-system", timeout: float = 120) -> Component:
+        """Run the JobSet controller (sigs.k8s.io/jobset, the version Trainer v2 requires) with its CRDs."""
+        self.install_addon_manifests("jobset")
+        certs = self._addon_certs("jobset")
+        probe = free_port()
+        config = {
+            "apiVersion": "config.jobset.x-k8s.io/v1alpha1", "kind": "Configuration",
+            "namespace": namespace,
+            "health": {"healthProbeBindAddress": f"127.0.0.1:{probe}"},
+            "metrics": {"bindAddress": f"127.0.0.1:{free_port()}", "certDir": str(certs)},
+            "webhook": {"port": free_port(), "host": "127.0.0.1", "certDir": str(certs)},
+            "leaderElection": {"leaderElect": False},
+            "internalCertManagement": {"enable": False},
+        }
+        return self._start_addon("jobset", namespace, config, [], probe, timeout)
+
+    def start_trainer(self, namespace: str = "kubeflow-system", timeout: float = 120) -> Component:
+        """Run the Kubeflow Trainer v2 controller manager and install the torch-distributed runtime.
+
+        Its TrainJob/TrainingRuntime CRDs are among every cluster's CRDs; the JobSet controller it
+        creates JobSets for must run too (``start_jobset``). Webhooks unregistered (see above).
+        """
+        certs = self._addon_certs("trainer-controller-manager")
+        # controller-runtime's webhook server reads {TMPDIR}/k8s-webhook-server/serving-certs.
+        serving = self.root / "trainer-controller-manager" / "k8s-webhook-server" / "serving-certs"
+        serving.mkdir(parents=True, exist_ok=True)
+        for f in ("tls.crt", "tls.key"):
+            shutil.copy(certs / f, serving / f)
+        probe = free_port()
+        config = {
+            "apiVersion": "config.trainer.kubeflow.org/v1alpha1", "kind": "Configuration",
+            "health": {"healthProbeBindAddress": f"127.0.0.1:{probe}", "readinessEndpointName": "readyz",
+                       "livenessEndpointName": "healthz"},
+            "metrics": {"bindAddress": f"127.0.0.1:{free_port()}", "secureServing": True},
+            "webhook": {"port": free_port(), "host": "127.0.0.1"},
+            "leaderElection": {"leaderElect": False},
+            "certManagement": {"enable": False},
+        }
+        comp = self._start_addon("trainer-controller-manager", namespace, config, [], probe, timeout)
+        self.install_addon_manifests("trainer/runtimes")
+        return comp
+
     def stop_component(self, comp: Component) -> None:
         """Stop one component started on top of the control plane (e.g. the training-operator)."""
         with contextlib.suppress(ProcessLookupError):

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from .controlplane import ClusterUnavailable, ControlPlane, locate_binaries
+from .controlplane import BUILD_SCRIPT, ClusterUnavailable, ControlPlane, locate_binaries
+from .prometheus import locate_prometheus
 
 
 def _in_ci() -> bool:
@@ -64,3 +67,17 @@ def kube_cluster(request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
     cp.stop(keep_logs=keep)
     if keep:
         _shout(config, f"control-plane component logs kept in {cp.logs_dir}")
+
+
+@pytest.fixture(scope="session")
+def prometheus_tools(request: pytest.FixtureRequest) -> tuple[Path, Path]:
+    """(prometheus, promtool): Debian's Prometheus from the build cache (``build.sh`` fetches it)."""
+    try:
+        bin_dir = Path(subprocess.run(["bash", str(BUILD_SCRIPT), "--print-bin-dir"], check=True,
+                                      capture_output=True, text=True).stdout.strip())
+        return locate_prometheus(bin_dir)
+    except ClusterUnavailable as e:
+        if e.impossible and not _in_ci():
+            _shout(request.config, f"PROMETHEUS TESTS SKIPPED: {e}")
+            pytest.skip(str(e))
+        pytest.fail(str(e))

@@ -15,13 +15,22 @@ Ready, and drives the pods the scheduler binds to them through their phases:
   configMap/secret refs and envFrom resolved, so the Job controller's ``JOB_COMPLETION_INDEX``
   works), and a value naming a Service of the pod's namespace (a PyTorchJob's master address)
   resolves to 127.0.0.1. The termination message file is mapped too.
+* run in images (``--images``, with run): each container runs inside the root filesystem of its
+  pod's ``image``, resolved from the local tags ``images/build.sh`` builds (``rootfs.py``): the
+  image's own Python, packages and entrypoint. Volumes are bind-mounted at their mount paths
+  (nothing is rewritten), ``command``/``args`` default to the image's ENTRYPOINT/CMD, the
+  environment is the image's ENV plus the container's, the working dir is ``workingDir`` or the
+  image's WORKDIR (``--workdir`` overrides the latter), the user ``runAsUser``/``runAsGroup``
+  (container, then pod, then the image's USER) with the pod's ``fsGroup`` and
+  ``supplementalGroups``, which own the pod's emptyDir and claim folders as a kubelet makes them.
+  ``--mount HOST:PATH`` adds a read-only folder to every container, as a node's local data.
 
 Either way the agent reports what a kubelet would: phase, container states with exit codes,
 reasons and termination messages, restarts under ``restartPolicy: OnFailure``/``Always``, and
 it finishes graceful deletions (stopping processes first) so garbage collection completes.
 
 Usage: python tests/cluster/node_agent.py --kubeconfig FILE --work-dir DIR [--run-all] [--pvc-root DIR]
-       [--workdir DIR]
+       [--workdir DIR] [--images [--mount HOST:PATH ...]]
 """
 
 from __future__ import annotations
@@ -44,6 +53,9 @@ from typing import Any
 
 from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import rootfs  # noqa: E402  (beside this file, which runs as a script)
 
 log = logging.getLogger("node-agent")
 
@@ -275,6 +287,8 @@ class PodRun:
                 _materialize(local, _decode(sec.data or {}), v.secret.items)
             else:
                 local.mkdir(parents=True, exist_ok=True)
+            if self.agent.images and (v.persistent_volume_claim is not None or v.empty_dir is not None):
+                _own_by_fs_group(local, pod.spec.security_context)
             volumes[v.name] = local
         services = {s.metadata.name for s in core.list_namespaced_service(ns).items}
         hostnames = {pod.spec.hostname} if pod.spec.hostname else set()
@@ -282,6 +296,13 @@ class PodRun:
 
     def _exec(self, c: Any, env_cache: dict[str, Any], started: str) -> ContainerResult:
         pod_dir: Path = env_cache["dir"]
+        if self.agent.images:
+            try:
+                image = rootfs.inspect(c.image or "")
+                command, cwd, env = self._in_image(c, image, env_cache, pod_dir)
+            except (rootfs.ImageNotFound, ValueError) as e:
+                return ContainerResult(128, started, now(), f"cannot run container {c.name}: {e}")
+            return self._spawn(c, command, cwd, env, pod_dir, str(pod_dir / f"{c.name}.termination-log"), started)
         command = [*(c.command or []), *(c.args or [])]
         if not c.command:
             return ContainerResult(
@@ -301,8 +322,39 @@ class PodRun:
         cwd = Path(_rewrite(c.working_dir, mounts)) if c.working_dir else default_cwd
         cwd.mkdir(parents=True, exist_ok=True)
         term_path = mounts.get(c.termination_message_path or "/dev/termination-log")
+        return self._spawn(c, command, cwd, env, pod_dir, term_path, started)
+
+    def _in_image(self, c: Any, image: rootfs.Image, env_cache: dict[str, Any],
+                  pod_dir: Path) -> tuple[list[str], Path, dict[str, str]]:
+        """The command, host cwd and environment that run container `c` inside `image`'s files."""
+        if c.command:
+            argv = [*c.command, *(c.args or [])]
+        else:
+            argv = [*image.entrypoint, *(c.args if c.args is not None else image.cmd)]
+        if not argv:
+            raise ValueError(f"image {image.ref} has no ENTRYPOINT or CMD and the container sets no command")
+        mounts = [rootfs.Mount(local, target) for target, local in self._mounts(c, env_cache, pod_dir).items()]
+        mounts += [rootfs.Mount(src, dst, read_only=True) for src, dst in self.agent.extra_mounts]
+        pod_sc, sc = self.pod.spec.security_context, c.security_context
+        image_uid, image_gid = rootfs.numeric_user(image.user)
+        uid = _first(sc and sc.run_as_user, pod_sc and pod_sc.run_as_user, image_uid)
+        gid = _first(sc and sc.run_as_group, pod_sc and pod_sc.run_as_group, image_gid)
+        groups = [*((pod_sc and pod_sc.supplemental_groups) or []), *([pod_sc.fs_group] if pod_sc and pod_sc.fs_group
+                                                                      else [])]
+        env = {**image.env, **self._env(c, env_cache, base={})}
+        workdir = c.working_dir or (str(self.agent.workdir) if self.agent.workdir else image.workdir)
+        n = sum(1 for _ in pod_dir.glob(f"{c.name}.rootfs*"))
+        command = rootfs.container_argv(image, argv, scratch=pod_dir / f"{c.name}.rootfs{n}", env=env,
+                                        mounts=mounts, workdir=workdir, uid=uid, gid=gid, groups=groups)
+        return command, pod_dir, {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")}
+
+    def _spawn(self, c: Any, command: list[str], cwd: Path, env: dict[str, str], pod_dir: Path,
+               term_path: str | None, started: str) -> ContainerResult:
         if term_path:
             Path(term_path).unlink(missing_ok=True)
+            if self.agent.images:  # bind-mounted into the container: it must exist, writable by its user
+                Path(term_path).touch()
+                Path(term_path).chmod(0o666)
         log_path = pod_dir / f"{c.name}.log"
         log.info("pod %s container %s: running %s", self.key, c.name, command)
         with log_path.open("ab") as out:
@@ -318,7 +370,7 @@ class PodRun:
         if code < 0:
             code = 128 - code  # killed by a signal, reported as a shell would
         message = ""
-        if term_path and Path(term_path).is_file():
+        if term_path and Path(term_path).is_file() and Path(term_path).stat().st_size:
             message = Path(term_path).read_text(errors="replace")[-4096:]
         elif code != 0 and (c.termination_message_policy or "File") == "FallbackToLogsOnError":
             lines = log_path.read_text(errors="replace").splitlines()[-80:]
@@ -338,11 +390,11 @@ class PodRun:
         mounts[term] = str(pod_dir / f"{c.name}.termination-log")
         return mounts
 
-    def _env(self, c: Any, env_cache: dict[str, Any]) -> dict[str, str]:
+    def _env(self, c: Any, env_cache: dict[str, Any], base: dict[str, str] | None = None) -> dict[str, str]:
         pod = self.pod
         core = client.CoreV1Api(self.agent.api)
         ns = pod.metadata.namespace
-        env = _agent_env()
+        env = _agent_env() if base is None else dict(base)
         env["HOSTNAME"] = pod.spec.hostname or pod.metadata.name
         for src in c.env_from or []:
             prefix = src.prefix or ""
@@ -461,6 +513,23 @@ class PodRun:
         self.agent.patch_status(self.pod, status)
 
 
+def _first(*values: int | None) -> int:
+    return next(v for v in values if v is not None)
+
+
+def _own_by_fs_group(folder: Path, pod_sc: Any) -> None:
+    """What a kubelet does for fsGroup: the group owns the volume, can write it, and new files inherit it."""
+    group = pod_sc.fs_group if pod_sc is not None else None
+    if group is None:
+        return
+    for path in [folder, *folder.rglob("*")]:
+        if path.is_symlink():
+            continue
+        os.chown(path, -1, group)
+        mode = path.stat().st_mode
+        path.chmod(mode | 0o060 | (0o2010 if path.is_dir() else 0))
+
+
 def _materialize(target: Path, data: dict[str, str], items: Any) -> None:
     target.mkdir(parents=True, exist_ok=True)
     pairs = [(i.key, i.path) for i in items] if items else [(k, k) for k in data]
@@ -541,6 +610,8 @@ class NodeAgent:
         run_all: bool = False,
         pvc_root: Path | None = None,
         workdir: Path | None = None,
+        images: bool = False,
+        extra_mounts: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self.api = api
         self.core = client.CoreV1Api(api)
@@ -549,6 +620,8 @@ class NodeAgent:
         self.run_all = run_all
         self.pvc_root = pvc_root or work_dir / "pvc"
         self.workdir = workdir
+        self.images = images
+        self.extra_mounts = extra_mounts
         self.runs: dict[str, PodRun] = {}
         self.deleting: set[str] = set()
         self._ips = (str(ip) for ip in itertools.islice(POD_CIDR.hosts(), 1, None))
@@ -671,12 +744,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--run-all", action="store_true", help="run every pod's commands, not only annotated pods")
     p.add_argument("--workdir", type=Path,
                    help="working dir of containers that set none, as an image's WORKDIR (default: the pod's folder)")
+    p.add_argument("--images", action="store_true",
+                   help="run containers inside their image's root filesystem (local tags; needs root)")
+    p.add_argument("--mount", action="append", default=[], metavar="HOST:PATH",
+                   help="with --images: a read-only folder in every container (repeatable)")
     args = p.parse_args(argv)
+    mounts = tuple(tuple(m.split(":", 1)) for m in args.mount)
+    if any(len(m) != 2 or not m[1].startswith("/") for m in mounts):
+        p.error("--mount takes HOST:PATH with an absolute PATH")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(threadName)s %(message)s")
     args.work_dir.mkdir(parents=True, exist_ok=True)
     agent = NodeAgent(
         config.new_client_from_config(config_file=args.kubeconfig), args.work_dir,
         run_all=args.run_all, pvc_root=args.pvc_root, workdir=args.workdir,
+        images=args.images, extra_mounts=mounts,  # type: ignore[arg-type]
     )
     signal.signal(signal.SIGTERM, agent.shutdown)
     signal.signal(signal.SIGINT, agent.shutdown)

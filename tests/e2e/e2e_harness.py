@@ -67,6 +67,8 @@ class Harness:
     operator_starts: int = 0
     deployment: dict[str, Any] = field(default_factory=dict)
     operator_kubeconfig: Path | None = None
+    # Extra chart values (e.g. the images a run in image mode deploys), merged over the ports.
+    chart_values: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.api = self.cp.api_client()
@@ -96,7 +98,9 @@ class Harness:
         """
         from chart.helm import helm_install
 
-        values = {"operator": {"metricsPort": free_port(), "livenessPort": free_port()}}
+        values = {**self.chart_values,
+                  "operator": {**self.chart_values.get("operator", {}),
+                               "metricsPort": free_port(), "livenessPort": free_port()}}
         release = helm_install(self.cp.kubeconfig, RELEASE, RELEASE_NS, values)
         objects = [d for d in yaml.safe_load_all(release["manifest"]) if d]
         self.deployment = next(o for o in objects if o["kind"] == "Deployment")

@@ -116,7 +116,8 @@ def test_pytorchjob_shape(sftjob: dict[str, Any], packjob: dict[str, Any]) -> No
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
     spec = job["spec"]
     assert spec["nprocPerNode"] == "8"
-    assert spec["runPolicy"] == {"backoffLimit": 0, "cleanPodPolicy": "None", "suspend": False}
+    # Queued (queueName): created suspended, for Kueue to admit by unsuspending it.
+    assert spec["runPolicy"] == {"backoffLimit": 0, "cleanPodPolicy": "None", "suspend": True}
     assert spec["pytorchReplicaSpecs"]["Master"]["replicas"] == 1
     assert spec["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
     pod = spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]

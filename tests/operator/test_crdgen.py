@@ -79,9 +79,9 @@ def test_names_columns_and_status_subresource() -> None:
         assert crd["spec"]["scope"] == "Namespaced" and version["name"] == "v1alpha1"
         assert version["subresources"] == {"status": {}}
     columns = {c["name"]: c["jsonPath"] for c in pj["spec"]["versions"][0]["additionalPrinterColumns"]}
-    assert list(columns) == ["Phase", "Stage", "Samples", "Fill", "Age"]
+    assert list(columns) == ["Phase", "Stage", "Done%", "Samples", "Rejected", "Fill", "Age"]
     columns = {c["name"]: c["jsonPath"] for c in sft["spec"]["versions"][0]["additionalPrinterColumns"]}
-    assert list(columns) == ["Phase", "Backend", "Nodes", "GPUs", "Age"]
+    assert list(columns) == ["Phase", "Step", "Max", "Loss", "Backend", "Nodes", "GPUs", "Age"]
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.KIND)
@@ -123,7 +123,7 @@ def test_embedded_configs_come_from_the_packer_and_trainer_models() -> None:
 def test_immutability_rules_name_each_field() -> None:
     rules = _schema(PackJob)["properties"]["spec"]["x-kubernetes-validations"]
     fields = {r["fieldPath"].lstrip(".") for r in rules if "oldSelf" in r["rule"]}
-    assert fields == {"source", "model", "packing", "output", "workers", "volumes"}
+    assert fields == {"source", "model", "packing", "output", "workers", "volumes", "queueName"}
     sft_rules = _schema(SFTJob)["properties"]["spec"]["x-kubernetes-validations"]
     sft_fields = {r["fieldPath"].lstrip(".") for r in sft_rules if "oldSelf" in r["rule"]}
     assert "suspend" not in sft_fields and {"data", "training", "resources", "backend"} <= sft_fields

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from kubernetes.client.rest import ApiException
 
-from packtrain.operator import builders, handlers, rbac
+from packtrain.operator import builders, handlers, progress, rbac
 from packtrain.operator.api import GROUP, VERSION
 
 DEFAULTS = builders.OperatorDefaults(packer_image="packer:test", trainer_image="trainer:test")
@@ -91,7 +91,7 @@ def test_packjob_walks_its_stages_creating_each_job_once(packjob: dict[str, Any]
                         "state": {
                             "terminated": {
                                 "exitCode": 0,
-                                "message": json.dumps({"stage": "plan", "packed": 7, "fillRatio": 0.9}),
+                                "message": json.dumps({"stage": "plan", "packed": 7, "fill_ratio": 0.9}),
                             }
                         },
                     }
@@ -159,7 +159,7 @@ def test_sftjob_waits_for_its_packjob_then_creates_one_pytorchjob(
                     {
                         "name": "pytorch",
                         "state": {
-                            "terminated": {"exitCode": 0, "message": json.dumps({"step": 1000, "loss": 0.5})}
+                            "terminated": {"exitCode": 0, "message": json.dumps({"steps": 1000, "final_loss": 0.5})}
                         },
                     }
                 ]
@@ -168,6 +168,7 @@ def test_sftjob_waits_for_its_packjob_then_creates_one_pytorchjob(
     ]
     status = sft_step(kube, sftjob)
     assert status["phase"] == "Succeeded" and status["progress"]["step"] == 1000
+    assert status["progress"]["maxSteps"] == 1000 and status["progress"]["loss"] == 0.5
 
 
 def test_missing_kubeflow_api_is_a_retryable_error_with_advice(sftjob: dict[str, Any]) -> None:
@@ -244,7 +245,7 @@ def scrape_progress(kube: FakeKube, namespace: str, name: str) -> dict[str, Any]
 
     async def run() -> dict[str, Any] | None:
         async with scrape.session() as client:
-            return await handlers.update_progress(kube, client, namespace, name)  # type: ignore[arg-type]
+            return await progress.update_progress(kube, client, namespace, name, handlers.now)  # type: ignore[arg-type]
 
     return asyncio.run(run())
 

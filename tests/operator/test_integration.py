@@ -124,8 +124,8 @@ def operator_kubeconfig(kube_cluster: Any, crds: None, tmp_path_factory: pytest.
 class Operator:
     """`packtrain operator` in a subprocess; restartable."""
 
-    def __init__(self, kubeconfig: Path, log: Path) -> None:
-        self.kubeconfig, self.log = kubeconfig, log
+    def __init__(self, kubeconfig: Path, log: Path, env: dict[str, str] | None = None) -> None:
+        self.kubeconfig, self.log, self.extra_env = kubeconfig, log, env or {}
         self.metrics_port, self.health_port = _free_port(), _free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -138,6 +138,9 @@ class Operator:
             "PACKTRAIN_TRAINER_IMAGE": "ghcr.io/packtrain/trainer:test",
             # The node agent's opt-in annotations, which the default policy refuses.
             "PACKTRAIN_POLICY": json.dumps({"allowedPodAnnotationPrefixes": ["packtrain.dev/node-agent"]}),
+            # The deadline sweep every second, so the bounded-wait tests take seconds, not minutes.
+            "PACKTRAIN_RESYNC_INTERVAL": "1",
+            **self.extra_env,
         }
         cmd = [
             sys.executable,
@@ -281,6 +284,25 @@ def events(api: client.ApiClient, ns: str, name: str) -> list[Any]:
     )
 
 
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample of the operator's /metrics (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+def stage_counts(operator: Operator) -> dict[str, float]:
+    text = operator.metrics()
+    return {
+        stage: metric(text, "packtrain_operator_stage_duration_seconds_count", stage=stage)
+        for stage in ("convert", "plan", "materialize")
+    }
+
+
 def rejected(api: client.ApiClient, ns: str, body: dict[str, Any]) -> str:
     with pytest.raises(ApiException) as err:
         create(api, ns, body)
@@ -296,12 +318,12 @@ def test_crds_are_served_with_printer_columns(
 ) -> None:
     create(api, namespace, packjob("cols"))
     header = kube_cluster.kubectl("get", "pj", "-n", namespace).stdout.splitlines()[0].split()
-    assert header == ["NAME", "PHASE", "STAGE", "SAMPLES", "FILL", "AGE"]
+    assert header == ["NAME", "PHASE", "STAGE", "DONE%", "SAMPLES", "REJECTED", "FILL", "AGE"]
     body = sftjob("cols-sft", "cols")
     create(api, namespace, body)
     out = kube_cluster.kubectl("get", "sft", "-n", namespace).stdout.splitlines()
-    assert out[0].split() == ["NAME", "PHASE", "BACKEND", "NODES", "GPUS", "AGE"]
-    assert out[1].split()[:4] == ["cols-sft", "pytorchjob", "2", "8"]  # no phase yet: no operator here
+    assert out[0].split() == ["NAME", "PHASE", "STEP", "MAX", "LOSS", "BACKEND", "NODES", "GPUS", "AGE"]
+    assert out[1].split()[:4] == ["cols-sft", "pytorchjob", "2", "8"]  # no status yet: no operator here
     assert "cols" in kube_cluster.kubectl("get", "packtrain", "-n", namespace).stdout  # the category
 
 
@@ -366,6 +388,7 @@ def test_server_applies_the_model_defaults(api: client.ApiClient, namespace: str
 def test_packjob_walks_its_stages(
     kube_cluster: Any, api: client.ApiClient, namespace: str, operator: Operator
 ) -> None:
+    observed = stage_counts(operator)
     create(api, namespace, packjob("walk", count=2))
     seen: list[str] = []
 
@@ -404,7 +427,17 @@ def test_packjob_walks_its_stages(
     assert {"Converting", "Planning", "Materializing", "PackReady"} <= set(reasons), reasons
     text = operator.metrics()
     assert 'packtrain_operator_reconciles_total{kind="PackJob"}' in text
-    assert 'packtrain_operator_stage_duration_seconds_count{stage="convert"}' in text
+    # One duration observation per stage of this pack, however many events each stage had.
+    assert stage_counts(operator) == {stage: n + 1 for stage, n in observed.items()}
+    assert {c["type"]: c["reason"] for c in pj["status"]["conditions"]} == {
+        "Ready": "PackReady", "Created": "StageJobCreated", "Running": "Succeeded", "Suspended": "NotSuspended",
+        "Succeeded": "PackReady", "Failed": "NoFailure", "Degraded": "AsExpected",
+    }
+    assert all(c["observedGeneration"] == 1 for c in pj["status"]["conditions"])
+    assert pj["status"]["percentDone"] == 100 and set(pj["status"]["stageSeconds"]) == {
+        "convert", "plan", "materialize"}
+    for job in children.values():
+        assert job.spec.ttl_seconds_after_finished == 86400
 
 
 def test_config_error_fails_fast_with_a_warning(
@@ -563,6 +596,8 @@ def test_restart_mid_run_creates_no_duplicates(
         namespace, label_selector="packtrain.dev/packjob=restart"
     )
     assert [c.metadata.name for c in cms.items] == ["restart-pack-config"]
+    # The restarted operator observed each stage of this pack once, and none of the packs finished before.
+    assert stage_counts(operator) == {"convert": 1, "plan": 1, "materialize": 1}
 
 
 @pytest.mark.parametrize("refusal", ["quota-403", "invalid-422"])
@@ -607,6 +642,16 @@ def test_unschedulable_pods_are_explained(api: client.ApiClient, namespace: str,
 
     message = wait_for("the Unschedulable reason", reason, timeout=60)
     assert "no-such-claim" in message and "cannot be scheduled" in message
+    # An SFTJob waiting on it says why the PackJob does not move, not only its phase.
+    create(api, namespace, sftjob("stuck-sft", "stuck"))
+
+    def data_message() -> str | None:
+        sft = get(api, namespace, "sftjobs", "stuck-sft")
+        data = [c for c in (sft.get("status") or {}).get("conditions", []) if c["type"] == "DataReady"]
+        return data[0]["message"] if data and "Unschedulable" in data[0]["message"] else None
+
+    said = wait_for("the PackJob's blocking reason on the SFTJob", data_message, timeout=60)
+    assert said.startswith("waiting for PackJob stuck: Converting (convert 0/1): Unschedulable: ") and "no-such-claim" in said
 
 
 def test_deleting_a_packjob_deletes_its_children(
@@ -688,3 +733,273 @@ def test_packjob_runs_the_real_packer(
     )
     digest = hashlib.sha256(manifest.read_bytes()).hexdigest()
     assert pj["status"]["manifestDigest"] == f"sha256:{digest}"
+
+
+# Tests: failures explained, bounded waits, honest metrics, lifecycle, queueing
+
+
+def describe(kube_cluster: Any, namespace: str, kind: str, name: str) -> str:
+    """`kubectl describe`, as a user reads it (printed, so a run's log holds the transcript)."""
+    out = kube_cluster.kubectl("describe", kind, name, "-n", namespace).stdout
+    print(f"$ kubectl describe {kind} {name}\n{out}")
+    return out
+
+
+def report_pytorchjob(api: client.ApiClient, ns: str, name: str, *conds: tuple[str, str, str]) -> None:
+    """What the training-operator would write: conditions (type, reason, message)."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    status = {
+        "conditions": [
+            {"type": t, "status": "True", "reason": r, "message": m, "lastTransitionTime": now,
+             "lastUpdateTime": now}
+            for t, r, m in conds
+        ],
+    }
+    custom(api).patch_namespaced_custom_object_status("kubeflow.org", "v1", ns, "pytorchjobs", name, {"status": status})
+
+
+def pytorchjob_of(api: client.ApiClient, ns: str, name: str) -> dict[str, Any] | None:
+    try:
+        return dict(custom(api).get_namespaced_custom_object("kubeflow.org", "v1", ns, "pytorchjobs", name))
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+def test_a_failed_trainer_pod_is_explained_after_the_pod_is_gone(
+    kube_cluster: Any, api: client.ApiClient, namespace: str, operator: Operator
+) -> None:
+    """The trainer's own error reaches the SFTJob although its pod is deleted at once (as the
+    training-operator deletes it), from the termination message the real trainer CLI wrote."""
+    body = sftjob("boom", "unused")
+    body["spec"]["data"] = {"path": "/data/packs/ready"}
+    body["spec"]["volumes"]["data"] = {"claimName": CLAIM}
+    del body["spec"]["queueName"]
+    create(api, namespace, body)
+    wait_for("the PyTorchJob", lambda: pytorchjob_of(api, namespace, "boom"))
+    report_pytorchjob(api, namespace, "boom", ("Running", "PyTorchJobRunning", "PyTorchJob boom is running."))
+    core = client.CoreV1Api(api)
+    core.create_namespaced_pod(namespace, {
+        "metadata": {
+            "name": "boom-master-0",
+            "labels": {"packtrain.dev/sftjob": "boom", "training.kubeflow.org/replica-type": "master"},
+            "annotations": {"packtrain.dev/node-agent": "run"},
+        },
+        "spec": {
+            "restartPolicy": "Never",
+            "nodeSelector": {"packtrain.dev/pool": "cpu"},
+            "containers": [{
+                "name": "pytorch",
+                "image": "ghcr.io/packtrain/trainer:test",
+                # The real trainer entry point, given a config that is not there.
+                "command": ["python", "-m", "packtrain.trainer", "-c", "/etc/packtrain/missing-sftjob.yaml"],
+                "env": [{"name": "PACKTRAIN_TERMINATION_LOG", "value": "/dev/termination-log"}],
+                "terminationMessagePolicy": "FallbackToLogsOnError",
+            }],
+        },
+    })
+    wait_for("the trainer pod to fail",
+             lambda: core.read_namespaced_pod("boom-master-0", namespace).status.phase == "Failed", timeout=60)
+    core.delete_namespaced_pod("boom-master-0", namespace, grace_period_seconds=0)
+    report_pytorchjob(api, namespace, "boom", ("Failed", "BackoffLimitExceeded",
+                                               "Job boom has failed because it has reached the specified backoff limit"))
+    wait_for("SFTJob boom to fail", lambda: phase(api, namespace, "sftjobs", "boom") == "Failed")
+    sft = get(api, namespace, "sftjobs", "boom")
+    failed = condition(sft, "Failed")
+    assert failed["reason"] == "TrainerFailed", failed
+    assert "exited with code 2 in pod boom-master-0: configuration error" in failed["message"], failed
+    assert "missing-sftjob.yaml" in failed["message"] and "backoff limit" in failed["message"]
+    assert sft["status"]["lastFailure"]["exitCode"] == 2
+    warnings = wait_for("the Warning event", lambda: [
+        e for e in events(api, namespace, "boom") if e.type == "Warning" and e.reason == "TrainerFailed"])
+    assert "missing-sftjob.yaml" in warnings[0].message
+    text = describe(kube_cluster, namespace, "sftjob", "boom")
+    assert "TrainerFailed" in text and "missing-sftjob.yaml" in text
+
+
+def test_gauges_drop_deleted_jobs(api: client.ApiClient, namespace: str, operator: Operator) -> None:
+    body = packjob("doomed", count=1)
+    body["spec"]["workers"]["podAnnotations"][DURATION] = "60"
+    create(api, namespace, body)
+    wait_for("PackJob doomed to convert", lambda: phase(api, namespace, "packjobs", "doomed") == "Converting")
+    converting = wait_for(
+        "the gauge", lambda: metric(operator.metrics(), "packtrain_operator_jobs", kind="PackJob", phase="Converting")
+    )
+    custom(api).delete_namespaced_custom_object(GROUP, VERSION, namespace, "packjobs", "doomed")
+    wait_for(
+        "the deleted PackJob to leave the gauge",
+        lambda: metric(operator.metrics(), "packtrain_operator_jobs", kind="PackJob", phase="Converting")
+        == converting - 1,
+    )
+
+
+def test_a_packjob_deleted_under_a_running_sftjob_is_surfaced(
+    api: client.ApiClient, namespace: str, operator: Operator
+) -> None:
+    create(api, namespace, packjob("src", count=1))
+    body = sftjob("user", "src")
+    del body["spec"]["queueName"]
+    create(api, namespace, body)
+    wait_for("the PyTorchJob", lambda: pytorchjob_of(api, namespace, "user"), timeout=120)
+    report_pytorchjob(api, namespace, "user", ("Running", "PyTorchJobRunning", "running"))
+    wait_for("SFTJob Running", lambda: phase(api, namespace, "sftjobs", "user") == "Running")
+    custom(api).delete_namespaced_custom_object(GROUP, VERSION, namespace, "packjobs", "src")
+
+    def data() -> dict[str, Any] | None:
+        c = condition(get(api, namespace, "sftjobs", "user"), "DataReady")
+        return c if c["reason"] == "PackJobDeleted" else None
+
+    said = wait_for("DataReady=False PackJobDeleted", data)
+    assert said["status"] == "False" and "PackJob src was deleted" in said["message"]
+    wait_for("the Warning event", lambda: [
+        e for e in events(api, namespace, "user") if e.type == "Warning" and e.reason == "PackJobDeleted"])
+    assert phase(api, namespace, "sftjobs", "user") == "Running"  # the pack stays on the claim
+
+
+def test_a_queued_packjob_starts_each_stage_suspended(api: client.ApiClient, namespace: str, operator: Operator) -> None:
+    """Created suspended with Kueue's label; what unsuspends it (Kueue admitting it) is played here by hand."""
+    body = packjob("queued", count=1)
+    body["spec"]["queueName"] = "cpu-queue"
+    create(api, namespace, body)
+    wait_for("the convert Job", lambda: jobs(api, namespace, "queued"))
+    job = jobs(api, namespace, "queued")[0]
+    assert job.spec.suspend is True and job.metadata.labels["kueue.x-k8s.io/queue-name"] == "cpu-queue"
+
+    def suspended() -> dict[str, Any] | None:
+        pj = get(api, namespace, "packjobs", "queued")
+        c = [c for c in (pj.get("status") or {}).get("conditions", []) if c["type"] == "Suspended"]
+        return c[0] if c and c[0]["status"] == "True" else None
+
+    said = wait_for("Suspended=True", suspended)
+    assert said["reason"] == "Queued" and "cpu-queue" in said["message"]
+    assert condition(get(api, namespace, "packjobs", "queued"), "Running")["status"] == "False"
+    batch = client.BatchV1Api(api)
+    batch.patch_namespaced_job("queued-convert", namespace, {"spec": {"suspend": False}})
+    wait_for("the plan Job, created suspended too", lambda: len(jobs(api, namespace, "queued")) == 2)
+    assert batch.read_namespaced_job("queued-plan", namespace).spec.suspend is True
+
+
+@pytest.fixture
+def strict_operator(
+    operator: Operator, operator_kubeconfig: Path, tmp_path: Path
+) -> Iterator[Operator]:
+    """The operator with deadlines of seconds, alone on the cluster while the test runs."""
+    operator.stop()
+    strict = Operator(operator_kubeconfig, tmp_path / "operator.log", env={
+        "PACKTRAIN_DEADLINES": json.dumps({"dataWaitSeconds": 4, "unschedulableSeconds": 4, "stallSeconds": 4}),
+    })
+    strict.start()
+    try:
+        yield strict
+    finally:
+        strict.stop()
+        print(f"strict operator log:\n{strict.tail(40)}")
+        operator.start()
+
+
+def test_waits_are_bounded(
+    kube_cluster: Any, api: client.ApiClient, namespace: str, strict_operator: Operator
+) -> None:
+    body = packjob("nowhere", count=1)
+    body["spec"]["output"]["claimName"] = "no-such-claim"
+    create(api, namespace, body)
+    slow = packjob("slow", count=1)
+    slow["spec"]["workers"]["podAnnotations"][DURATION] = "120"
+    create(api, namespace, slow)
+    create(api, namespace, sftjob("orphan", "never-created"))
+
+    def degraded(name: str) -> dict[str, Any] | None:
+        pj = get(api, namespace, "packjobs", name)
+        c = [c for c in (pj.get("status") or {}).get("conditions", []) if c["type"] == "Degraded"]
+        return c[0] if c and c[0]["status"] == "True" else None
+
+    unschedulable = wait_for("Degraded: Unschedulable", lambda: degraded("nowhere"), timeout=60)
+    assert unschedulable["reason"] == "Unschedulable" and "4s deadline" in unschedulable["message"]
+    assert phase(api, namespace, "packjobs", "nowhere") == "Converting"  # an autoscaler may still place it
+    stalled = wait_for("Degraded: StageStalled", lambda: degraded("slow"), timeout=60)
+    assert stalled["reason"] == "StageStalled" and "convert 0/1" in stalled["message"]
+    wait_for("SFTJob orphan to give up", lambda: phase(api, namespace, "sftjobs", "orphan") == "Failed", timeout=60)
+    failed = condition(get(api, namespace, "sftjobs", "orphan"), "Failed")
+    assert failed["reason"] == "PackJobNotFound" and "gave up after" in failed["message"]
+    warnings = {e.reason for e in events(api, namespace, "nowhere") if e.type == "Warning"}
+    assert "Unschedulable" in warnings
+    describe(kube_cluster, namespace, "packjob", "nowhere")
+    describe(kube_cluster, namespace, "sftjob", "orphan")
+
+
+@pytest.mark.slow
+def test_a_pack_with_no_packed_sample_fails_and_names_the_reasons(
+    kube_cluster: Any, api: client.ApiClient, namespace: str, operator: Operator, shared_dir: Path
+) -> None:
+    """The real packer rejects every sample (each is longer than maxLength): the PackJob fails NoSamples
+    with the counts per reason, and an SFTJob on it says so instead of training on nothing."""
+    body = packjob("empty", count=1, annotations={"packtrain.dev/node-agent": "run"})
+    body["spec"]["source"] = {"paths": [str(shared_dir / "datasets/llamafactory-mllm-demo/mllm_demo.json")]}
+    body["spec"]["model"] = {"path": str(shared_dir / "models/qwen2-vl")}
+    body["spec"]["packing"] = {"maxLength": 16, "overlong": "drop"}
+    create(api, namespace, body)
+    create(api, namespace, sftjob("on-empty", "empty"))
+    wait_for("PackJob empty to fail", lambda: phase(api, namespace, "packjobs", "empty") == "Failed",
+             timeout=300, every=1)
+    pj = get(api, namespace, "packjobs", "empty")
+    failed = condition(pj, "Failed")
+    assert failed["reason"] == "NoSamples", failed
+    assert "no sample was packed" in failed["message"] and "overlong" in failed["message"]
+    stats = pj["status"]["stats"]
+    assert stats["samplesIn"] == stats["samplesRejected"] > 0 and stats["samplesPacked"] == 0
+    assert stats["rejectedByReason"] == {"overlong": stats["samplesRejected"]}
+    assert (pj["status"]["claimName"], pj["status"]["subPath"]) == (CLAIM, "packs/empty")
+    assert [j.metadata.name for j in jobs(api, namespace, "empty")] == ["empty-convert", "empty-plan"]
+
+    def waits_on_it() -> dict[str, Any] | None:
+        c = condition(get(api, namespace, "sftjobs", "on-empty"), "DataReady")
+        return c if c["reason"] == "PackJobFailed" else None
+
+    said = wait_for("the SFTJob to name the failure", waits_on_it)
+    assert "NoSamples" in said["message"]
+    row = kube_cluster.kubectl("get", "pj", "empty", "-n", namespace).stdout
+    print(row)
+    text = describe(kube_cluster, namespace, "packjob", "empty")
+    assert "NoSamples" in text and "Rejected By Reason" in text
+
+
+def test_api_requests_of_one_quickstart(
+    kube_cluster: Any, api: client.ApiClient, namespace: str, operator: Operator,
+    operator_kubeconfig: Path, tmp_path: Path,
+) -> None:
+    """What one quickstart (a PackJob of 2 workers, an SFTJob training on it) costs the API server,
+    counted by a proxy between the operator and the API server; reads come from the watch cache."""
+    from api_counter import ApiCounter
+
+    counter = ApiCounter(kube_cluster.server, kube_cluster.pki_dir / "ca.crt").start()
+    config = yaml.safe_load(operator_kubeconfig.read_text())
+    config["clusters"][0]["cluster"] = {"server": f"http://127.0.0.1:{counter.port}"}
+    proxied = tmp_path / "kubeconfig"
+    proxied.write_text(yaml.safe_dump(config))
+    operator.stop()
+    counted = Operator(proxied, tmp_path / "operator.log")
+    try:
+        counted.start()
+        time.sleep(3)  # startup: discovery, the initial lists, the watches
+        startup = counter.reset()
+        create(api, namespace, packjob("qs", count=2))
+        body = sftjob("qs-sft", "qs")
+        del body["spec"]["queueName"]
+        create(api, namespace, body)
+        wait_for("the PyTorchJob", lambda: pytorchjob_of(api, namespace, "qs-sft"), timeout=120)
+        report_pytorchjob(api, namespace, "qs-sft", ("Running", "PyTorchJobRunning", "running"))
+        wait_for("SFTJob Running", lambda: phase(api, namespace, "sftjobs", "qs-sft") == "Running")
+        report_pytorchjob(api, namespace, "qs-sft", ("Succeeded", "PyTorchJobSucceeded", "done"))
+        wait_for("SFTJob Succeeded", lambda: phase(api, namespace, "sftjobs", "qs-sft") == "Succeeded")
+        time.sleep(3)  # late events (pods finishing, garbage) settle
+        run = counter.reset()
+    finally:
+        counted.stop()
+        counter.stop()
+        operator.start()
+    rows = "\n".join(f"  {n:4d}  {what}" for what, n in sorted(run.items(), key=lambda kv: -kv[1]))
+    print(f"API requests: startup {sum(startup.values())}, one quickstart {sum(run.values())}\n{rows}")
+    assert not any(what.startswith(("get ", "list ")) and "packjobs" in what or what.startswith("list pods")
+                   for what in run), run
+    assert sum(run.values()) < 60, rows

@@ -116,7 +116,11 @@ def test_values_override_the_chart_defaults(tmp_path: Path, capsys: pytest.Captu
     assert pod["containers"][0]["image"] == "registry.example.com/pt/packer:2"
     assert pod["nodeSelector"] == {"packtrain.dev/pool": "cpu", "pool": "batch"}  # maps merge, as in Helm
     train = next(d for d in docs if d["kind"] == "PyTorchJob")
-    assert train["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["nodeSelector"] == {"gpu": "h100"}
+    # The quickstart trains without GPUs (gpusPerNode: 0): on the CPU pool, with its requests.
+    master = train["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert master["nodeSelector"] == {"packtrain.dev/pool": "cpu", "pool": "batch"}
+    assert master["tolerations"] == [{"key": "batch", "operator": "Exists"}]
+    assert master["containers"][0]["resources"]["requests"] == {"cpu": "3", "memory": "5Gi"}
 
 
 def test_deep_merge_is_helms() -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from packtrain.operator import builders, handlers, scrape
+from packtrain.operator import builders, handlers, progress, scrape
 from packtrain.operator.api import GROUP
 
 NORMAL = b"""# HELP packtrain_train_step Optimizer steps done.
@@ -230,11 +230,12 @@ class Cluster:
 def _round(cluster: Cluster, limit: int) -> list[dict[str, Any] | None]:
     async def run() -> list[dict[str, Any] | None]:
         async with scrape.session() as client:
-            return await handlers.progress_round(
+            return await progress.progress_round(
                 cluster,  # type: ignore[arg-type]
                 client,
                 [("ml", name) for name in sorted(cluster.jobs)],
                 asyncio.Semaphore(limit),
+                handlers.now,
             )
 
     return asyncio.run(run())
@@ -275,7 +276,7 @@ def test_scrapes_run_concurrently_up_to_the_bound(port_of: Callable[[str], int])
 
 
 def test_unparsable_metrics_give_no_progress() -> None:
-    from packtrain.operator import status
+    from packtrain.operator import progress as status
 
     assert status.progress_from_metrics("packtrain_train_step{rank=\"0\"} NaN\n", 10, "t") is None
     assert status.progress_from_metrics("\x00\x01 not prometheus {{{", 10, "t") is None

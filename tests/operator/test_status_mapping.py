@@ -73,8 +73,9 @@ PLAN_SUMMARY = {
     "sequences": 9,
     "shards": 1,
     "tokens": 3600,
-    "fillRatio": 0.9765,
-    "paddingSaved": 0.71,
+    "rejected_by_reason": {"overlong": 3, "missing_media": 1},
+    "fill_ratio": 0.9765,
+    "padding_saved": 0.71,
 }
 
 
@@ -115,7 +116,8 @@ def test_finished_convert_creates_plan_and_sums_the_summaries() -> None:
     )
     assert d.create == "plan" and d.status["phase"] == "Planning" and d.status["stage"] == "plan 0/1"
     assert d.status["stats"] == {"samplesIn": 40, "samplesRejected": 4, "tokens": 4000}
-    assert d.stage_durations == {"convert": 300.0}
+    assert d.finished == {"convert": 300.0} and d.status["stageSeconds"] == {"convert": 300.0}
+    assert d.status["percentDone"] == 44  # 4 of 9 indexes: convert 4, plan 1, materialize 4
 
 
 def test_all_stages_done_is_succeeded_with_stats_and_digest() -> None:
@@ -136,7 +138,7 @@ def test_all_stages_done_is_succeeded_with_stats_and_digest() -> None:
                         "count": 4,
                         "shards": 1,
                         "manifest": True,
-                        "manifestSha256": "ab" * 32,
+                        "manifest_sha256": "ab" * 32,
                     }
                 ),
                 index=0,
@@ -150,7 +152,9 @@ def test_all_stages_done_is_succeeded_with_stats_and_digest() -> None:
         s["stats"]["samplesPacked"] == 36
         and s["stats"]["fillRatio"] == 0.9765
         and s["stats"]["sequences"] == 9
+        and s["stats"]["rejectedByReason"] == {"overlong": 3, "missing_media": 1}
     )
+    assert (s["claimName"], s["subPath"], s["percentDone"]) == ("packtrain-data", "packs/demo", 100)
     assert s["manifestDigest"] == "sha256:" + "ab" * 32
     assert s["startTime"] == T0 and s["completionTime"] == T2
     ready = cond(s, "Ready")
@@ -339,8 +343,9 @@ def test_trainjob_states() -> None:
 
 
 def test_progress_from_the_trainer_summary() -> None:
-    p = st.train_progress({"step": 100, "max_steps": 100, "loss": 1.25, "other": 1}, T2)
-    assert p == {"step": 100, "maxSteps": 100, "loss": 1.25, "updatedAt": T2}
+    p = st.train_progress({"steps": 100, "final_loss": 1.25, "tokens_per_second": 5.0, "other": 1}, T2)
+    assert p == {"step": 100, "loss": 1.25, "tokensPerSecond": 5.0, "updatedAt": T2}
+    assert st.train_progress({"step": 100, "loss": 1.25}, T2) is None  # one spelling: the contract's
     assert st.train_progress({"unrelated": 1}, T2) is None and st.train_progress(None, T2) is None
 
 

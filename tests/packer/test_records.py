@@ -15,7 +15,7 @@ import pytest
 from packtrain.packer.config import FieldMap, ModelConfig, PackingConfig, SourceConfig
 from packtrain.packer.records import ConfigError, RawRecord, expand_paths, iter_records
 from packtrain.packer.shard_format import IGNORE_INDEX
-from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample, truncate_sample
+from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 MODEL = SHARED / "models" / "qwen2-vl"
@@ -121,7 +121,7 @@ def test_label_mode_all_trains_everything_but_vision_tokens() -> None:
     }
     sample = _run(record, tok, SHARED / "datasets" / "llamafactory-mllm-demo" / "mllm_demo_data" / "d.json")
     assert isinstance(sample, TokenizedSample)
-    vision = {tok.model.image_pad_id, tok.model.vision_start_id, tok.model.vision_end_id}
+    vision = {tok.model.ids.image_pad, tok.model.ids.vision_start, tok.model.ids.vision_end}
     for token, label in zip(sample.input_ids, sample.labels, strict=True):
         assert label == (IGNORE_INDEX if token in vision else token)
 
@@ -206,13 +206,13 @@ def test_truncate_keeps_vision_runs_whole() -> None:
     sample = _tok()(next(iter_records([str(demo)])))
     assert isinstance(sample, TokenizedSample) and len(sample.media) == 2
     ids = sample.input_ids
-    second_start = [i for i, t in enumerate(ids) if t == _tok().model.vision_start_id][1]
-    cut = truncate_sample(sample, second_start + 5)
+    second_start = [i for i, t in enumerate(ids) if t == _tok().model.ids.vision_start][1]
+    cut = _tok().truncate(sample, second_start + 5)
     assert cut is not None
     assert len(cut.input_ids) == second_start and len(cut.media) == 1
     assert cut.input_ids == ids[:second_start] and cut.labels == sample.labels[:second_start]
-    assert truncate_sample(sample, 20) is None
-    assert truncate_sample(sample, len(ids)) is sample
+    assert _tok().truncate(sample, 20) is None
+    assert _tok().truncate(sample, len(ids)) is sample
 
 
 def test_packer_imports_carry_no_torch() -> None:

@@ -2,7 +2,9 @@
 
 The reference is `AutoProcessor.from_pretrained(<model folder>)` with its chat
 template (transformers decodes the images itself; videos are decoded with its
-PyAV reader and sampled by the processor at the same fps/min/max frames).
+PyAV reader and sampled by the processor at the same fps/min/max frames). For
+Qwen3-VL the video processor runs with `cap_pixels_per_frame=True`, the
+reference implementation's per-frame cap that packtrain applies by default.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 MODELS = SHARED / "models"
 DEMO = SHARED / "datasets" / "llamafactory-mllm-demo"
-FAMILIES = ["qwen2-vl", "qwen2.5-vl"]
+FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
 FPS, MIN_FRAMES, MAX_FRAMES = 2.0, 4, 768
 
 transformers = pytest.importorskip("transformers")
@@ -113,7 +115,8 @@ def test_image_ids_match_processor(family: str, processor: Any, tmp_path: Path, 
     assert _grids(ours, "image") == ref["image_grid_thw"].tolist()
     media = ours.media[0]
     assert media.num_tokens == ours.input_ids.count(processor.image_token_id)
-    assert (media.height, media.width) == (media.grid_h * 14, media.grid_w * 14)
+    patch = processor.image_processor.patch_size
+    assert (media.height, media.width) == (media.grid_h * patch, media.grid_w * patch)
 
 
 def test_huge_image_with_max_pixels_override(family: str, processor: Any, tmp_path: Path) -> None:
@@ -180,9 +183,10 @@ def test_video_ids_match_processor(
     ]
     text = processor.apply_chat_template(conversation, tokenize=False)
     kwargs = {"do_sample_frames": True, "fps": FPS, "min_frames": MIN_FRAMES, "max_frames": MAX_FRAMES}
+    extra = {"cap_pixels_per_frame": True} if family == "qwen3-vl" else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ref = processor(text=[text], videos=[frames], video_metadata=[metadata], **kwargs)
+        ref = processor(text=[text], videos=[frames], video_metadata=[metadata], **kwargs, **extra)
         indices = processor.video_processor.sample_frames(metadata, temporal_patch_size=2, **kwargs).tolist()
     media = ours.media[0]
     assert ours.input_ids == ref["input_ids"][0]
@@ -250,3 +254,49 @@ def test_text_only_matches_processor(family: str, processor: Any) -> None:
             {"role": roles[t["from"]], "content": t["value"]} for t in raw.record["conversations"]
         ]
         assert ours.input_ids == _hf(processor, conversation)["input_ids"][0], raw.index
+
+
+QWEN3_VIDEOS = {
+    # name: (frames, fps, width, height); the first is short and sharp, where the per-frame cap binds
+    "hd-short.mp4": (8, 4, 1280, 720),
+    "odd-frames.mp4": (5, 10, 64, 48),
+    "tiny.mp4": (30, 25, 20, 18),
+    "long-narrow.mp4": (61, 12, 320, 64),
+}
+
+
+@pytest.mark.parametrize("name", sorted(QWEN3_VIDEOS))
+def test_qwen3_generated_video_ids_match_processor(tmp_path: Path, name: str) -> None:
+    """Sampled frame counts odd and even, sides below the patch factor, and a clip where
+    `cap_pixels_per_frame` changes the size: ids (timestamps included) equal the processor's."""
+    from transformers.video_utils import load_video
+
+    transformers.utils.logging.set_verbosity_error()
+    processor = transformers.AutoProcessor.from_pretrained(str(MODELS / "qwen3-vl"))
+    frames_n, fps, width, height = QWEN3_VIDEOS[name]
+    path = mf.video(tmp_path / name, frames=frames_n, fps=fps, width=width, height=height)
+    record = {
+        "messages": [{"role": "user", "content": "<video>Describe."}, {"role": "assistant", "content": "Ok."}],
+        "videos": [name],
+    }
+    ours = _ours(_tokenizer("qwen3-vl"), record, tmp_path / "d.json")
+    assert isinstance(ours, TokenizedSample), ours
+    frames, metadata = load_video(str(path), backend="pyav")
+    conversation = [
+        {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "Describe."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Ok."}]},
+    ]
+    text = processor.apply_chat_template(conversation, tokenize=False)
+    grids = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for cap in (True, False):
+            ref = processor(
+                text=[text], videos=[frames], video_metadata=[metadata], fps=FPS, cap_pixels_per_frame=cap
+            )
+            grids[cap] = ref["video_grid_thw"].tolist()
+            if cap:
+                assert ours.input_ids == ref["input_ids"][0]
+    assert _grids(ours, "video") == grids[True]
+    if name == "hd-short.mp4":
+        assert grids[True] != grids[False], "the clip must exercise the per-frame cap"

@@ -168,7 +168,8 @@ def test_vision_spec_reads_the_folder_and_config_overrides() -> None:
 
     models = DEMO_MEDIA.parents[2] / "models"
     spec = vision_spec(
-        models / "qwen2.5-vl", ModelConfig(path="x", max_pixels=1003520, video_min_pixels=6272)
+        models / "qwen2.5-vl",
+        ModelConfig(family="qwen2.5-vl", path="x", max_pixels=1003520, video_min_pixels=6272),
     )
     assert (spec.min_pixels, spec.max_pixels, spec.video_min_pixels, spec.video_max_pixels) == (
         3136,
@@ -178,3 +179,45 @@ def test_vision_spec_reads_the_folder_and_config_overrides() -> None:
     )
     assert spec.tokens_per_second == 2
     assert vision_spec(models / "qwen2-vl", ModelConfig(path="x")).tokens_per_second is None
+
+
+def test_qwen3_sampling_video_size_and_timestamps_equal_transformers() -> None:
+    """Qwen3-VL rules: linspace frame sampling, the volume resize with and without the per-frame cap,
+    and the temporal-group timestamps, against `Qwen3VLVideoProcessor` / `Qwen3VLProcessor`."""
+    video_processing = pytest.importorskip("transformers.models.qwen3_vl.video_processing_qwen3_vl")
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.video_utils import VideoMetadata
+
+    from packtrain.packer.vision import VideoInfo, frame_timestamps, video_grid
+
+    base = VisionSpec(
+        patch_size=16, frame_sampling="linspace", video_resize="volume", video_min_pixels=4096,
+        video_max_pixels=25165824,
+    )
+    for min_frames, max_frames in ((4, 768), (2, 16)):
+        processor = video_processing.Qwen3VLVideoProcessor(min_frames=min_frames, max_frames=max_frames)
+        for total, video_fps, fps in itertools.product(
+            [2, 3, 7, 50, 243, 270, 1001, 5000], [24.0, 25.0, 29.916666, 59.94], [0.5, 2.0, 3.0]
+        ):
+            spec = VisionSpec(**{**base.__dict__, "fps": fps, "min_frames": min_frames, "max_frames": max_frames})
+            metadata = VideoMetadata(total_num_frames=total, fps=video_fps)
+            ref = processor.sample_frames(metadata, fps=fps).tolist()
+            ours = sample_frame_indices(total, video_fps, spec)
+            assert ours == ref, (total, video_fps, fps)
+            stamps = Qwen3VLProcessor._calculate_timestamps(None, list(ref), video_fps, 2)
+            assert frame_timestamps(ours, video_fps, 2) == stamps
+    processor = video_processing.Qwen3VLVideoProcessor()
+    size = {"shortest_edge": 4096, "longest_edge": 25165824}
+    sides = [20, 31, 32, 33, 100, 360, 720, 1080, 1920, 3840]
+    for (h, w), n, cap in itertools.product(itertools.product(sides, sides), [2, 3, 8, 19, 64, 301], [True, False]):
+        spec = VisionSpec(**{**base.__dict__, "cap_pixels_per_frame": cap})
+        kwargs = {"size": size, "cap_pixels_per_frame": cap}
+        try:
+            ref = processor.get_num_of_video_patches(n, h, w, kwargs)
+        except ValueError:
+            with pytest.raises(MediaError):
+                video_grid(VideoInfo(w, h, 1000, 25.0), n, spec)
+            continue
+        g = video_grid(VideoInfo(w, h, 1000, 25.0), n, spec)
+        assert g.grid_t * g.grid_h * g.grid_w == ref, (h, w, n, cap)
+        assert (g.height, g.width) == (g.grid_h * 16, g.grid_w * 16)

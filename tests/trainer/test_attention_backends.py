@@ -235,13 +235,13 @@ def _grads(model):
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl"])
+@pytest.mark.parametrize("family", fx.FAMILIES)
 def test_varlen_model_trains_like_sdpa(family, shared_dir, reference_varlen):
     """Packed rows with images and a video, LLM and vision tower through the varlen wrapper: losses
     and gradients equal SDPA's with the dense block mask (which test_equivalence proves equal to
     each sample alone), fp64."""
     samples = fx.demo_samples(family)
-    batch = collate_packed([fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], family)
+    batch = collate_packed([fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], fx.spec(family))
     batch = {k: (v.double() if k.startswith("pixel_values") else v) for k, v in batch.items()}
     results, grads = {}, {}
     for backend in ("varlen", "sdpa"):
@@ -266,21 +266,21 @@ def test_varlen_model_trains_like_sdpa(family, shared_dir, reference_varlen):
 
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
-def test_flex_packed_equals_each_sample_alone(shared_dir):
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+def test_flex_packed_equals_each_sample_alone(family, shared_dir):
     """flex on CPU (forward only: torch has no flex backward on CPU): per-sample mean losses of a
     packed row equal each sample run alone through the same backend."""
-    family = "qwen2.5-vl"
     samples = fx.demo_samples(family)
     model = build_model(fx.FOLDER[family], init="random", overrides=fx.TINY[family], attention="flex", seed=3)
     core = VLMForTraining(model, "flex")
     with torch.no_grad():
-        batch = collate_packed([fx.packed_row(samples, family)], family)
+        batch = collate_packed([fx.packed_row(samples, family)], fx.spec(family))
         out = core(batch)
         n = len(samples)
         sums = per_sample_sums(out["token_losses"], out["positions"], batch["sample_index"], n)
         alone = torch.stack(
             [
-                core(collate_packed([fx.packed_row([s], family)], family))["token_losses"].sum()
+                core(collate_packed([fx.packed_row([s], family)], fx.spec(family)))["token_losses"].sum()
                 for s in samples
             ]
         )

@@ -205,7 +205,7 @@ def test_real_model_chunked_equals_unchunked(family: str, shared_dir) -> None:  
     model = build_model(fx.FOLDER[family], init="random", overrides=fx.TINY[family], dtype=torch.float64, seed=1)
     assert model.lm_head.weight is model.get_input_embeddings().weight  # Qwen's small models tie them
     rows = [fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)]
-    batch = {k: (v.double() if k.startswith("pixel_values") else v) for k, v in collate_packed(rows, family).items()}
+    batch = {k: (v.double() if k.startswith("pixel_values") else v) for k, v in collate_packed(rows, fx.spec(family)).items()}
     results = {}
     for chunk in (0, 7, 100):
         out = VLMForTraining(model, "sdpa", loss_chunk_tokens=chunk)(batch)

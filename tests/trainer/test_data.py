@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_pack
+from PIL import Image
 from torch.utils.data import DataLoader
-from vlm_fixtures import FOLDER
+from vlm_fixtures import FOLDER, spec
 
 from packtrain.packer.shards import ShardFormatError
 from packtrain.trainer.data import PackedDataset
@@ -19,7 +23,7 @@ from packtrain.trainer.sampler import attention_cost, contiguous_plan, imbalance
 
 
 def _dataset(pack, **kw):
-    return PackedDataset(pack, "qwen2-vl", PixelSpec.from_folder(FOLDER["qwen2-vl"]), **kw)
+    return PackedDataset(pack, spec("qwen2-vl"), PixelSpec.from_folder(FOLDER["qwen2-vl"]), **kw)
 
 
 def test_ranks_split_an_epoch_without_overlap_and_deterministically(pack_dir):
@@ -92,20 +96,102 @@ def test_padded_mode_serves_the_same_samples(pack_dir):
     assert batch["attention_mask"].sum() == batch["num_tokens"]
 
 
-def test_pre_resized_media_decode_to_the_same_grids(pack_dir, tmp_path):
+def test_pre_resized_media_decode_to_the_same_pixels(pack_dir, tmp_path):
     """A pack with `mediaStorage: resized` (PNG at the counted size / sampled frames) yields
-    the same patch grids as decoding the originals; pixels differ only by the packer's resize."""
+    exactly the pixels of decoding the originals, images and videos."""
     resized = _dataset(make_pack(tmp_path / "resized", media_storage="resized"))
     original = _dataset(pack_dir)
-    media_rows = [i for i in range(len(original.seq_lens)) if original.reader.sequence(i)["media"]][:3]
-    assert media_rows
+    media_rows = [i for i in range(len(original.seq_lens)) if original.reader.sequence(i)["media"]]
+    kinds = set()
     for i in media_rows:
         a, b = original._decoded_row(i, {}), resized._decoded_row(i, {})
         assert a["media"] == b["media"]
+        kinds |= {m["kind"] for m in a["media"]}
         for pa, pb in zip(a["pixels"], b["pixels"], strict=True):
-            assert pa.shape == pb.shape
-            print(
-                f"row {i}: max |original - resized| pixel diff {(pa - pb).abs().max():.3g} (normalized units)"
+            assert torch.equal(pa, pb), f"row {i}: max |original - resized| {(pa - pb).abs().max():.3g}"
+    assert kinds == {"image", "video"}
+
+
+def _hard_images(folder):
+    """Transparent pixels over colour, a palette with a transparent index, odd and tiny sizes, EXIF."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    rgba = rng.integers(0, 256, (177, 333, 4), dtype=np.uint8)
+    rgba[:, ::3, 3] = 0
+    Image.fromarray(rgba, "RGBA").save(folder / "rgba.png")
+    palette = Image.fromarray(rng.integers(0, 16, (99, 201), dtype=np.uint8), "P")
+    palette.putpalette([int(v) for v in rng.integers(0, 256, 768)])
+    palette.save(folder / "palette.png", transparency=7)
+    Image.fromarray(rng.integers(0, 256, (29, 27, 3), dtype=np.uint8)).save(folder / "odd.png")
+    Image.fromarray(rng.integers(0, 256, (3, 5, 3), dtype=np.uint8)).save(folder / "tiny.png")
+    la = Image.fromarray(rng.integers(0, 256, (70, 50, 2), dtype=np.uint8), "LA")
+    la.save(folder / "la.png")
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(rng.integers(0, 256, (90, 150, 3), dtype=np.uint8)).save(
+        folder / "exif6.jpg", quality=90, exif=exif.tobytes()
+    )
+    Image.fromarray(rng.integers(0, 256, (301, 457, 3), dtype=np.uint8)).save(folder / "noise.jpg", quality=85)
+    return sorted(p.name for p in folder.iterdir())
+
+
+_RESIZED_BLOBS = """
+import json, sys
+from pathlib import Path
+from packtrain.packer.config import SourceConfig
+from packtrain.packer.media import MediaLimits
+from packtrain.packer.media_store import media_blob
+refs, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+limits = MediaLimits.of(SourceConfig(paths=["unused"]))
+for i, ref in enumerate(refs):
+    (out / f"{i}.png").write_bytes(media_blob(ref, "resized", limits)["data"])
+assert "torch" not in sys.modules, "the packer loaded torch"
+"""
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen3-vl"])
+def test_pixels_equal_the_processor_in_both_storage_modes(tmp_path, family):
+    """Alpha, palettes, odd sizes and EXIF rotation: the trainer's pixels from the original bytes,
+    and from the PNG that `mediaStorage: resized` writes (made in a torch-free packer process, as in
+    production), equal the HF processor's `pixel_values` exactly."""
+    from transformers import AutoProcessor
+
+    from packtrain.packer.config import ModelConfig, PackingConfig, SourceConfig
+    from packtrain.packer.records import RawRecord
+    from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
+    from packtrain.trainer.media import media_pixels
+
+    names = _hard_images(tmp_path / "img")
+    tok = SampleTokenizer(
+        SourceConfig(paths=["unused"]), ModelConfig(family=family, path=str(FOLDER[family])), PackingConfig()
+    )
+    record = {
+        "messages": [{"role": "user", "content": "<image>" * len(names)}, {"role": "assistant", "content": "x"}],
+        "images": names,
+    }
+    sample = tok(RawRecord(tmp_path / "img" / "d.json", 0, record, None))
+    assert isinstance(sample, TokenizedSample), sample
+    refs = [
+        {"path": str(m.path), "kind": m.kind, "key": m.key, "height": m.height, "width": m.width,
+         "frames": [], "grid_t": m.grid_t, "grid_h": m.grid_h, "grid_w": m.grid_w}
+        for m in sample.media
+    ]
+    (tmp_path / "refs.json").write_text(json.dumps(refs))
+    (tmp_path / "blobs").mkdir()
+    subprocess.run(
+        [sys.executable, "-c", _RESIZED_BLOBS, str(tmp_path / "refs.json"), str(tmp_path / "blobs")], check=True
+    )
+    spec = PixelSpec.from_folder(FOLDER[family])
+    processor = AutoProcessor.from_pretrained(str(FOLDER[family])).image_processor
+    for i, (name, ref) in enumerate(zip(names, refs, strict=True)):
+        want = processor(images=[str(tmp_path / "img" / name)], return_tensors="pt")
+        assert want["image_grid_thw"][0].tolist() == [ref["grid_t"], ref["grid_h"], ref["grid_w"]], name
+        original = {"encoding": "original", "data": (tmp_path / "img" / name).read_bytes(), "frames": []}
+        resized = {"encoding": "resized", "data": (tmp_path / "blobs" / f"{i}.png").read_bytes(), "frames": []}
+        for mode, blob in (("original", original), ("resized", resized)):
+            got = media_pixels(blob, ref, spec)
+            assert torch.equal(got, want["pixel_values"]), (
+                f"{name} ({mode}): max diff {(got - want['pixel_values']).abs().max():.3g}"
             )
 
 

@@ -94,7 +94,7 @@ def test_eval_fraction_is_seeded_disjoint_and_never_trained(pack_dir):
     with pytest.raises(ValueError, match="holds out all"):
         carve_eval(1, 0.5, seed=0)
 
-    ds = PackedDataset(pack_dir, "qwen2-vl", units_per_micro_batch=9, grad_accum=2, verify_checksums=False,
+    ds = PackedDataset(pack_dir, fx.spec("qwen2-vl"), units_per_micro_batch=9, grad_accum=2, verify_checksums=False,
                        eval_fraction=0.25, seed=3)
     assert ds.eval_sequences == held and {seq for seq, _ in ds.units} == set(train_seqs)
     ev = eval_dataset(ds, SFTSpecCore.model_validate(
@@ -115,7 +115,7 @@ def test_every_eval_unit_counts_once_and_ranks_run_as_many_forwards(units, world
 
 
 def test_one_epoch_trains_each_unit_exactly_once(pack_dir):
-    ds = PackedDataset(pack_dir, "qwen2-vl", PixelSpec.from_folder(fx.FOLDER["qwen2-vl"]),
+    ds = PackedDataset(pack_dir, fx.spec("qwen2-vl"), PixelSpec.from_folder(fx.FOLDER["qwen2-vl"]),
                        units_per_micro_batch=9, grad_accum=2, verify_checksums=False, eval_fraction=0.25)
     stream, seen = batches(ds, 0, 2, False), []
     for _ in range(ds.steps_per_epoch() * ds.grad_accum):
@@ -135,13 +135,13 @@ def test_eval_loss_is_the_token_mean_over_the_eval_set(pack_dir):
     model = VLMForTraining(hf, "sdpa")
     spec = PixelSpec.from_folder(fx.FOLDER["qwen2-vl"])
     held = [0, 5, 11, 30, 47, 70]  # text, images and video; micro-batches of 4 and 2 sequences
-    ev = EvalDataset(pack_dir, "qwen2-vl", spec, sequences=held, units_per_micro_batch=4, verify_checksums=False)
+    ev = EvalDataset(pack_dir, fx.spec("qwen2-vl"), spec, sequences=held, units_per_micro_batch=4, verify_checksums=False)
     # By hand: every sequence alone, all logits at once (no chunking), Σ token losses / Σ label tokens.
     alone = VLMForTraining(hf, "sdpa", loss_chunk_tokens=0).eval()
     sums, counts, means = 0.0, 0, []
     with torch.no_grad():
         for seq in held:
-            batch = collate_packed([ev._decoded_row(seq, {})], "qwen2-vl")
+            batch = collate_packed([ev._decoded_row(seq, {})], fx.spec("qwen2-vl"))
             loss = float(alone(batch)["loss_sum"])
             sums, counts = sums + loss, counts + batch["num_label_tokens"]
             means.append(loss / batch["num_label_tokens"])
@@ -200,7 +200,7 @@ def test_eval_path_evaluates_a_separate_pack(tiny_pack, tmp_path):
 def test_the_eval_gauge_the_trainer_serves_is_what_the_operator_reads():
     from prometheus_client import generate_latest
 
-    from packtrain.operator.status import progress_from_metrics
+    from packtrain.operator.progress import progress_from_metrics
     from packtrain.trainer.metrics import TrainMetrics
 
     metrics = TrainMetrics(0, torch.device("cpu"))

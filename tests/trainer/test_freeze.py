@@ -173,7 +173,7 @@ def test_packed_equals_each_sample_alone_with_a_frozen_tower(family, shared_dir)
     model = tiny(family, torch.float64)
     param_groups.freeze(model, ["vision"])
     batch = _double(
-        collate_packed([fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], family)
+        collate_packed([fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], fx.spec(family))
     )
     total = batch["num_label_tokens"]
     out = VLMForTraining(model, "sdpa")(batch)

@@ -56,11 +56,11 @@ def test_checkpointing_recomputes_exactly_the_chosen_layers(text, vision, shared
     layers = _calls(list(model.model.language_model.layers))
     blocks = _calls(list(model.model.visual.blocks))
     core = VLMForTraining(model, "sdpa").train()  # checkpointing acts in training only
-    core(collate_packed([fx.packed_row(samples[:2], family)], family))["loss_sum"].backward()
+    core(collate_packed([fx.packed_row(samples[:2], family)], fx.spec(family)))["loss_sum"].backward()
     assert layers == [2 if text else 1] * len(layers)  # forward, and again in backward
     assert blocks == [2 if vision else 1] * len(blocks)
     with torch.no_grad():  # nothing to recompute for
-        core(collate_packed([fx.packed_row(samples[:1], family)], family))
+        core(collate_packed([fx.packed_row(samples[:1], family)], fx.spec(family)))
     assert layers == [3 if text else 2] * len(layers)
 
 
@@ -74,7 +74,7 @@ def test_packed_equals_each_sample_alone_with_checkpointing(family, shared_dir):
     )
     apply_layer_options(model, True, True, False)
     batch = _double(
-        collate_packed([fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], family)
+        collate_packed([fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], fx.spec(family))
     )
     total = batch["num_label_tokens"]
     out = VLMForTraining(model, "sdpa").train()(batch)
@@ -101,7 +101,7 @@ def test_packed_equals_each_sample_alone_with_compiled_layers(shared_dir):
     model = build_model(fx.FOLDER[family], init="random", overrides=fx.TINY[family], seed=1)
     apply_layer_options(model, False, False, True)
     counters.clear()
-    batch = collate_packed([fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], family)
+    batch = collate_packed([fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], fx.spec(family))
     total = batch["num_label_tokens"]
     out = VLMForTraining(model, "sdpa").train()(batch)
     (out["loss_sum"] / total).backward()

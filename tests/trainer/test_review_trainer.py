@@ -8,6 +8,7 @@ from conftest import job_spec, straight_and_resumed, write_job
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 from vlm_fixtures import FOLDER, TINY
+from vlm_fixtures import spec as family_spec
 
 from packtrain.trainer.config import load_train_config
 from packtrain.trainer.data import PackedDataset
@@ -20,7 +21,7 @@ def test_dataloader_does_not_draw_from_the_global_rng(pack_dir):
     """Creating a DataLoader iterator draws its worker base seed from the global torch RNG, so a
     resumed run (which creates one at the resume point) would be one draw off the straight run."""
     ds = PackedDataset(
-        pack_dir, "qwen2-vl", PixelSpec.from_folder(FOLDER["qwen2-vl"]), units_per_micro_batch=4
+        pack_dir, family_spec("qwen2-vl"), PixelSpec.from_folder(FOLDER["qwen2-vl"]), units_per_micro_batch=4
     )
     torch.manual_seed(0)
     before = torch.get_rng_state()
@@ -81,7 +82,7 @@ def test_resume_inside_a_later_epoch_continues_the_same_stream(pack_dir):
     def dataset():
         return PackedDataset(
             pack_dir,
-            "qwen2-vl",
+            family_spec("qwen2-vl"),
             PixelSpec.from_folder(FOLDER["qwen2-vl"]),
             units_per_micro_batch=16,
             grad_accum=2,
@@ -173,7 +174,7 @@ def test_flex_backend_is_causal_in_the_padded_baseline(shared_dir):
     family = "qwen2-vl"
     samples = fx.demo_samples(family)
     rows = [fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)]
-    padded = collate_padded([s for r in rows for s in split_row(r)], family)
+    padded = collate_padded([s for r in rows for s in split_row(r)], fx.spec(family))
     losses = {}
     for backend in ("flex", "sdpa"):
         model = build_model(FOLDER[family], init="random", overrides=TINY[family], attention=backend, seed=1)

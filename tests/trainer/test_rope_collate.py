@@ -9,10 +9,10 @@ import vlm_fixtures as fx
 
 from packtrain.trainer.data import collate_packed, collate_padded, shift_labels, split_row
 from packtrain.trainer.model import build_model
-from packtrain.trainer.rope import FamilyInfo, Grid, family_from_config, sample_positions
+from packtrain.trainer.rope import sample_positions
 
 
-@pytest.fixture(scope="module", params=["qwen2-vl", "qwen2.5-vl"])
+@pytest.fixture(scope="module", params=fx.FAMILIES)
 def family_samples(request):
     return request.param, fx.demo_samples(request.param)
 
@@ -20,7 +20,6 @@ def family_samples(request):
 def test_positions_match_get_rope_index_for_each_sample(family_samples, shared_dir):
     family, samples = family_samples
     model = build_model(fx.FOLDER[family], init="random", overrides=fx.TINY[family])
-    fam = family_from_config(model.config)
     for s in samples:
         kw = {k: s.hf[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in s.hf}
         if not kw:  # text only: transformers uses plain arange
@@ -29,29 +28,14 @@ def test_positions_match_get_rope_index_for_each_sample(family_samples, shared_d
             want = model.model.get_rope_index(s.hf["input_ids"], s.hf["mm_token_type_ids"], **kw)[0][
                 :, 0
             ].numpy()
-        row = fx.packed_row([s], family)
-        refs = row["media"]
-        got = sample_positions(
-            s.input_ids,
-            [
-                Grid(m["grid_t"], m["grid_h"], m["grid_w"], m["second_per_grid"])
-                for m in refs
-                if m["kind"] == "image"
-            ],
-            [
-                Grid(m["grid_t"], m["grid_h"], m["grid_w"], m["second_per_grid"])
-                for m in refs
-                if m["kind"] == "video"
-            ],
-            fam,
-        )
+        got = sample_positions(s.input_ids, s.media, fx.spec(family))
         np.testing.assert_array_equal(got, want, err_msg=f"{family} {s.name}")
 
 
 def test_packed_batch_restarts_everything_per_sample(family_samples, shared_dir):
     family, samples = family_samples
     rows = [fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)]
-    batch = collate_packed(rows, family)
+    batch = collate_packed(rows, fx.spec(family))
     lens = [len(s.input_ids) for s in samples]
     assert batch["seq_lens"] == lens
     assert batch["cu_seq_lens"].tolist() == np.concatenate([[0], np.cumsum(lens)]).tolist()
@@ -62,7 +46,7 @@ def test_packed_batch_restarts_everything_per_sample(family_samples, shared_dir)
         n = lens[k]
         assert pos[0, start : start + n].tolist() == list(range(n))  # 1-D text row restarts
         assert pos[1:, start].tolist() == [0, 0, 0]  # mRoPE restarts: no inherited offset
-        alone = collate_packed([fx.packed_row([samples[k]], family)], family)["position_ids"][:, 0]
+        alone = collate_packed([fx.packed_row([samples[k]], family)], fx.spec(family))["position_ids"][:, 0]
         assert torch.equal(pos[:, start : start + n], alone)
         # The last token of a sample predicts nothing: the next sample's first label is never
         # learned from this sample's context.
@@ -96,8 +80,8 @@ def test_padded_collate_is_the_same_data_one_sample_per_row(family_samples, shar
     packed_row = fx.packed_row(samples, family)
     parts = split_row(packed_row)
     assert [p["input_ids"] for p in parts] == [s.input_ids for s in samples]
-    padded = collate_padded(parts, family)
-    packed = collate_packed([packed_row], family)
+    padded = collate_padded(parts, fx.spec(family))
+    packed = collate_packed([packed_row], fx.spec(family))
     width = max(len(s.input_ids) for s in samples)
     assert padded["input_ids"].shape == (len(samples), width)
     assert padded["attention_mask"].sum() == packed["num_tokens"]
@@ -110,10 +94,11 @@ def test_padded_collate_is_the_same_data_one_sample_per_row(family_samples, shar
     assert torch.equal(padded["pixel_values"], packed["pixel_values"])
 
 
-def test_mismatched_grid_is_an_error():
-    fam = FamilyInfo("qwen2-vl")
-    ids = [1, 2] + [fam.image_token_id] * 4 + [3]
+def test_mismatched_grid_is_an_error(shared_dir):
+    spec = fx.spec("qwen2-vl")
+    ids = [1, 2] + [spec.token_ids.image_pad] * 4 + [3]
+    image = {"kind": "image", "grid_t": 1, "grid_h": 4, "grid_w": 6}
     with pytest.raises(ValueError, match="placeholder tokens"):
-        sample_positions(ids, [Grid(1, 4, 6)], [], fam)
+        sample_positions(ids, [image], spec)
     with pytest.raises(ValueError, match="no image grid"):
-        sample_positions(ids, [], [], fam)
+        sample_positions(ids, [], spec)

@@ -9,6 +9,7 @@ import re
 import pytest
 from conftest import job_spec, write_job
 from pack_tamper import ROW_EDITS, copy_pack, edit_manifest, tamper_row
+from vlm_fixtures import spec
 
 from packtrain.packer.shards import MANIFEST, ShardFormatError
 from packtrain.trainer import cli
@@ -39,7 +40,7 @@ def test_one_tampered_row_is_named_exactly(pack_dir, tmp_path):
 
     bad = copy_pack(pack_dir, tmp_path / "bad")
     shard_file = tamper_row(bad, 1, 3, ROW_EDITS["labels all -100"][0])
-    ds = PackedDataset(bad, "qwen2-vl", PixelSpec(), vocab_size=151936)
+    ds = PackedDataset(bad, spec("qwen2-vl"), PixelSpec(), vocab_size=151936)
     seq = int(json.loads((bad / MANIFEST).read_text())["shards"][0]["rows"]) + 3
     with pytest.raises(ShardFormatError, match=rf"{re.escape(shard_file)} row 3: sub-sample 0 has no label token"):
         ds.checked_row(seq)

@@ -84,7 +84,7 @@ def test_block_causal_mask_and_backend_choice():
 def test_flex_backend_matches_sdpa_forward(shared_dir):
     """flex (a GPU backend; CPU has no flex backward) gives the same packed losses as SDPA."""
     samples = fx.demo_samples("qwen2.5-vl")
-    batch = collate_packed([fx.packed_row(samples[:2], "qwen2.5-vl")], "qwen2.5-vl")
+    batch = collate_packed([fx.packed_row(samples[:2], "qwen2.5-vl")], fx.spec("qwen2.5-vl"))
     losses = {}
     for backend in ("flex", "sdpa"):
         model = build_model(
@@ -99,15 +99,15 @@ def test_flops_count_attention_from_real_sample_lengths(shared_dir):
     model = build_model(fx.FOLDER["qwen2-vl"], init="random", overrides=fx.TINY["qwen2-vl"])
     shape = ModelShape.from_model(model, parameter_groups(model))
     samples = fx.demo_samples("qwen2-vl")
-    packed = collate_packed([fx.packed_row(samples, "qwen2-vl")], "qwen2-vl")
-    one = collate_packed([fx.packed_row(samples[:1], "qwen2-vl")], "qwen2-vl")
+    packed = collate_packed([fx.packed_row(samples, "qwen2-vl")], fx.spec("qwen2-vl"))
+    one = collate_packed([fx.packed_row(samples[:1], "qwen2-vl")], fx.spec("qwen2-vl"))
     n = one["num_tokens"]
     expected = 6 * shape.llm_params * n + 6 * shape.lm_head_params * one["num_label_tokens"]
     expected += 12 * shape.layers * shape.attn_dim * n * n / 2
     assert step_flops(shape, one) == pytest.approx(expected)
     # Packed, the FLOPs are exactly the sum of each sample's alone: the attention term comes from
     # the sub-sample lengths, not from the packed row's length.
-    parts = [collate_packed([fx.packed_row([s], "qwen2-vl")], "qwen2-vl") for s in samples]
+    parts = [collate_packed([fx.packed_row([s], "qwen2-vl")], fx.spec("qwen2-vl")) for s in samples]
     assert step_flops(shape, packed) == pytest.approx(sum(step_flops(shape, p) for p in parts))
 
 

@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor
 
+from packtrain.packer.families import ModelSpec, model_spec
 from packtrain.trainer.media import PixelSpec, decode_video_frames, media_pixels
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,11 +52,44 @@ TINY = {
         },
     },
 }
-FOLDER = {"qwen2-vl": MODELS / "qwen2-vl", "qwen2.5-vl": MODELS / "qwen2.5-vl"}
+TINY["qwen3-vl"] = {
+    "text_config": {
+        **{k: v for k, v in TINY_TEXT.items() if k != "rope_scaling"},
+        "head_dim": 32,
+        "rope_scaling": {"rope_type": "default", "mrope_interleaved": True, "mrope_section": [6, 5, 5]},
+    },
+    "vision_config": {
+        "depth": 3,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "deepstack_visual_indexes": [0, 1],
+    },
+}
+FOLDER = {name: MODELS / name for name in TINY}
+FAMILIES = tuple(TINY)
 IMAGE_SIZE = {"shortest_edge": 3136, "longest_edge": 48 * 28 * 28}
 VIDEO_SIZE = {"shortest_edge": 3136, "longest_edge": 12 * 28 * 28}
+# (image, video) processor `size` per family. Qwen3-VL: 32-pixel merged patches, and its video
+# bound covers all sampled frames together.
+SIZES = {
+    "qwen2-vl": (IMAGE_SIZE, VIDEO_SIZE),
+    "qwen2.5-vl": (IMAGE_SIZE, VIDEO_SIZE),
+    "qwen3-vl": (
+        {"shortest_edge": 4096, "longest_edge": 48 * 32 * 32},
+        {"shortest_edge": 4096, "longest_edge": 4 * 16 * 32 * 32},
+    ),
+}
 VIDEO_FRAMES = [0, 6, 12, 18]
 VIDEO_FPS = 2.0  # second_per_grid = temporal_patch_size / fps
+VIDEO_SOURCE = {"fps": 25.0, "total_num_frames": 243}  # mllm_demo_data/1.mp4, the demo video used
+
+
+@functools.cache
+def spec(family: str) -> ModelSpec:
+    """The family registry entry bound to the family's shared model folder."""
+    return model_spec(FOLDER[family])
 
 
 @dataclass
@@ -122,17 +156,22 @@ def demo_samples(family: str) -> list[Sample]:
         images = [Image.open(DEMO / p) for p in image_paths]
         videos = [decode_video_frames((DEMO / p).read_bytes(), VIDEO_FRAMES) for p in video_paths]
         kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
+        image_size, video_size = SIZES[family]
         if images:
             kwargs["images"] = images
-            kwargs["images_kwargs"] = {"size": IMAGE_SIZE}
+            kwargs["images_kwargs"] = {"size": image_size}
         if videos:
             kwargs["videos"] = [torch.from_numpy(v).permute(0, 3, 1, 2) for v in videos]
             kwargs["videos_kwargs"] = {
-                "size": VIDEO_SIZE,
+                "size": video_size,
                 "do_sample_frames": False,
-                "cap_pixels_per_frame": False,
+                "cap_pixels_per_frame": family == "qwen3-vl",
                 "fps": VIDEO_FPS,
             }
+            if family == "qwen3-vl":  # its text has timestamps from the frame indices and the source fps
+                kwargs["videos_kwargs"]["video_metadata"] = [
+                    {**VIDEO_SOURCE, "frames_indices": VIDEO_FRAMES} for _ in videos
+                ]
         hf = dict(processor(**kwargs))
         ids = hf["input_ids"][0].tolist()
         media, blobs = [], {}

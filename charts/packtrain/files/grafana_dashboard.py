@@ -101,7 +101,9 @@ def build() -> dict[str, Any]:
                (0, 18, 8, 8), stacked=True),
         _panel(9, "Reconciles", "Reconcile rate and reconcile error rate, by kind.",
                [(f"sum by (kind) (rate({m['reconciles']}[$__rate_interval]))", "{{kind}}"),
-                (f"sum by (kind) (rate({m['reconcile_errors']}[$__rate_interval]))", "{{kind}} errors")],
+                # An error counter has no series before its first error: draw those kinds at 0.
+                (f"sum by (kind) (rate({m['reconcile_errors']}[$__rate_interval])) "
+                 f"or 0 * sum by (kind) (rate({m['reconciles']}[$__rate_interval]))", "{{kind}} errors")],
                (8, 18, 8, 8), unit="ops"),
         _panel(10, "Stage duration (p50, p95)", "Duration of PackJob and SFTJob stages.",
                [(f"histogram_quantile(0.5, sum by (le, stage) (rate({m['stage_duration']}_bucket[$__rate_interval])))",

@@ -1,0 +1,149 @@
+"""Live training progress: rank 0's trainer `/metrics`, scraped into `status.progress` while a run is Running.
+
+Kept apart from the reconcilers: scraping is best-effort and periodic (one loop for every running
+SFTJob, not a per-object kopf timer, which would put a finalizer on each), while reconciling is
+event-driven. The metric names are the trainer's own (`packer.contract`); the scrape itself is
+bounded in size and time (`scrape`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import aiohttp
+
+from packtrain.packer.contract import TRAIN_EVAL_LOSS, TRAIN_LOSS, TRAIN_STEP, TRAIN_TOKENS_PER_SECOND
+
+from . import scrape
+from .api import GROUP, VERSION, SFTJobSpec
+from .builders import SFTJOB_LABEL
+from .status import COMPLETION_INDEX
+
+log = logging.getLogger("packtrain.operator")
+
+INTERVAL = float(os.environ.get("PACKTRAIN_PROGRESS_INTERVAL", "30"))
+
+# The rank-0 gauges the trainer serves on its metrics port -> `status.progress` keys.
+PROGRESS_GAUGES = {
+    TRAIN_STEP: "step",
+    TRAIN_LOSS: "loss",
+    TRAIN_TOKENS_PER_SECOND: "tokensPerSecond",
+    TRAIN_EVAL_LOSS: "evalLoss",
+}
+
+
+class ProgressKube(Protocol):
+    """What a scrape reads and writes (the operator's cached view, or a test's)."""
+
+    def get(self, group: str, version: str, plural: str, namespace: str, name: str) -> dict[str, Any] | None: ...
+
+    def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]: ...
+
+    def merge_status(self, plural: str, namespace: str, name: str, status: dict[str, Any]) -> None: ...
+
+
+def progress_from_metrics(text: str, max_steps: int | None, now: str) -> dict[str, Any] | None:
+    """`status.progress` from the trainer's /metrics text (rank 0), None before the first step."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, Any] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                key = PROGRESS_GAUGES.get(sample.name)
+                if key is not None and sample.labels.get("rank", "0") == "0":
+                    out[key] = int(sample.value) if key == "step" else float(sample.value)
+    except (ValueError, OverflowError):  # not Prometheus text (the endpoint is the CR author's image)
+        return None
+    if "step" not in out:
+        return None
+    if max_steps is not None:
+        out["maxSteps"] = max_steps
+    out["updatedAt"] = now
+    return out
+
+
+def master_pod(pods: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The running rank-0 pod of a training job: PyTorchJob's master, or index 0 of a TrainJob's node job."""
+    for pod in pods:
+        status = pod.get("status") or {}
+        meta = pod.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        annotations = meta.get("annotations") or {}
+        rank0 = labels.get("training.kubeflow.org/replica-type") in ("master", "Master") or (
+            labels.get(COMPLETION_INDEX, annotations.get(COMPLETION_INDEX)) == "0"
+            and labels.get("jobset.sigs.k8s.io/job-index", "0") == "0"
+        )
+        if rank0 and status.get("phase") == "Running" and status.get("podIP"):
+            return pod
+    return None
+
+
+def _metrics_target(kube: ProgressKube, namespace: str, name: str) -> tuple[str, int] | None:
+    """(the running master pod's /metrics URL, maxSteps), or None when there is nothing to scrape."""
+    body = kube.get(GROUP, VERSION, "sftjobs", namespace, name)
+    if body is None or (body.get("status") or {}).get("phase") != "Running":
+        return None
+    spec = SFTJobSpec.model_validate(body["spec"])
+    pod = master_pod(kube.pods(namespace, f"{SFTJOB_LABEL}={name}"))
+    if pod is None:
+        return None
+    return scrape.metrics_url(pod["status"]["podIP"], spec.metrics_port), spec.training.fixed_steps()
+
+
+async def update_progress(
+    kube: ProgressKube, client: aiohttp.ClientSession, namespace: str, name: str, now: Callable[[], str]
+) -> dict[str, Any] | None:
+    """Scrape the master pod's trainer metrics into `status.progress`; None when there is nothing to read.
+
+    The API calls and the parsing run in threads, off the event loop kopf's handlers share.
+    """
+    loop = asyncio.get_running_loop()
+    target = await loop.run_in_executor(None, _metrics_target, kube, namespace, name)
+    if target is None:
+        return None
+    url, max_steps = target
+    try:
+        text = await scrape.fetch(client, url)
+    except scrape.ScrapeError as exc:
+        log.info("SFTJob %s/%s: no progress from %s: %s", namespace, name, url, exc)
+        return None
+    progress = await loop.run_in_executor(None, progress_from_metrics, text, max_steps, now())
+    if progress is not None:
+        await loop.run_in_executor(None, kube.merge_status, "sftjobs", namespace, name, {"progress": progress})
+    return progress
+
+
+async def progress_round(
+    kube: ProgressKube,
+    client: aiohttp.ClientSession,
+    jobs: list[tuple[str, str]],
+    limit: asyncio.Semaphore,
+    now: Callable[[], str],
+) -> list[dict[str, Any] | None]:
+    """Scrape every running SFTJob at once, at most `limit` at a time; one failure stops no other."""
+
+    async def one(namespace: str, name: str) -> dict[str, Any] | None:
+        async with limit:
+            try:
+                return await update_progress(kube, client, namespace, name, now)
+            except Exception:  # progress is best-effort; never stop the loop
+                log.exception("SFTJob %s/%s: progress scrape failed", namespace, name)
+                return None
+
+    return await asyncio.gather(*(one(namespace, name) for namespace, name in jobs))
+
+
+async def progress_loop(
+    kube: Callable[[], ProgressKube], running: Callable[[], list[tuple[str, str]]], now: Callable[[], str]
+) -> None:
+    """Every `INTERVAL` seconds, one round over the SFTJobs `running()` names."""
+    limit = asyncio.Semaphore(scrape.CONCURRENCY)
+    async with scrape.session() as client:
+        while True:
+            await asyncio.sleep(INTERVAL)
+            await progress_round(kube(), client, running(), limit, now)

@@ -1,0 +1,193 @@
+"""The operator's view of the cluster: API writes, and reads served from kopf indexes.
+
+`Kube` makes the few API calls the operator needs. `CachedKube` answers the reconcilers'
+reads (Jobs, pods, training jobs, PackJobs, SFTJobs) from the indexes kopf keeps from
+the watches it runs anyway, so an event costs no API read. The cache lags the API by one
+watch event at most; that is safe because every create is "if absent" (409 ignored) and
+every status write is conditional on the resourceVersion read. Our own status writes are
+remembered (`latest`) so the next event does not compute from the status just replaced.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import kubernetes
+from kubernetes.client.rest import ApiException
+
+from .api import GROUP, VERSION
+
+PLURALS = {"Job": "jobs", "PyTorchJob": "pytorchjobs", "TrainJob": "trainjobs"}
+# plural -> the kopf index (a handler function's name in `handlers`) holding those objects by (namespace, name).
+INDEX_OF = {
+    "jobs": "job_index",
+    "pytorchjobs": "pytorchjob_index",
+    "trainjobs": "trainjob_index",
+    "packjobs": "packjob_index",
+    "sftjobs": "sftjob_index",
+}
+PLURAL_OF_KIND = {"Job": "jobs", "PyTorchJob": "pytorchjobs", "TrainJob": "trainjobs", "ConfigMap": "configmaps"}
+# How long a child this process created counts as existing while its watch event is on the way.
+CREATED_GRACE = 30.0
+# pod label -> the index holding the pods by (label, namespace, value).
+POD_INDEX_OF = {"batch.kubernetes.io/job-name": "pack_pod_index", "packtrain.dev/sftjob": "sft_pod_index"}
+
+
+class Kube:
+    """The few API calls the operator makes, returning plain camelCase dicts."""
+
+    def __init__(self, client: kubernetes.client.ApiClient | None = None) -> None:
+        self.client = client or kubernetes.client.ApiClient()
+        self.custom = kubernetes.client.CustomObjectsApi(self.client)
+        self.core = kubernetes.client.CoreV1Api(self.client)
+
+    def get(self, group: str, version: str, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.custom.get_namespaced_custom_object(group, version, namespace, plural, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def list(self, group: str, version: str, plural: str, namespace: str) -> list[dict[str, Any]]:
+        return self.custom.list_namespaced_custom_object(group, version, namespace, plural).get("items", [])
+
+    def create(self, body: dict[str, Any]) -> bool:
+        """Create unless it exists; True when this call created it."""
+        group, _, version = body["apiVersion"].rpartition("/")
+        namespace = body["metadata"]["namespace"]
+        try:
+            if body["kind"] == "ConfigMap":
+                self.core.create_namespaced_config_map(namespace, body)
+            else:
+                self.custom.create_namespaced_custom_object(
+                    group, version, namespace, PLURALS[body["kind"]], body
+                )
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    def patch(self, group: str, version: str, plural: str, namespace: str, name: str, body: dict) -> None:
+        self.custom.patch_namespaced_custom_object(group, version, namespace, plural, name, body)
+
+    def patch_status(
+        self, plural: str, namespace: str, name: str, status: dict[str, Any], resource_version: str
+    ) -> dict[str, Any]:
+        """Merge-patch the status, refused (409) if the object changed since `resource_version` was read."""
+        body = {"metadata": {"resourceVersion": resource_version}, "status": status}
+        return self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, plural, name, body)
+
+    def merge_status(self, plural: str, namespace: str, name: str, status: dict[str, Any]) -> None:
+        """Merge-patch part of the status unconditionally (fields no reconcile derives, like progress)."""
+        self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, plural, name, {"status": status}
+        )
+
+    def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        pods = self.core.list_namespaced_pod(namespace, label_selector=selector).items
+        return [self.client.sanitize_for_serialization(p) for p in pods]
+
+
+def _version(body: Mapping[str, Any] | None) -> int:
+    try:
+        return int(((body or {}).get("metadata") or {}).get("resourceVersion") or 0)
+    except ValueError:  # resourceVersions are opaque; etcd's are integers, anything else is "unknown"
+        return 0
+
+
+class CachedKube:
+    """`Kube`'s surface with reads from kopf indexes (and the API for what no index holds)."""
+
+    def __init__(self, kube: Kube, latest: MutableMapping[tuple[str, str, str], dict[str, Any]]) -> None:
+        self.kube = kube
+        self.latest = latest
+        self.indexes: Mapping[str, Any] = {}
+        # Children created (or found existing) by this process, until the watch shows them.
+        self._created: dict[tuple[str, str, str], tuple[float, dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+
+    def _recent(self, key: tuple[str, str, str]) -> dict[str, Any] | None:
+        with self._lock:
+            seen = self._created.get(key)
+            if seen is None:
+                return None
+            if time.monotonic() - seen[0] > CREATED_GRACE:
+                del self._created[key]
+                return None
+            return seen[1]
+
+    def _one(self, index: str, key: tuple[str, ...]) -> dict[str, Any] | None:
+        store = self.indexes[index].get(key)
+        return next(iter(store), None) if store else None
+
+    def get(self, group: str, version: str, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
+        index = INDEX_OF.get(plural)
+        if index is None or index not in self.indexes:
+            return self.kube.get(group, version, plural, namespace, name)
+        found = self._one(index, (namespace, name))
+        if found is None:
+            return self._recent((plural, namespace, name))
+        with self._lock:
+            self._created.pop((plural, namespace, name), None)
+        mine = self.latest.get((plural, namespace, name))
+        if found is not None and mine is not None and found["metadata"].get("uid") == mine["metadata"].get("uid"):
+            return mine if _version(mine) > _version(found) else found
+        return found
+
+    def list(self, group: str, version: str, plural: str, namespace: str) -> list[dict[str, Any]]:
+        return [b for b in self.list_all(plural) if b["metadata"].get("namespace") == namespace]
+
+    def list_all(self, plural: str) -> list[dict[str, Any]]:
+        index = self.indexes.get(INDEX_OF[plural])
+        if index is None:
+            return []
+        bodies = [next(iter(store)) for store in index.values() if store]
+        return [self.get(GROUP, VERSION, plural, b["metadata"]["namespace"], b["metadata"]["name"]) or b
+                for b in bodies]
+
+    def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        label, _, value = selector.partition("=")
+        index = POD_INDEX_OF.get(label)
+        if index is None or index not in self.indexes:
+            return self.kube.pods(namespace, selector)
+        return [dict(p) for p in self.indexes[index].get((label, namespace, value)) or ()]
+
+    def create(self, body: dict[str, Any]) -> bool:
+        """Create unless this process made (or met) it moments ago and the watch has not shown it yet."""
+        meta = body["metadata"]
+        key = (PLURAL_OF_KIND.get(body["kind"], body["kind"]), meta["namespace"], meta["name"])
+        if self._recent(key) is not None:
+            return False
+        created = self.kube.create(body)
+        with self._lock:
+            self._created[key] = (time.monotonic(), body)
+        return created
+
+    def wait_newer(self, plural: str, namespace: str, name: str, than: str, timeout: float = 2.0) -> dict | None:
+        """The cached object once its resourceVersion differs from `than` (a write we lost to), else None."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.get(GROUP, VERSION, plural, namespace, name)
+            if found is None or found["metadata"].get("resourceVersion") != than:
+                return found
+            time.sleep(0.05)
+        return None
+
+    def patch(self, group: str, version: str, plural: str, namespace: str, name: str, body: dict) -> None:
+        self.kube.patch(group, version, plural, namespace, name, body)
+
+    def patch_status(
+        self, plural: str, namespace: str, name: str, status: dict[str, Any], resource_version: str
+    ) -> dict[str, Any]:
+        written = self.kube.patch_status(plural, namespace, name, status, resource_version)
+        if isinstance(written, dict) and written.get("metadata"):
+            self.latest[(plural, namespace, name)] = written
+        return written
+
+    def merge_status(self, plural: str, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.kube.merge_status(plural, namespace, name, status)

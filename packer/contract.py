@@ -1,0 +1,141 @@
+"""What the pods tell the operator: summary keys and metric names, typed once.
+
+The packer's stage summaries, the trainer's summary and its Prometheus metrics
+travel from pods to the operator as termination messages and `/metrics` text.
+Both sides import the names from here, so a key renamed on one side fails the
+type checker and the tests on the other instead of silently dropping a stat.
+One spelling throughout: snake_case, the manifest's. This module imports nothing
+of ours (the operator, the packer and the trainer may all depend on it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Final, NotRequired, TypedDict
+
+# Termination messages
+
+
+class ConvertSummary(TypedDict):
+    """One convert worker's slice."""
+
+    stage: str
+    index: int
+    count: int
+    samples: int
+    converted: int
+    rejected: int
+    tokens: int
+
+
+class SourceCounts(TypedDict):
+    """One `source.paths` entry's samples: records in its files, taken by the mixture (`input`), their fate."""
+
+    records: int
+    input: int
+    packed: int
+    rejected: int
+
+
+class PlanSummary(TypedDict):
+    """The whole pack's counts, known once plan has seen every converted sample."""
+
+    stage: str
+    samples: int
+    packed: int
+    rejected: int
+    rejected_by_reason: dict[str, int]
+    duplicate_ids: int
+    sequences: int
+    shards: int
+    tokens: int
+    lower_bound: int
+    fill_ratio: float
+    padding_saved: float
+    sources: dict[str, SourceCounts]
+
+
+class MaterializeSummary(TypedDict):
+    """One materialize worker's shards; the worker that completes the set writes the manifest."""
+
+    stage: str
+    index: int
+    count: int
+    shards: int
+    written: int
+    manifest: bool
+    manifest_sha256: str | None
+
+
+class ErrorReport(TypedDict):
+    """What a failing stage or trainer writes instead of a summary (on every non-zero exit).
+
+    `reason` is a CamelCase word the operator uses as the condition reason when set
+    (e.g. `NoSamples`); `error` is the short message a user reads.
+    """
+
+    error: str
+    stage: NotRequired[str]
+    reason: NotRequired[str]
+
+
+class TrainSummary(TypedDict, total=False):
+    """The keys of the trainer's summary the operator reads (it writes more)."""
+
+    steps: int
+    max_steps: int
+    final_loss: float
+    eval_loss: float | None
+    tokens_per_second: float
+
+
+# Reasons a pack fails although every stage ran (plan reports them, the operator shows them).
+NO_SAMPLES: Final = "NoSamples"
+TOO_MANY_REJECTED: Final = "TooManyRejected"
+
+
+def pack_outcome_error(
+    samples: int,
+    packed: int,
+    rejected_by_reason: Mapping[str, int],
+    max_rejected_fraction: float | None,
+) -> ErrorReport | None:
+    """Why a pack's counts make it useless: nothing packed, or more rejected than allowed.
+
+    The top reasons are named so the user knows what to fix in the dataset or the config.
+    """
+    rejected = sum(rejected_by_reason.values())
+    top = sorted(rejected_by_reason.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
+    reasons = ", ".join(f"{reason} {count}" for reason, count in top) or "none recorded"
+    if packed == 0:
+        return {
+            "stage": "plan",
+            "reason": NO_SAMPLES,
+            "error": f"no sample was packed: {samples} read, {rejected} rejected (top reasons: {reasons}); "
+            "see rejects.jsonl in the pack folder",
+        }
+    if max_rejected_fraction is not None and samples and rejected / samples > max_rejected_fraction:
+        return {
+            "stage": "plan",
+            "reason": TOO_MANY_REJECTED,
+            "error": f"{rejected} of {samples} samples rejected ({rejected / samples:.1%}), over "
+            f"packing.maxRejectedFraction {max_rejected_fraction:g} (top reasons: {reasons}); "
+            "see rejects.jsonl in the pack folder",
+        }
+    return None
+
+
+# The trainer's rank-0 gauges the operator scrapes for live progress.
+
+TRAIN_METRIC_PREFIX: Final = "packtrain_train_"
+
+
+def train_metric(name: str) -> str:
+    """The full Prometheus name of a trainer gauge (`step` -> `packtrain_train_step`)."""
+    return f"{TRAIN_METRIC_PREFIX}{name}"
+
+
+TRAIN_STEP: Final = train_metric("step")
+TRAIN_LOSS: Final = train_metric("loss")
+TRAIN_EVAL_LOSS: Final = train_metric("eval_loss")
+TRAIN_TOKENS_PER_SECOND: Final = train_metric("tokens_per_second")

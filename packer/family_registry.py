@@ -1,0 +1,180 @@
+"""The model families packtrain speaks: one entry each, holding every fact that differs between them.
+
+An entry names the Hugging Face classes, the processor defaults (patch and
+merge sizes, normalization, the resize, frame-sampling and video-text rules)
+and the special tokens by *name*. Token ids are never written here: they are
+read from a model folder's tokenizer files (`families.model_spec`). A model
+folder's own preprocessor configs override the defaults, as `AutoProcessor`
+does. This module is plain data (no torch, no transformers), so the packer's
+config, the operator's CRD schema and the trainer all read the same entries.
+Adding a family is one entry here plus its parity and equivalence tests.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+HALF = (0.5, 0.5, 0.5)
+
+QWEN_TOOLS_INTRO = (
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+QWEN_TOOLS_OUTRO = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
+    "\n</tool_call>"
+)
+QWEN_DEFAULT_SYSTEM = "You are a helpful assistant."
+
+FrameSampling = Literal["stride", "linspace"]
+VideoResize = Literal["frame", "volume"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """Static description of one model family (defaults of its HF processor and model classes)."""
+
+    name: str  # the `model.family` value
+    model_type: str  # config.json `model_type`
+    processor_class: str  # transformers class names, for the reader and the tests
+    image_processor_class: str
+    video_processor_class: str
+    model_class: str
+    tokenizer_class: str  # dotted path; imported directly because AutoTokenizer pulls in torch
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    min_pixels: int  # image size rule bounds when the folder gives none
+    max_pixels: int
+    video_min_pixels: int | None  # None: the image bounds (no separate video processor defaults)
+    video_max_pixels: int | None
+    frame_sampling: FrameSampling  # stride: Qwen2VLVideoProcessor; linspace: Qwen3VLVideoProcessor
+    video_resize: VideoResize  # frame: bounds per frame; volume: bounds over frames x height x width
+    video_timestamps: bool  # one `<t seconds>` + vision block per temporal group (Qwen3-VL)
+    time_scaled_rope: bool  # temporal mRoPE ids in seconds (Qwen2.5-VL `tokens_per_second`)
+    deepstack: bool  # vision features injected into early LLM layers (Qwen3-VL)
+    # Special tokens, by name.
+    im_start: str = "<|im_start|>"
+    assistant_header: str = "<|im_start|>assistant\n"  # rendered text that opens an assistant turn
+    turn_end: str = "<|im_end|>"  # rendered text that closes a turn (trained on for assistant turns)
+    vision_start: str = "<|vision_start|>"
+    vision_end: str = "<|vision_end|>"
+    image_pad: str = "<|image_pad|>"
+    video_pad: str = "<|video_pad|>"
+    pad_token: str = "<|endoftext|>"
+    default_system: str = QWEN_DEFAULT_SYSTEM
+    # Turn/vision structure a record's text must not contain; grounding tokens like <|box_start|> stay allowed.
+    reserved_tokens: tuple[str, ...] = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|vision_pad|>")
+
+    @property
+    def token_names(self) -> dict[str, str]:
+        """Role -> token text of the tokens whose ids a model folder must define."""
+        return {
+            "im_start": self.im_start,
+            "turn_end": self.turn_end,
+            "vision_start": self.vision_start,
+            "vision_end": self.vision_end,
+            "image_pad": self.image_pad,
+            "video_pad": self.video_pad,
+            "pad": self.pad_token,
+        }
+
+    def tool_call_text(self, value: str) -> str:
+        """An assistant function-call turn, as the family's text template writes it."""
+        return f"<tool_call>\n{value}\n</tool_call>"
+
+    def observation_text(self, value: str) -> str:
+        """A tool result; it becomes a user turn (the VL templates have no tool role)."""
+        return f"<tool_response>\n{value}\n</tool_response>"
+
+    def system_with_tools(self, system: str | None, tools: list[Any]) -> str:
+        """The system prompt carrying tool signatures, as Qwen2.5's text template renders `tools`."""
+        lines = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+        return (system or self.default_system) + QWEN_TOOLS_INTRO + lines + QWEN_TOOLS_OUTRO
+
+
+_QWEN_TOKENIZER = "transformers.models.qwen2.tokenization_qwen2.Qwen2Tokenizer"
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            name="qwen2-vl",
+            model_type="qwen2_vl",
+            processor_class="Qwen2VLProcessor",
+            image_processor_class="Qwen2VLImageProcessor",
+            video_processor_class="Qwen2VLVideoProcessor",
+            model_class="Qwen2VLForConditionalGeneration",
+            tokenizer_class=_QWEN_TOKENIZER,
+            patch_size=14,
+            merge_size=2,
+            temporal_patch_size=2,
+            image_mean=CLIP_MEAN,
+            image_std=CLIP_STD,
+            min_pixels=56 * 56,
+            max_pixels=28 * 28 * 1280,
+            video_min_pixels=None,
+            video_max_pixels=None,
+            frame_sampling="stride",
+            video_resize="frame",
+            video_timestamps=False,
+            time_scaled_rope=False,
+            deepstack=False,
+        ),
+        Family(
+            name="qwen2.5-vl",
+            model_type="qwen2_5_vl",
+            processor_class="Qwen2_5_VLProcessor",
+            image_processor_class="Qwen2VLImageProcessor",
+            video_processor_class="Qwen2VLVideoProcessor",
+            model_class="Qwen2_5_VLForConditionalGeneration",
+            tokenizer_class=_QWEN_TOKENIZER,
+            patch_size=14,
+            merge_size=2,
+            temporal_patch_size=2,
+            image_mean=CLIP_MEAN,
+            image_std=CLIP_STD,
+            min_pixels=56 * 56,
+            max_pixels=28 * 28 * 1280,
+            video_min_pixels=None,
+            video_max_pixels=None,
+            frame_sampling="stride",
+            video_resize="frame",
+            video_timestamps=False,
+            time_scaled_rope=True,
+            deepstack=False,
+        ),
+        Family(
+            name="qwen3-vl",
+            model_type="qwen3_vl",
+            processor_class="Qwen3VLProcessor",
+            image_processor_class="Qwen2VLImageProcessor",
+            video_processor_class="Qwen3VLVideoProcessor",
+            model_class="Qwen3VLForConditionalGeneration",
+            tokenizer_class=_QWEN_TOKENIZER,
+            patch_size=16,
+            merge_size=2,
+            temporal_patch_size=2,
+            image_mean=HALF,
+            image_std=HALF,
+            min_pixels=56 * 56,
+            max_pixels=28 * 28 * 1280,
+            video_min_pixels=128 * 32 * 32,
+            video_max_pixels=32 * 32 * 768,
+            frame_sampling="linspace",
+            video_resize="volume",
+            video_timestamps=True,
+            time_scaled_rope=False,
+            deepstack=True,
+        ),
+    )
+}
+
+FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)

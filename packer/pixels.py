@@ -1,0 +1,125 @@
+"""The one pixel pipeline: encoded image or decoded frame -> upright RGB uint8 at the counted size.
+
+Both the packer (`packing.mediaStorage: resized`) and the trainer's own decode
+call these functions, so a pack gives the same pixels in either storage mode,
+and they are the Hugging Face processor's pixels. The processor (transformers
+5.x, torchvision backend) decodes a file with `torchvision.io.decode_image(...,
+mode=RGB, apply_exif_orientation=True)`: transparency is dropped, not
+composited (a transparent (10,20,30) pixel stays (10,20,30)), which is what
+PIL's `convert("RGB")` gives. It resizes uint8 pixels with torchvision's
+antialiased bicubic kernel. `resize_uint8` is that kernel: where torch is
+already loaded (the trainer) it calls torchvision itself; elsewhere (the packer,
+which never imports torch) a numpy port of it, equal bit for bit (the same
+Pillow-SIMD-derived int16 fixed-point arithmetic as torch's AVX2 path;
+`tests/packer/test_pixels.py` holds the two equal). 16-bit images are reduced to
+8 bits by PIL, where torchvision would hand the processor 16-bit values.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import sys
+
+import numpy as np
+from PIL import Image
+
+from .vision import upright
+
+
+def rgb_of(img: Image.Image) -> np.ndarray:
+    """(H, W, 3) uint8 of a PIL image: EXIF orientation applied, alpha dropped, as the processor decodes."""
+    return np.asarray(upright(img).convert("RGB"))
+
+
+def decode_rgb(data: bytes) -> np.ndarray:
+    """(H, W, 3) uint8 of encoded image bytes (see `rgb_of`)."""
+    with Image.open(io.BytesIO(data)) as img:
+        return rgb_of(img)
+
+
+def image_rgb(data: bytes, height: int, width: int) -> np.ndarray:
+    """Encoded image bytes -> (height, width, 3) uint8: the pixels the processor normalizes."""
+    return resize_uint8(decode_rgb(data), height, width)
+
+
+def resize_uint8(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    """(..., H, W, C) uint8 -> (..., height, width, C): torchvision's antialiased bicubic resize of uint8."""
+    if pixels.shape[-3:-1] == (height, width):
+        return pixels
+    if "torch" in sys.modules:  # the trainer: torch is loaded, use the reference kernel itself (faster)
+        return _torchvision_resize(pixels, height, width)
+    return _numpy_resize(pixels, height, width)
+
+
+def _torchvision_resize(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    import torch
+    from torchvision.transforms.v2 import functional as tvF
+
+    chw = torch.from_numpy(np.require(pixels, requirements=["C", "W"])).movedim(-1, -3)
+    out = tvF.resize(chw, [height, width], interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)
+    return out.movedim(-3, -1).contiguous().numpy()
+
+
+def _numpy_resize(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Horizontal pass then vertical pass, each only when that side changes, as torch's uint8 kernel."""
+    out = pixels
+    if out.shape[-2] != width:
+        out = _resample_axis(out, width, out.ndim - 2)
+    if out.shape[-3] != height:
+        out = _resample_axis(out, height, out.ndim - 3)
+    return out
+
+
+def _bicubic(x: np.ndarray) -> np.ndarray:
+    """The antialiasing bicubic filter with a = -0.5 (Pillow's and torch's `aa_filter`)."""
+    a = -0.5
+    x = np.abs(x)
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return np.where(x < 1.0, near, np.where(x < 2.0, far, 0.0))
+
+
+def _int16_weights(n_in: int, n_out: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Source indices (n_out, K), int16 fixed-point weights (n_out, K) and their precision in bits.
+
+    Float weights as torch's `_compute_indices_min_size_weights_aa` (double,
+    normalized by their in-order sum), then scaled by the largest power of two
+    that keeps the largest weight under 2^15 and rounded half away from zero.
+    """
+    scale = n_in / n_out
+    support = 2.0 * scale if scale >= 1.0 else 2.0
+    invscale = 1.0 / scale if scale >= 1.0 else 1.0
+    kmax = int(math.ceil(support)) * 2 + 1
+    center = scale * (np.arange(n_out, dtype=np.float64) + 0.5)
+    lo = np.maximum(np.trunc(center - support + 0.5), 0).astype(np.int64)
+    size = np.clip(np.minimum(np.trunc(center + support + 0.5).astype(np.int64), n_in) - lo, 0, kmax)
+    weights = np.zeros((n_out, kmax), np.float64)
+    total = np.zeros(n_out, np.float64)
+    for j in range(kmax):
+        w = np.where(j < size, _bicubic((j + lo - center + 0.5) * invscale), 0.0)
+        weights[:, j] = w
+        total += w
+    np.divide(weights, total[:, None], out=weights, where=total[:, None] != 0)
+    precision = 0
+    largest = float(weights.max())
+    while precision < 22 and int(0.5 + largest * (1 << (precision + 1))) < (1 << 15):
+        precision += 1
+    scaled = weights * (1 << precision)
+    fixed = np.where(scaled < 0, np.trunc(scaled - 0.5), np.trunc(scaled + 0.5)).astype(np.int32)
+    index = np.minimum(lo[:, None] + np.arange(kmax), n_in - 1)
+    return index, fixed, precision
+
+
+def _resample_axis(pixels: np.ndarray, n_out: int, axis: int) -> np.ndarray:
+    """One separable pass in int32 fixed point; the resampled axis is moved first and made contiguous,
+    so each tap gathers whole rows."""
+    index, fixed, precision = _int16_weights(pixels.shape[axis], n_out)
+    src = np.ascontiguousarray(np.moveaxis(pixels, axis, 0))
+    shape = (n_out,) + (1,) * (src.ndim - 1)
+    acc = np.full((n_out, *src.shape[1:]), 1 << (precision - 1), np.int32)
+    term = np.empty_like(acc)
+    for j in range(fixed.shape[1]):
+        np.multiply(src[index[:, j]], fixed[:, j].reshape(shape), out=term)
+        acc += term
+    return np.moveaxis(np.clip(acc >> precision, 0, 255).astype(np.uint8), 0, axis)

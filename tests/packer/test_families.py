@@ -1,0 +1,165 @@
+"""The family registry bound to the real model folders, the newline label option, and Qwen3-VL video runs."""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from pathlib import Path
+
+import media_factory as mf
+import numpy as np
+import pytest
+
+from packtrain.packer.config import ModelConfig, PackingConfig, SourceConfig
+from packtrain.packer.families import (
+    FAMILIES,
+    detect_family,
+    family_for_model_type,
+    get_family,
+    model_spec,
+)
+from packtrain.packer.integrity import grid_problem, model_facts
+from packtrain.packer.records import ConfigError, RawRecord
+from packtrain.packer.shard_format import IGNORE_INDEX
+from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
+
+SHARED = Path(__file__).resolve().parents[2].parent / "shared"
+MODELS = SHARED / "models"
+DEMO = SHARED / "datasets" / "llamafactory-mllm-demo"
+NAMES = sorted(FAMILIES)
+
+
+@functools.cache
+def _tok(family: str, label_mode: str = "all_assistant", newline: bool = False) -> SampleTokenizer:
+    return SampleTokenizer(
+        SourceConfig(paths=["unused"]),
+        ModelConfig(family=family, path=str(MODELS / family), maxFrames=8),
+        PackingConfig(label_mode=label_mode, label_newline_after_turn_end=newline),
+    )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_model_folder_binds_to_its_entry(shared_dir: Path, name: str) -> None:
+    """Ids come from the folder's tokenizer files and agree with the loaded tokenizer and config.json."""
+    folder = MODELS / name
+    assert detect_family(folder) is FAMILIES[name] is get_family(name)
+    assert family_for_model_type(FAMILIES[name].model_type) is FAMILIES[name]
+    spec = model_spec(folder)
+    tokenizer = _tok(name).model.tokenizer
+    for role, text in FAMILIES[name].token_names.items():
+        assert getattr(spec.token_ids, role) == tokenizer.convert_tokens_to_ids(text)
+    config = json.loads((folder / "config.json").read_text())
+    assert spec.token_ids.image_pad == config["image_token_id"]
+    assert spec.token_ids.video_pad == config["video_token_id"]
+    pre = json.loads((folder / "preprocessor_config.json").read_text())
+    assert spec.vision.patch_size == pre["patch_size"] == FAMILIES[name].patch_size
+    assert spec.vision.image_mean == tuple(pre["image_mean"])
+
+
+def test_a_folder_mixing_two_models_is_refused(shared_dir: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "m"
+    shutil.copytree(MODELS / "qwen3-vl", folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["image_token_id"] = 151600
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="image_token_id"):
+        model_spec(folder)
+    with pytest.raises(ConfigError, match="not one of"):
+        get_family("llava")
+    with pytest.raises(ConfigError, match="model_type"):
+        family_for_model_type("llama")
+
+
+CHAT = {
+    "conversations": [
+        {"from": "human", "value": "Hi"},
+        {"from": "gpt", "value": "Hello!"},
+        {"from": "human", "value": "Bye"},
+        {"from": "gpt", "value": "See you."},
+    ]
+}
+
+
+@pytest.mark.parametrize(
+    ("mode", "newline", "trained"),
+    [
+        ("all_assistant", False, "Hello!<|im_end|>See you.<|im_end|>"),
+        ("all_assistant", True, "Hello!<|im_end|>\nSee you.<|im_end|>\n"),
+        ("last_assistant", False, "See you.<|im_end|>"),
+        ("last_assistant", True, "See you.<|im_end|>\n"),
+    ],
+)
+def test_newline_after_turn_end_is_trained_only_when_asked(
+    shared_dir: Path, mode: str, newline: bool, trained: str
+) -> None:
+    tok = _tok("qwen3-vl", mode, newline)
+    sample = tok(RawRecord(Path("d.jsonl"), 0, CHAT, None))
+    assert isinstance(sample, TokenizedSample)
+    assert tok.model.tokenizer.decode([t for t in sample.labels if t != IGNORE_INDEX]) == trained
+    plain = _tok("qwen3-vl", mode, False)(RawRecord(Path("d.jsonl"), 0, CHAT, None))
+    assert isinstance(plain, TokenizedSample) and plain.input_ids == sample.input_ids
+    extra = sum(t != IGNORE_INDEX for t in sample.labels) - sum(t != IGNORE_INDEX for t in plain.labels)
+    assert extra == (trained.count("\n") if newline else 0)
+
+
+def _video_sample(tok: SampleTokenizer) -> TokenizedSample:
+    record = {
+        "messages": [
+            {"role": "user", "content": "<image>Look."},
+            {"role": "assistant", "content": "A cat."},
+            {"role": "user", "content": "<video>And this?"},
+            {"role": "assistant", "content": "A dog."},
+        ],
+        "images": ["1.jpg"],
+        "videos": ["1.mp4"],
+    }
+    sample = tok(RawRecord(DEMO / "mllm_demo_data" / "d.json", 0, record, None))
+    assert isinstance(sample, TokenizedSample), sample
+    return sample
+
+
+def test_qwen3_video_is_one_run_of_timestamped_groups(shared_dir: Path) -> None:
+    """Truncation keeps a video's nested runs whole; `label_mode: all` skips its timestamps;
+    the integrity check counts one pad run per temporal group."""
+    tok = _tok("qwen3-vl")
+    ids = tok.model.ids
+    sample = _video_sample(tok)
+    video = sample.media[1]
+    starts = [i for i, t in enumerate(sample.input_ids) if t == ids.vision_start]
+    assert len(starts) == 1 + 1 + video.grid_t  # the image, the video's own run, one per group
+    inside = starts[2] + 3
+    cut = tok.truncate(sample, inside)
+    assert cut is not None and len(cut.media) == 1 and len(cut.input_ids) == starts[1]
+    ends = [i for i, t in enumerate(sample.input_ids) if t == ids.vision_end]
+    assert tok.truncate(sample, ends[-1] + 1) is not None
+    assert len(tok.truncate(sample, ends[-1] + 1).media) == 2  # type: ignore[union-attr]
+    everything = _tok("qwen3-vl", "all")
+    labelled = _video_sample(everything)
+    trained = everything.model.tokenizer.decode([t for t in labelled.labels if t != IGNORE_INDEX])
+    assert "seconds" not in trained and "<|vision" not in trained and "A dog." in trained
+    facts, _ = model_facts(MODELS / "qwen3-vl")
+    refs = [
+        {"sample": 0, "kind": m.kind, "grid_t": m.grid_t, "grid_h": m.grid_h, "grid_w": m.grid_w}
+        for m in sample.media
+    ]
+    arr = np.asarray(sample.input_ids)
+    assert grid_problem(arr, [len(arr)], refs, facts) is None
+    refs[1]["grid_t"] += 1
+    assert grid_problem(arr, [len(arr)], refs, facts) is not None
+
+
+def test_odd_video_pads_its_last_group(shared_dir: Path, tmp_path: Path) -> None:
+    """2.5 s at 2 fps: 5 sampled frames, three groups, the last padded with the final frame."""
+    path = mf.video(tmp_path / "v.mp4", frames=25, fps=10)
+    record = {
+        "messages": [{"role": "user", "content": "<video>?"}, {"role": "assistant", "content": "!"}],
+        "videos": [path.name],
+    }
+    tok = _tok("qwen3-vl")
+    sample = tok(RawRecord(tmp_path / "d.json", 0, record, None))
+    assert isinstance(sample, TokenizedSample), sample
+    video = sample.media[0]
+    assert video.frames == [0, 6, 12, 18, 24] and video.grid_t == 3
+    text = tok.model.tokenizer.decode(sample.input_ids)
+    assert "<0.3 seconds><|vision_start|>" in text and "<1.5 seconds>" in text and "<2.4 seconds>" in text
