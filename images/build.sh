@@ -43,6 +43,9 @@ done
 [ ${#images[@]} -gt 0 ] || images=("${ALL_IMAGES[@]}")
 
 mkdir -p "$CACHE/stamps" "$CACHE/tmp"
+# One build at a time per cache (CI, a test session and a person may start one together).
+exec 9>"$CACHE/build.lock"
+flock 9
 rm -f "$CACHE/UNAVAILABLE"
 : >>"$LOG"
 log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$LOG" >&2; }
@@ -145,6 +148,7 @@ for image in "${images[@]}"; do
   t0=$SECONDS
   rm -f "$CACHE/stamps/$image.key"
   wheel_args=()
+  # /mnt is an empty folder in both bases, so the mount leaves no trace in a layer.
   if fetch_wheels "$image"; then
     wheel_args=(-v "$WHEELS:/mnt:ro"
                 --build-arg PIP_FIND_LINKS=/mnt --build-arg PIP_NO_INDEX=1)

@@ -166,18 +166,20 @@ def immutable_rules(kind: str, fields: list[str], required: frozenset[str]) -> l
 class ResourceRequirements(CamelModel):
     """Container requests/limits, as in a Pod spec (quantities: `2`, `500m`, `8Gi`)."""
 
-    requests: dict[str, Quantity] | None = Field(None, max_length=16)
-    limits: dict[str, Quantity] | None = Field(None, max_length=16)
+    requests: dict[str, Quantity] | None = Field(None, max_length=16, description="What the scheduler reserves.")
+    limits: dict[str, Quantity] | None = Field(None, max_length=16, description="What the container may use at most.")
 
 
 class Toleration(CamelModel):
     """A Pod toleration (see the Kubernetes Pod API)."""
 
-    key: str | None = None
-    operator: Literal["Exists", "Equal"] | None = None
-    value: str | None = None
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = None
+    key: str | None = Field(None, description="The taint key tolerated; empty with Exists: every taint.")
+    operator: Literal["Exists", "Equal"] | None = Field(None, description="Exists, or Equal (the default) to value.")
+    value: str | None = Field(None, description="The taint value, with Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="The taint effect tolerated; empty: all."
+    )
+    toleration_seconds: int | None = Field(None, description="With NoExecute: how long the pod stays once tainted.")
 
 
 class Scheduling(CamelModel):
@@ -215,10 +217,10 @@ class ClaimMount(CamelModel):
     }
 
     name: str = Field(..., pattern=_NAME, max_length=50, description="Volume name in the pod.")
-    claim_name: str = Field(..., min_length=1)
-    mount_path: MountPath
-    sub_path: SubPath | None = None
-    read_only: bool = True
+    claim_name: str = Field(..., min_length=1, description="The PersistentVolumeClaim.")
+    mount_path: MountPath = Field(..., description="Where it is mounted in the pods.")
+    sub_path: SubPath | None = Field(None, description="Mount only this folder of the claim.")
+    read_only: bool = Field(True, description="Mounted read-only (the default).")
 
     @model_validator(mode="after")
     def _not_reserved(self) -> ClaimMount:
@@ -268,7 +270,7 @@ class PackWorkers(Scheduling):
     )
     resources: ResourceRequirements | None = None
     image: str | None = Field(None, description="Default: the operator's packer image.")
-    service_account_name: str | None = None
+    service_account_name: str | None = Field(None, description="Default: the namespace's default (the policy may refuse it).")
     backoff_limit_per_index: int = Field(1, ge=0, le=100, description="Retries of a failed index.")
 
 
@@ -439,8 +441,8 @@ class SFTResources(Scheduling):
 class VolumeClaim(CamelModel):
     """A PersistentVolumeClaim and the folder of it to use."""
 
-    claim_name: str = Field(..., min_length=1)
-    sub_path: SubPath | None = None
+    claim_name: str = Field(..., min_length=1, description="The PersistentVolumeClaim.")
+    sub_path: SubPath | None = Field(None, description="The folder of the claim to use; default: all of it.")
 
 
 class SFTVolumes(CamelModel):
@@ -460,8 +462,10 @@ class SFTVolumes(CamelModel):
 class Runtime(CamelModel):
     """The Kubeflow Trainer v2 runtime a `trainjob` backend runs against."""
 
-    name: str = "torch-distributed"
-    kind: Literal["ClusterTrainingRuntime", "TrainingRuntime"] = "ClusterTrainingRuntime"
+    name: str = Field("torch-distributed", description="The runtime's name.")
+    kind: Literal["ClusterTrainingRuntime", "TrainingRuntime"] = Field(
+        "ClusterTrainingRuntime", description="Cluster-wide, or a TrainingRuntime in the SFTJob's namespace."
+    )
 
 
 class SFTJobSpec(CamelModel):
@@ -524,7 +528,7 @@ class SFTJobSpec(CamelModel):
     clean_pod_policy: Literal["None", "Running", "All"] = Field(
         "None", description="Pods kept after the end."
     )
-    service_account_name: str | None = None
+    service_account_name: str | None = Field(None, description="Default: the namespace's default (the policy may refuse it).")
 
     @model_validator(mode="after")
     def _exactly_one_data(self) -> SFTJobSpec:
@@ -557,9 +561,9 @@ class SFTJobSpec(CamelModel):
 class TrainingJobRef(CamelModel):
     """The child PyTorchJob or TrainJob."""
 
-    api_version: str
-    kind: str
-    name: str
+    api_version: str = Field(..., description="kubeflow.org/v1 or trainer.kubeflow.org/v1alpha1.")
+    kind: str = Field(..., description="PyTorchJob or TrainJob.")
+    name: str = Field(..., description="Its name (the SFTJob's).")
 
 
 class TrainProgress(CamelModel):

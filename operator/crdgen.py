@@ -135,9 +135,9 @@ def crd(kind: type[PackJob] | type[SFTJob]) -> dict[str, Any]:
         "type": "object",
         "description": kind.__doc__ or f"{kind.KIND} of packtrain.dev.",
         "properties": {
-            "apiVersion": {"type": "string"},
-            "kind": {"type": "string"},
-            "metadata": {"type": "object"},
+            "apiVersion": {"type": "string", "description": f"{GROUP}/{VERSION}."},
+            "kind": {"type": "string", "description": f"{kind.KIND}."},
+            "metadata": {"type": "object"},  # the API server allows nothing more (explain shows ObjectMeta's)
             "spec": structural(props["spec"], defs, ".spec"),
             "status": structural(props["status"], defs, ".status"),
         },

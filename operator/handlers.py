@@ -17,6 +17,7 @@ never overwrites a newer one.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import logging
 import os
@@ -172,8 +173,21 @@ def write_status(memo: kopf.Memo, plural: str, body: Mapping[str, Any], **hints:
     status is computed from what was read and written only if the object is unchanged
     since, otherwise read again and recomputed.
     """
-    kind, reconcile = RECONCILERS[plural]
     kube = memo.view if "view" in memo else memo.kube
+    if not isinstance(kube, CachedKube):
+        _write_status(memo, kube, plural, body, **hints)
+        return
+    meta = body["metadata"]
+    with kube.lock(plural, meta["namespace"], meta["name"]):
+        # What the previous writer left (its own write is in the view at once).
+        current = kube.get(GROUP, VERSION, plural, meta["namespace"], meta["name"])
+        if current is not None and current["metadata"].get("uid") == meta.get("uid"):
+            body = current
+        _write_status(memo, kube, plural, body, **hints)
+
+
+def _write_status(memo: kopf.Memo, kube: Any, plural: str, body: Mapping[str, Any], **hints: Any) -> None:
+    kind, reconcile = RECONCILERS[plural]
     meta = body["metadata"]
     for _ in range(5):
         try:
@@ -191,8 +205,11 @@ def write_status(memo: kopf.Memo, plural: str, body: Mapping[str, Any], **hints:
                 raise
             # Someone wrote since (kopf's own annotations, another event's status): its watch event
             # brings the newer object into the cache moments later; the API is asked only if it does not.
-            waited = kube.wait_newer(plural, meta["namespace"], meta["name"], meta["resourceVersion"]) \
-                if hasattr(kube, "wait_newer") else None
+            waited = (
+                kube.wait_newer(plural, meta["namespace"], meta["name"], meta["resourceVersion"])
+                if isinstance(kube, CachedKube)
+                else None
+            )
             fresh = waited or memo.kube.get(GROUP, VERSION, plural, meta["namespace"], meta["name"])
             if fresh is None or fresh["metadata"].get("deletionTimestamp"):
                 return
@@ -213,9 +230,12 @@ def _sync(memo: kopf.Memo, indexes: Mapping[str, Any]) -> None:
     """Point the cached view at the indexes kopf passed to this handler (the same objects every call).
 
     kopf gives each resource object a shallow copy of the startup memo: the view itself is
-    created at startup, so every handler and the sweep share it.
+    created at startup, so every handler and the sweep share it. The sweep also borrows a
+    handler's context, where kopf keeps what posting an Event needs.
     """
     memo.view.indexes = indexes
+    if memo.view.context is None:
+        memo.view.context = contextvars.copy_context()
 
 
 # Indexes: the cached view the reconcilers read (kopf fills them from its watches).
@@ -490,7 +510,9 @@ async def _sweep_loop(memo: kopf.Memo) -> None:
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(RESYNC_INTERVAL)
-        await loop.run_in_executor(None, sweep, memo)
+        context = memo.view.context
+        if context is not None:  # no handler has run yet: nothing is cached to sweep
+            await loop.run_in_executor(None, context.run, sweep, memo)
 
 
 # Operator lifecycle

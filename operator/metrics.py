@@ -6,6 +6,8 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from .commands import PACK_STAGES
+
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 RECONCILES = Counter(
@@ -33,6 +35,12 @@ STAGE_SECONDS = Histogram(
     buckets=(10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400, 28800, 86400),
     registry=REGISTRY,
 )
+# Every labelled series exists from 0 at start: a stage observed once per pack would otherwise
+# appear already at 1, and rate()/histogram_quantile() would never see its first observation.
+for _stage in PACK_STAGES:
+    STAGE_SECONDS.labels(_stage)
+for _kind in ("PackJob", "SFTJob"):
+    RECONCILES.labels(_kind)
 
 
 class PhaseTracker:

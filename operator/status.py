@@ -102,10 +102,12 @@ def lifecycle_conditions(
     conds = set_condition(previous, "Ready", o.phase == "Succeeded", o.reason, o.message, now, generation)
     created = o.created or ("NotCreated", f"nothing created yet: {o.message}")
     conds = set_condition(conds, "Created", o.created is not None, *created, now, generation)
-    running = o.phase in RUNNING_PHASES and o.suspended is None
-    why_not = o.suspended[0] if o.suspended and not done else o.phase
+    stuck = o.reason == "Unschedulable"  # nothing runs while no pod can be placed
+    running = o.phase in RUNNING_PHASES and o.suspended is None and not stuck
+    why_not = o.suspended[0] if o.suspended and not done else (o.reason if stuck else o.phase)
     conds = set_condition(
-        conds, "Running", running, o.reason if running else why_not, o.message if running else "", now, generation
+        conds, "Running", running, o.reason if running else why_not, o.message if running or stuck else "", now,
+        generation,
     )
     conds = set_condition(
         conds, "Suspended", o.suspended is not None, *(o.suspended or ("NotSuspended", "")), now, generation
@@ -768,11 +770,14 @@ WARNING_REASONS = frozenset(
 
 
 def event_reason(status: Mapping[str, Any] | None) -> str | None:
-    """The reason an Event reports: a passed deadline (Degraded) first, else the current (Ready) reason."""
+    """What an Event reports on: a passed deadline (`Degraded:<reason>`) first, else the current (Ready) reason.
+
+    The Degraded prefix keeps a deadline passing apart from the wait it ends (both `Unschedulable`).
+    """
     conds = (status or {}).get("conditions")
     degraded = get_condition(conds, "Degraded") or {}
     if degraded.get("status") == "True":
-        return str(degraded.get("reason"))
+        return f"Degraded:{degraded.get('reason')}"
     data = get_condition(conds, "DataReady") or {}
     if data.get("reason") == "PackJobDeleted":
         return "PackJobDeleted"
@@ -785,13 +790,17 @@ def transition_event(
 ) -> tuple[str, str, str] | None:
     """(type, reason, message) of the Event to post when the phase or its reason changed, else None."""
     phase = status.get("phase")
-    reason = event_reason(status) or str(phase)
-    if not phase or (phase == previous_phase and reason == previous_reason):
+    key = event_reason(status) or str(phase)
+    if not phase or (phase == previous_phase and key == previous_reason):
         return None
     conds = status.get("conditions")
-    said = next(
-        (c for c in (get_condition(conds, t) for t in ("Degraded", "DataReady", "Ready")) if c and c.get("reason") == reason),
-        None,
-    )
+    where, _, reason = key.rpartition(":")
+    # The message of the condition that holds the reason now: a passed deadline, the failure, the data, Ready.
+    said: Mapping[str, Any] = {}
+    for ctype in (where or "Failed", "DataReady", "Ready"):
+        c = get_condition(conds, ctype) or {}
+        if c.get("reason") == reason and (ctype in ("DataReady", "Ready") or c.get("status") == "True"):
+            said = c
+            break
     kind = "Warning" if phase == "Failed" or reason in WARNING_REASONS else "Normal"
-    return kind, reason, str((said or {}).get("message") or phase)
+    return kind, reason, str(said.get("message") or phase)

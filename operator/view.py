@@ -10,6 +10,7 @@ remembered (`latest`) so the next event does not compute from the status just re
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
 from collections.abc import Mapping, MutableMapping
@@ -107,8 +108,10 @@ class CachedKube:
         self.kube = kube
         self.latest = latest
         self.indexes: Mapping[str, Any] = {}
+        self.context: contextvars.Context | None = None  # a handler's, for work outside handlers (the sweep)
         # Children created (or found existing) by this process, until the watch shows them.
         self._created: dict[tuple[str, str, str], tuple[float, dict[str, Any]]] = {}
+        self._locks: dict[tuple[str, str, str], threading.Lock] = {}
         self._lock = threading.Lock()
 
     def _recent(self, key: tuple[str, str, str]) -> dict[str, Any] | None:
@@ -161,12 +164,22 @@ class CachedKube:
         """Create unless this process made (or met) it moments ago and the watch has not shown it yet."""
         meta = body["metadata"]
         key = (PLURAL_OF_KIND.get(body["kind"], body["kind"]), meta["namespace"], meta["name"])
-        if self._recent(key) is not None:
-            return False
-        created = self.kube.create(body)
-        with self._lock:
+        with self._lock:  # claimed before the call: a racing reconcile of the same parent skips it
+            seen = self._created.get(key)
+            if seen is not None and time.monotonic() - seen[0] <= CREATED_GRACE:
+                return False
             self._created[key] = (time.monotonic(), body)
-        return created
+        try:
+            return self.kube.create(body)
+        except Exception:
+            with self._lock:
+                self._created.pop(key, None)
+            raise
+
+    def lock(self, plural: str, namespace: str, name: str) -> threading.Lock:
+        """One writer per parent at a time: events of its children arrive on several threads at once."""
+        with self._lock:
+            return self._locks.setdefault((plural, namespace, name), threading.Lock())
 
     def wait_newer(self, plural: str, namespace: str, name: str, than: str, timeout: float = 2.0) -> dict | None:
         """The cached object once its resourceVersion differs from `than` (a write we lost to), else None."""

@@ -45,17 +45,23 @@ class FieldMap(CamelModel):
     messages: str = Field("messages", description="role/content turn-list column.")
     role_key: str = Field("from", description="ShareGPT key holding a turn's role.")
     content_key: str = Field("value", description="ShareGPT key holding a turn's text.")
-    images: str = "images"
-    videos: str = "videos"
-    audios: str = "audios"
-    system: str = "system"
-    tools: str = "tools"
-    id: str = "id"
-    user_roles: list[str] = Field(default_factory=lambda: ["human", "user"])
-    assistant_roles: list[str] = Field(default_factory=lambda: ["gpt", "assistant"])
-    system_roles: list[str] = Field(default_factory=lambda: ["system"])
-    function_call_roles: list[str] = Field(default_factory=lambda: ["function_call"])
-    observation_roles: list[str] = Field(default_factory=lambda: ["observation", "tool"])
+    images: str = Field("images", description="Column listing a record's image files.")
+    videos: str = Field("videos", description="Column listing a record's video files.")
+    audios: str = Field("audios", description="Column listing a record's audio files (rejected: not supported).")
+    system: str = Field("system", description="Column holding a system prompt.")
+    tools: str = Field("tools", description="Column holding tool definitions.")
+    id: str = Field("id", description="Column holding a record's id (rejects and unpack name samples by it).")
+    user_roles: list[str] = Field(default_factory=lambda: ["human", "user"], description="Roles read as the user.")
+    assistant_roles: list[str] = Field(
+        default_factory=lambda: ["gpt", "assistant"], description="Roles read as the assistant (trained on)."
+    )
+    system_roles: list[str] = Field(default_factory=lambda: ["system"], description="Roles read as the system.")
+    function_call_roles: list[str] = Field(
+        default_factory=lambda: ["function_call"], description="Roles read as the assistant calling a tool."
+    )
+    observation_roles: list[str] = Field(
+        default_factory=lambda: ["observation", "tool"], description="Roles read as a tool's answer."
+    )
     image_placeholder: str = Field(
         "<image>", min_length=1, max_length=64, description="Marks where an image goes in a turn's text."
     )
@@ -195,7 +201,7 @@ class ModelConfig(CamelModel):
         }
     }
 
-    family: Family = "qwen2-vl"
+    family: Family = Field("qwen2-vl", description="The model family (its chat template, vision tokens, rope).")
     path: str = Field(..., description="Folder with tokenizer, chat template and preprocessor config.")
     chat_template: str | None = Field(None, description="Path to a Jinja template overriding the folder's.")
     min_pixels: int | None = Field(
@@ -204,11 +210,21 @@ class ModelConfig(CamelModel):
     max_pixels: int | None = Field(
         None, ge=1, le=MAX_PIXELS_CEILING, description="Default: the folder's preprocessor config."
     )
-    video_min_pixels: int | None = Field(None, ge=1, le=MAX_PIXELS_CEILING)
-    video_max_pixels: int | None = Field(None, ge=1, le=MAX_PIXELS_CEILING)
-    fps: float = Field(2.0, gt=0, description="Video frame sampling rate.")
-    min_frames: int = Field(4, ge=1)
-    max_frames: int = Field(768, ge=1, le=MAX_FRAMES_CEILING)
+    video_min_pixels: int | None = Field(
+        None, ge=1, le=MAX_PIXELS_CEILING, description="Pixels per video frame, at least. Default: the folder's video processor config, else the family's, else minPixels."
+    )
+    video_max_pixels: int | None = Field(
+        None, ge=1, le=MAX_PIXELS_CEILING, description="Pixels per video frame, at most. Default: the folder's video processor config, else the family's, else maxPixels."
+    )
+    fps: float | None = Field(
+        None, gt=0, description="Video frame sampling rate. Default: the folder's video processor config, else 2."
+    )
+    min_frames: int | None = Field(
+        None, ge=1, description="Default: the folder's video processor config, else 4."
+    )
+    max_frames: int | None = Field(
+        None, ge=1, le=MAX_FRAMES_CEILING, description="Default: the folder's video processor config, else 768."
+    )
     cap_pixels_per_frame: bool = Field(
         True,
         description="Qwen3-VL videos: cap each frame's pixels as the reference implementation (qwen-vl-utils) "
@@ -218,7 +234,7 @@ class ModelConfig(CamelModel):
 
     @model_validator(mode="after")
     def _frames_order(self) -> ModelConfig:
-        if self.min_frames > self.max_frames:
+        if self.min_frames is not None and self.max_frames is not None and self.min_frames > self.max_frames:
             raise ValueError(f"minFrames ({self.min_frames}) must not exceed maxFrames ({self.max_frames})")
         for low, high in _PIXEL_ORDER:
             lo, hi = getattr(self, low), getattr(self, high)
@@ -236,14 +252,16 @@ class PackingConfig(CamelModel):
     partial_threshold: int | None = Field(
         None, ge=1, description="Samples at least this long get a sequence of their own."
     )
-    seed: int = 0
+    seed: int = Field(0, description="Seed of every random choice (packing order, mixtures): same seed, same pack.")
     label_mode: LabelMode = Field("all_assistant", description="Which turns are trained on.")
     label_newline_after_turn_end: bool = Field(
         False,
         description="Also train the newline after each assistant turn's end token (<|im_end|>), as ms-swift "
         "4.6 does; by default the newline belongs to the next prompt and is not trained.",
     )
-    sequences_per_shard: int = Field(1024, ge=1, le=SEQUENCES_PER_SHARD_CEILING)
+    sequences_per_shard: int = Field(
+        1024, ge=1, le=SEQUENCES_PER_SHARD_CEILING, description="Packed sequences per shard file."
+    )
     media_storage: MediaStorage = Field(
         "original", description="original bytes, or pre-resized images / sampled frames (less decode on GPUs)."
     )

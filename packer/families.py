@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .config import ModelConfig
+from .config import MAX_FRAMES_CEILING, ModelConfig
 from .family_registry import FAMILIES, Family
 from .records import ConfigError
 from .vision import VisionSpec
@@ -256,13 +256,14 @@ def vision_spec(folder: Path, cfg: ModelConfig, family: Family | None = None) ->
         or _pixels(vid, "max_pixels", "longest_edge")
         or fam.video_max_pixels
         or max_px,
-        fps=cfg.fps,
-        min_frames=cfg.min_frames,
-        max_frames=cfg.max_frames,
+        fps=float(cfg.fps or vid.get("fps") or VisionSpec.fps),
+        min_frames=int(cfg.min_frames or vid.get("min_frames") or VisionSpec.min_frames),
+        max_frames=min(int(cfg.max_frames or vid.get("max_frames") or VisionSpec.max_frames), MAX_FRAMES_CEILING),
         tokens_per_second=None if tps is None else float(tps),
         frame_sampling=fam.frame_sampling,
         video_resize=fam.video_resize,
         cap_pixels_per_frame=cfg.cap_pixels_per_frame,
+        max_video_tokens=int(vid.get("max_video_tokens") or VisionSpec.max_video_tokens),
         image_mean=tuple(float(x) for x in pre.get("image_mean", fam.image_mean)),
         image_std=tuple(float(x) for x in pre.get("image_std", fam.image_std)),
         rescale_factor=float(pre.get("rescale_factor", 1 / 255)),

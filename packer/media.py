@@ -279,6 +279,8 @@ class MediaAccess:
             self._cache[key] = cached
             if len(self._cache) > _MEDIA_CACHE_SIZE:
                 self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
         if isinstance(cached, MediaError):
             raise MediaError(cached.reason, cached.detail)
         if self.embedded_dir is not None and not path.is_file():
@@ -293,13 +295,12 @@ def _measure_bytes(kind: str, path: Path, data: bytes, spec: VisionSpec, limits:
 
 
 def _decoded(name: str, work: Callable[[], MediaItem]) -> MediaItem:
-    """`work()`, with every failure a MediaError naming `name` (decoders raise anything on hostile input)."""
+    """`work()`, with every failure a MediaError naming `name` (decoders raise anything on hostile input;
+    bytes in memory are never missing, so an OSError from a decoder is corrupt data too)."""
     try:
         return work()
     except MediaError as exc:
         raise MediaError(exc.reason, f"{name}: {exc.detail}") from exc
-    except OSError as exc:
-        raise MediaError("missing_media", f"{name}: cannot read ({exc.strerror or exc})") from exc
     except Exception as exc:  # one file must not stop a worker
         raise MediaError("corrupt_media", f"{name}: unreadable ({type(exc).__name__}: {exc})") from exc
 

@@ -100,8 +100,10 @@ def entrypoint(image: str) -> list[str]:
 def test_dockerfile_is_multistage_pinned_and_non_root(image: str) -> None:
     steps = instructions(image)
     args = {a.split("=", 1)[0]: a.split("=", 1)[1].strip('"') for w, a in steps if w == "ARG" and "=" in a}
-    bases = [a.split()[0] for w, a in steps if w == "FROM"]
-    assert len(bases) >= 2, "multi-stage: a builder and a runtime stage"
+    froms = [a.split() for w, a in steps if w == "FROM"]
+    assert len(froms) >= 2, "multi-stage: a builder and a runtime stage"
+    stages = {f[2] for f in froms if len(f) == 3 and f[1].upper() == "AS"}
+    bases = [f[0] for f in froms if f[0] not in stages]  # a stage built on an earlier one is no base
     for base in bases:
         ref = args.get(base.strip("${}"), base)
         name, _, tag = ref.partition(":")

@@ -256,20 +256,22 @@ fi
 # --- add-ons for the end-to-end tests: Kueue, Trainer v2 + JobSet, Prometheus ------------------
 mod_info() { (cd "$GO_SRC/$1" && go list -m -f "{{.$3}}" "$2" 2>>"$LOG"); }
 
-# build_tool NAME WRAPPER PACKAGE MODULE: build PACKAGE (of MODULE, required by the wrapper module
-# tests/cluster/go/WRAPPER) into $BIN/NAME; rebuilt when the wrapper's go.mod/go.sum change.
+# build_tool NAME WRAPPER PACKAGE MODULE [VERSION_VAR]: build PACKAGE (of MODULE, required by the
+# wrapper module tests/cluster/go/WRAPPER) into $BIN/NAME, with VERSION_VAR (a string variable of
+# MODULE) set to MODULE's version; rebuilt when the wrapper's go.mod/go.sum change.
 build_tool() {
-  local name="$1" wrapper="$2" pkg="$3" module="$4" st version
-  st="$(stamp "$name" "$(module_files "$GO_SRC/$wrapper")")"
+  local name="$1" wrapper="$2" pkg="$3" module="$4" version_var="${5:-}" st version ldflags="-s -w"
+  st="$(stamp "$name" "$version_var" "$(module_files "$GO_SRC/$wrapper")")"
   if fresh "$name" "$st" && [[ -x "$BIN/$name" ]]; then
     say "$name: up to date"
     return
   fi
   fetch_modules "$GO_SRC/$wrapper"
   version="$(mod_info "$wrapper" "$module" Version)"
+  [[ -n "$version_var" ]] && ldflags+=" -X $version_var=$version"
   say "building $name from $module $version"
   t0=$SECONDS
-  (cd "$GO_SRC/$wrapper" && run go build -p 2 -trimpath -ldflags "-s -w" -o "$BIN/$name" "$pkg") ||
+  (cd "$GO_SRC/$wrapper" && run go build -p 2 -trimpath -ldflags "$ldflags" -o "$BIN/$name" "$pkg") ||
     { say "$name build failed; see $LOG"; exit 1; }
   echo "$st" >"$STAMPS/$name"
   say "$name $version built in $((SECONDS - t0)) s"
@@ -322,10 +324,10 @@ fetch_prometheus() {
 }
 
 if [[ $WITH_ADDONS == 1 ]]; then
-  build_tool kueue kueue sigs.k8s.io/kueue/cmd/kueue sigs.k8s.io/kueue
+  build_tool kueue kueue sigs.k8s.io/kueue/cmd/kueue sigs.k8s.io/kueue sigs.k8s.io/kueue/pkg/version.GitVersion
   build_tool trainer-controller-manager trainer github.com/kubeflow/trainer/v2/cmd/trainer-controller-manager \
     github.com/kubeflow/trainer/v2
-  build_tool jobset trainer sigs.k8s.io/jobset sigs.k8s.io/jobset
+  build_tool jobset trainer sigs.k8s.io/jobset sigs.k8s.io/jobset sigs.k8s.io/jobset/pkg/version.GitVersion
   ADDON_STAMP="$(stamp addons "$(cat "$GO_SRC/kueue/go.sum" "$GO_SRC/trainer/go.sum")")"
   if fresh addons "$ADDON_STAMP" && [[ -d "$ADDONS/kueue/crds" ]]; then
     say "add-on CRDs and runtimes: up to date"
@@ -338,9 +340,11 @@ if [[ $WITH_ADDONS == 1 ]]; then
     kueue_dir="$(mod_info kueue sigs.k8s.io/kueue Dir)"
     jobset_dir="$(mod_info trainer sigs.k8s.io/jobset Dir)"
     trainer_dir="$(mod_info trainer github.com/kubeflow/trainer/v2 Dir)"
-    rm -rf "$ADDONS" && mkdir -p "$ADDONS/kueue/crds" "$ADDONS/jobset/crds" "$ADDONS/trainer/runtimes"
+    rm -rf "$ADDONS" && mkdir -p "$ADDONS/kueue/crds" "$ADDONS/jobset/crds" "$ADDONS/jobset-webhooks" \
+      "$ADDONS/trainer/runtimes"
     cp "$kueue_dir"/config/components/crd/bases/*.yaml "$ADDONS/kueue/crds/"
     cp "$jobset_dir"/config/components/crd/bases/*.yaml "$ADDONS/jobset/crds/"
+    cp "$jobset_dir/config/components/webhook/manifests.yaml" "$ADDONS/jobset-webhooks/"
     cp "$trainer_dir/manifests/base/runtimes/torch_distributed.yaml" "$ADDONS/trainer/runtimes/"
     chmod -R u+w "$ADDONS"
     echo "$ADDON_STAMP" >"$STAMPS/addons"

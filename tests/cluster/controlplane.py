@@ -442,11 +442,11 @@ class ControlPlane:
         return comp
 
     # -- add-ons: Kueue, JobSet, Kubeflow Trainer v2 (built by build.sh) ------------------------
-    # Like the training-operator, each runs with its admission webhooks unregistered: the API server
-    # could reach a webhook only through a Service with loopback endpoints, which it refuses. Their
-    # controllers are unchanged; what goes untested is the webhooks' own work: Kueue's defaulting
-    # (suspending a queued Job on create: the operator creates queued children suspended instead)
-    # and validation, JobSet's and Trainer's defaulting/validation (the CRD schemas still apply).
+    # Like the training-operator, Kueue and Trainer run with their admission webhooks unregistered
+    # (JobSet's are registered, see start_jobset). Their controllers are unchanged; what goes
+    # untested is the webhooks' own work: Kueue's defaulting (suspending a queued Job on create: the
+    # operator creates queued children suspended instead) and validation, and Trainer's
+    # defaulting/validation of TrainJobs and runtimes (the CRD schemas still apply).
 
     @property
     def addon_dir(self) -> Path:
@@ -532,20 +532,38 @@ class ControlPlane:
         return self._start_addon("kueue", namespace, config, [], probe, timeout)
 
     def start_jobset(self, namespace: str = "jobset-system", timeout: float = 120) -> Component:
-        """Run the JobSet controller (sigs.k8s.io/jobset, the version Trainer v2 requires) with its CRDs."""
+        """Run the JobSet controller (sigs.k8s.io/jobset, the version Trainer v2 requires) with its CRDs.
+
+        Unlike the others, JobSet's own webhooks for JobSet objects are registered and called: its
+        controller relies on their defaults (a JobSet without ``spec.network`` panics it). The API
+        server reaches them by URL on loopback (its own host), with our CA as the bundle; the
+        module's webhook configurations are applied with only the client config changed. Its pod
+        webhooks (exclusive placement) stay unregistered: they would see every pod of the cluster.
+        """
         self.install_addon_manifests("jobset")
         certs = self._addon_certs("jobset")
-        probe = free_port()
+        probe, webhook_port = free_port(), free_port()
         config = {
             "apiVersion": "config.jobset.x-k8s.io/v1alpha1", "kind": "Configuration",
-            "namespace": namespace,
             "health": {"healthProbeBindAddress": f"127.0.0.1:{probe}"},
             "metrics": {"bindAddress": f"127.0.0.1:{free_port()}", "certDir": str(certs)},
-            "webhook": {"port": free_port(), "host": "127.0.0.1", "certDir": str(certs)},
+            "webhook": {"port": webhook_port, "host": "127.0.0.1", "certDir": str(certs)},
             "leaderElection": {"leaderElect": False},
             "internalCertManagement": {"enable": False},
         }
-        return self._start_addon("jobset", namespace, config, [], probe, timeout)
+        comp = self._start_addon("jobset", namespace, config, [], probe, timeout)
+        configs = []
+        for doc in yaml.safe_load_all((self.addon_dir / "jobset-webhooks" / "manifests.yaml").read_text()):
+            if not doc:
+                continue
+            doc["metadata"]["name"] = f"jobset-{doc['metadata']['name']}"
+            doc["webhooks"] = [w for w in doc["webhooks"] if "jobset" in w["name"]]
+            for w in doc["webhooks"]:
+                path = w["clientConfig"]["service"]["path"]
+                w["clientConfig"] = {"url": f"https://127.0.0.1:{webhook_port}{path}", "caBundle": _b64(self._pki.ca_pem)}
+            configs.append(doc)
+        self.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": configs}))
+        return comp
 
     def start_trainer(self, namespace: str = "kubeflow-system", timeout: float = 120) -> Component:
         """Run the Kubeflow Trainer v2 controller manager and install the torch-distributed runtime.

@@ -5,8 +5,9 @@ modules by tests/cluster/build.sh; the `torch-distributed` ClusterTrainingRuntim
 the trainer module's manifests, unchanged. The SFTJob's TrainJob becomes a JobSet (Trainer), the
 JobSet a Job (JobSet), the Job a pod (Kubernetes) that the node agent runs: the real chain.
 
-Both controllers run with their admission webhooks unregistered, like the training-operator (see
-ControlPlane): their defaulting and validation webhooks are what stays untested.
+JobSet's webhooks for JobSet objects are registered and called (its controller needs their
+defaults); the Trainer's run unregistered, like the training-operator's (see ControlPlane), so its
+TrainJob/runtime defaulting and validation webhooks are what stays untested.
 
 The runtime is the cluster admin's and sets no security context, and a TrainJob cannot override
 one (see the operator's TrainJob builder), so this namespace enforces the `baseline` Pod Security
@@ -80,7 +81,7 @@ def test_quickstart_runs_through_trainer_v2(e2e: Harness, capsys: pytest.Capture
     env = {e.name: e.value for e in container.env or []}
     # Set by the Trainer's torch plugin, not by the operator.
     assert env.get("PET_NNODES") == "1" and env.get("PET_MASTER_ADDR"), env
-    assert pod.spec.node_name == "gpu-0"
+    assert pod.spec.node_name == "cpu-0"  # the quickstart's gpusPerNode: 0 runs on the CPU pool
     assert pod.status.container_statuses[0].state.terminated.exit_code == 0
 
     progress = sftjob["status"]["progress"]

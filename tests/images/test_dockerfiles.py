@@ -89,7 +89,7 @@ def test_dockerfile_takes_the_base_as_an_argument(image: str) -> None:
     text = (IMAGES / image / "Dockerfile").read_text()
     assert re.search(r"^ARG BASE_IMAGE=python:3\.11\.\d+-slim-bookworm$", text, re.M), image
     assert [ln for ln in text.splitlines() if ln.startswith("FROM ")] == [
-        "FROM ${BASE_IMAGE} AS builder", "FROM ${BASE_IMAGE}"]
+        "FROM ${BASE_IMAGE} AS tools", "FROM tools AS builder", "FROM ${BASE_IMAGE}"]
     assert "org.opencontainers.image.licenses" in text and "ARG SOURCE_DATE_EPOCH" in text
 
 

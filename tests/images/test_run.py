@@ -95,7 +95,7 @@ def test_trainer_image_trains_two_cpu_steps(built_images: dict[str, rootfs.Image
     pack = packs[0]
     work = writable_dir(tmp_path / "train")
     job = quickstart("SFTJob")
-    job["spec"]["data"] = {"path": str(pack), "numWorkers": 0}
+    job["spec"]["data"] = {"path": str(pack), "numWorkers": 1}
     config = work / "sftjob.yaml"
     config.write_text(yaml.safe_dump(job))
     out = writable_dir(work / "out")

@@ -29,8 +29,6 @@ DEMO = SHARED / "datasets" / "llamafactory-mllm-demo"
 TEXT = SHARED / "datasets" / "text-sft"
 QWEN2 = SHARED / "models" / "qwen2-vl"
 
-energon = pytest.importorskip("megatron.energon", reason="megatron-energon is in the [test] extra")
-
 
 @pytest.fixture(scope="module", params=["original", "resized"])
 def pack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:

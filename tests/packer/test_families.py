@@ -163,3 +163,46 @@ def test_odd_video_pads_its_last_group(shared_dir: Path, tmp_path: Path) -> None
     assert video.frames == [0, 6, 12, 18, 24] and video.grid_t == 3
     text = tok.model.tokenizer.decode(sample.input_ids)
     assert "<0.3 seconds><|vision_start|>" in text and "<1.5 seconds>" in text and "<2.4 seconds>" in text
+
+
+def test_qwen3_example_packs_and_verifies(shared_dir: Path, tmp_path: Path) -> None:
+    """examples/qwen3-vl.yaml's model settings pack the demo images and videos into a pack that
+    `pack verify` finds sound (one pad run per temporal group), in both media storage modes."""
+    from packtrain.packer import stages
+    from packtrain.packer.config import PackConfig, load_pack_config
+    from packtrain.packer.tools import verify
+
+    example = load_pack_config(Path(__file__).resolve().parents[2] / "examples" / "qwen3-vl.yaml")
+    assert example.model.family == "qwen3-vl"
+    for storage in ("original", "resized"):
+        cfg = PackConfig.model_validate(
+            {
+                "source": {"paths": [str(DEMO / "mllm_demo.json"), str(DEMO / "mllm_video_demo.json")]},
+                "model": {**example.model.dump(), "path": str(MODELS / "qwen3-vl")},
+                "packing": {"maxLength": 4096, "mediaStorage": storage},
+            }
+        )
+        out = tmp_path / storage
+        summary = stages.convert(cfg, out, 0, 1)
+        stages.plan(cfg, out)
+        stages.materialize(cfg, out, 0, 1)
+        assert verify(out) == [], summary
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert (manifest["counts"]["packed"], manifest["counts"]["rejected"]) == (9, 0), manifest["counts"]
+
+
+def test_video_sampling_settings_come_from_the_folder_unless_configured(shared_dir: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "m"
+    shutil.copytree(MODELS / "qwen3-vl", folder)
+    video = json.loads((folder / "video_preprocessor_config.json").read_text())
+    video.update({"fps": 1, "min_frames": 2, "max_frames": 8})
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(video))
+    vision = model_spec(folder).vision
+    assert (vision.fps, vision.min_frames, vision.max_frames) == (1.0, 2, 8)
+    configured = ModelConfig(family="qwen3-vl", path=str(folder), fps=3, maxFrames=16)
+    vision = model_spec(folder, cfg=configured).vision
+    assert (vision.fps, vision.min_frames, vision.max_frames) == (3.0, 2, 16)
+    assert (model_spec(MODELS / "qwen3-vl").vision.fps, model_spec(MODELS / "qwen3-vl").vision.max_frames) == (
+        2.0,
+        768,
+    )

@@ -268,3 +268,16 @@ def test_embedded_videos_pack_like_the_json_video_demo(tmp_path: Path, storage: 
         assert _media_hash_to_keys(out) == {hashlib.sha256((DEMO / v).read_bytes()).hexdigest()
                                             for r in json.loads((DEMO / "mllm_video_demo.json").read_text())
                                             for v in r["videos"]}
+
+
+def test_columns_nested_deeper_than_records_may_be_are_one_reject(tmp_path: Path) -> None:
+    """The JSON reader's nesting cap holds for Parquet schemas too (checked on the footer, before any row)."""
+    t: pa.DataType = pa.int32()
+    v: Any = 1
+    for _ in range(70):
+        t, v = pa.struct([("a", t)]), {"a": v}
+    path = tmp_path / "deep.parquet"
+    pq.write_table(pa.table({"conversations": pa.array([v, v], t)}), path)
+    raws = list(iter_records([str(path)]))
+    assert [(r.index, r.reason) for r in raws] == [(0, "bad_parquet")]
+    assert "nest 70 levels" in (raws[0].error or "")

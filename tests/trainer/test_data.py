@@ -14,7 +14,7 @@ import torch
 from conftest import make_pack
 from PIL import Image
 from torch.utils.data import DataLoader
-from vlm_fixtures import FOLDER, spec
+from vlm_fixtures import DEMO, FOLDER, spec
 
 from packtrain.packer.shards import ShardFormatError
 from packtrain.trainer.data import PackedDataset
@@ -193,6 +193,55 @@ def test_pixels_equal_the_processor_in_both_storage_modes(tmp_path, family):
             assert torch.equal(got, want["pixel_values"]), (
                 f"{name} ({mode}): max diff {(got - want['pixel_values']).abs().max():.3g}"
             )
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen3-vl"])
+def test_video_pixels_equal_the_processor_in_both_storage_modes(tmp_path, family):
+    """A demo video's sampled frames: the trainer's patches from the original file and from the
+    frames `mediaStorage: resized` stores equal the video processor's `pixel_values_videos`."""
+    from transformers import AutoProcessor
+    from transformers.video_utils import load_video
+
+    from packtrain.packer.config import ModelConfig, PackingConfig, SourceConfig
+    from packtrain.packer.media import MediaLimits
+    from packtrain.packer.media_store import media_blob
+    from packtrain.packer.records import RawRecord
+    from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
+    from packtrain.trainer.media import media_pixels
+
+    video = DEMO / "mllm_demo_data" / "4.mp4"
+    budget = 24 * 32 * 32 * 8 if family == "qwen3-vl" else 24 * 28 * 28  # all frames vs per frame
+    source = SourceConfig(paths=["unused"])
+    tok = SampleTokenizer(
+        source,
+        ModelConfig(family=family, path=str(FOLDER[family]), video_max_pixels=budget, max_frames=8),
+        PackingConfig(),
+    )
+    record = {"messages": [{"role": "user", "content": "<video>"}, {"role": "assistant", "content": "x"}],
+              "videos": [video.name]}
+    sample = tok(RawRecord(video.parent / "d.json", 0, record, None))
+    assert isinstance(sample, TokenizedSample), sample
+    (m,) = sample.media
+    ref = {"path": str(m.path), "kind": "video", "key": m.key, "height": m.height, "width": m.width,
+           "frames": m.frames, "grid_t": m.grid_t, "grid_h": m.grid_h, "grid_w": m.grid_w}
+    frames, metadata = load_video(str(video), backend="pyav")
+    # Qwen3VLVideoProcessor samples with its own `max_frames` (a keyword does not reach it), as a
+    # folder whose video_preprocessor_config.json said 8 would: packtrain reads that key the same way.
+    processor = AutoProcessor.from_pretrained(str(FOLDER[family]), max_frames=8).video_processor
+    extra = {"cap_pixels_per_frame": True} if family == "qwen3-vl" else {}
+    size = {"shortest_edge": processor.size["shortest_edge"], "longest_edge": budget}
+    want = processor(
+        videos=[frames], video_metadata=[metadata], do_sample_frames=True, fps=2.0, max_frames=8, size=size,
+        return_tensors="pt", **extra,
+    )
+    assert want["video_grid_thw"][0].tolist() == [m.grid_t, m.grid_h, m.grid_w]
+    limits = MediaLimits.of(source)
+    pixel_spec = PixelSpec.from_folder(FOLDER[family])
+    for storage in ("original", "resized"):
+        got = media_pixels(media_blob(ref, storage, limits), ref, pixel_spec)
+        assert torch.equal(got, want["pixel_values_videos"]), (
+            f"{storage}: max diff {(got - want['pixel_values_videos']).abs().max():.3g}"
+        )
 
 
 def test_corrupt_or_foreign_packs_are_refused(pack_dir, tmp_path):
