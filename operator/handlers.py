@@ -510,7 +510,8 @@ async def _sweep_loop(memo: kopf.Memo) -> None:
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(RESYNC_INTERVAL)
-        context = memo.view.context
+        view = memo.get("view")
+        context = view.context if view is not None else None
         if context is not None:  # no handler has run yet: nothing is cached to sweep
             await loop.run_in_executor(None, context.run, sweep, memo)
 
@@ -544,7 +545,7 @@ async def start_loops(memo: kopf.Memo, **_: Any) -> None:
     """One progress loop for all running SFTJobs and one deadline sweep (per-object kopf timers would put
     a finalizer on each)."""
     memo.progress_task = asyncio.create_task(
-        progress.progress_loop(lambda: memo.view, lambda: sorted(memo.running), now)
+        progress.progress_loop(lambda: memo.view, lambda: sorted(memo.get("running") or ()), now)
     )
     memo.sweep_task = asyncio.create_task(_sweep_loop(memo))
 

@@ -146,4 +146,6 @@ async def progress_loop(
     async with scrape.session() as client:
         while True:
             await asyncio.sleep(INTERVAL)
-            await progress_round(kube(), client, running(), limit, now)
+            jobs = running()
+            if jobs:
+                await progress_round(kube(), client, jobs, limit, now)

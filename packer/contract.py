@@ -83,7 +83,6 @@ class TrainSummary(TypedDict, total=False):
     """The keys of the trainer's summary the operator reads (it writes more)."""
 
     steps: int
-    max_steps: int
     final_loss: float
     eval_loss: float | None
     tokens_per_second: float

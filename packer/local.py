@@ -137,7 +137,8 @@ def run_all(
         raise ConfigError(f"--workers {workers}: give at least 1 worker process")
     out.mkdir(parents=True, exist_ok=True)
     stages.check_output_config(cfg, out)
-    total = sum(1 for _ in iter_records(cfg.source.paths, select=lambda _: False))  # counted, not parsed
+    # The bar's total: records counted, not parsed (one more read of the input, so only for a bar).
+    total = sum(1 for _ in iter_records(cfg.source.paths, select=lambda _: False)) if show_progress else None
     # One tokenizer thread per worker process: the workers are the parallelism.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     pool: ProcessPoolExecutor | None = None

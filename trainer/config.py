@@ -123,7 +123,7 @@ class ModelSpec(CamelModel):
 
     path: str = Field(..., description="Folder with config.json, tokenizer and preprocessor config.")
     family: Family | None = Field(
-        None, description="qwen2-vl or qwen2.5-vl; default: from config.json model_type."
+        None, description="A model family packtrain knows; default: from config.json model_type."
     )
     init: Init = Field(
         "auto",

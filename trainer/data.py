@@ -221,7 +221,7 @@ class PackedDataset(torch.utils.data.Dataset):
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.path = Path(path)
         self.spec = spec
-        self.pixel_spec = pixel_spec or PixelSpec.from_folder(spec.folder)
+        self.pixel_spec = pixel_spec or PixelSpec.from_vision(spec.vision)
         self.rank = rank
         self.mode, self.vocab_size = mode, vocab_size
         self.pad_token_id = spec.token_ids.pad if pad_token_id is None else pad_token_id

@@ -122,7 +122,7 @@ def setup(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> R
     dataset = PackedDataset(
         cfg.data.path,
         spec,
-        PixelSpec.from_folder(cfg.model.path),
+        PixelSpec.from_vision(spec.vision),
         rank=env.rank,
         world_size=env.world_size,
         units_per_micro_batch=t.micro_batch_sequences if t.mode == "packed" else t.padded_batch_size,

@@ -14,7 +14,6 @@ dataloader workers.
 from __future__ import annotations
 
 import io
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,16 +24,16 @@ import numpy as np
 import torch
 from torchvision.transforms.v2 import functional as tvF
 
+from packtrain.packer.families import model_spec
+from packtrain.packer.family_registry import CLIP_MEAN, CLIP_STD
 from packtrain.packer.media import SNIFF_BYTES, sniff_container
 from packtrain.packer.pixels import decode_rgb, image_rgb, resize_uint8
-
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+from packtrain.packer.vision import VisionSpec
 
 
 @dataclass(frozen=True)
 class PixelSpec:
-    """Normalization and patch geometry from the model folder's preprocessor_config.json."""
+    """Normalization and patch geometry (defaults: Qwen2-VL's); see `from_vision`."""
 
     image_mean: tuple[float, ...] = CLIP_MEAN
     image_std: tuple[float, ...] = CLIP_STD
@@ -44,19 +43,20 @@ class PixelSpec:
     merge_size: int = 2
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> PixelSpec:
-        path = Path(folder) / "preprocessor_config.json"
-        if not path.is_file():
-            return cls()
-        cfg = json.loads(path.read_text())
+    def from_vision(cls, vision: VisionSpec) -> PixelSpec:
+        """The settings the packer counted with (family registry entry + the folder's processor configs)."""
         return cls(
-            image_mean=tuple(cfg.get("image_mean", CLIP_MEAN)),
-            image_std=tuple(cfg.get("image_std", CLIP_STD)),
-            rescale_factor=float(cfg.get("rescale_factor", 1 / 255)),
-            patch_size=int(cfg.get("patch_size", 14)),
-            temporal_patch_size=int(cfg.get("temporal_patch_size", 2)),
-            merge_size=int(cfg.get("merge_size", 2)),
+            image_mean=tuple(vision.image_mean),
+            image_std=tuple(vision.image_std),
+            rescale_factor=float(vision.rescale_factor),
+            patch_size=vision.patch_size,
+            temporal_patch_size=vision.temporal_patch_size,
+            merge_size=vision.merge_size,
         )
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> PixelSpec:
+        return cls.from_vision(model_spec(folder).vision)
 
     @property
     def patch_dim(self) -> int:

@@ -84,6 +84,20 @@ def test_sftjob_reports_training_progress() -> None:
     assert health("SFTJob", cr(SFTJobStatus(phase="Running", progress=TrainProgress(step=7))))["message"] == "step 7"
 
 
+def test_a_running_sftjob_shows_its_step_not_the_childs_message() -> None:
+    running = SFTJobStatus(phase="Running", progress=TrainProgress(step=5, max_steps=10),
+                           conditions=[cond("Ready", "False", "PyTorchJob quickstart is running.")])
+    assert health("SFTJob", cr(running)) == {"status": "Progressing", "message": "step 5/10"}
+
+
+@pytest.mark.parametrize(("kind", "model"), [("PackJob", PackJobStatus), ("SFTJob", SFTJobStatus)])
+def test_a_passed_deadline_is_degraded(kind: str, model: type[PackJobStatus] | type[SFTJobStatus]) -> None:
+    stuck = model(phase="Pending", conditions=[cond("Degraded", "True", "pods unschedulable for longer than 1h")])
+    assert health(kind, cr(stuck)) == {"status": "Degraded", "message": "pods unschedulable for longer than 1h"}
+    fine = model(phase="Pending", conditions=[cond("Degraded", "False")])
+    assert health(kind, cr(fine))["status"] == "Progressing"
+
+
 def test_suspended_sftjob_is_suspended() -> None:
     suspended = SFTJobStatus(phase="Suspended", conditions=[cond("Ready", "False", "spec.suspend is true")])
     assert health("SFTJob", cr(suspended)) == {"status": "Suspended", "message": "spec.suspend is true"}

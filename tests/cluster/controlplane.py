@@ -462,10 +462,10 @@ class ControlPlane:
         for f in files:
             args += ["-f", str(f)]
         self.kubectl(*args)
-        crds = [f"crd/{yaml.safe_load(f.read_text())['metadata']['name']}" for f in files
-                if yaml.safe_load(f.read_text()).get("kind") == "CustomResourceDefinition"]
+        docs = [yaml.safe_load(f.read_text()) for f in files]
+        crds = [d["metadata"]["name"] for d in docs if d.get("kind") == "CustomResourceDefinition"]
         if crds:
-            self.kubectl("wait", "--for=condition=Established", "--timeout=60s", *crds)
+            self._wait_established(*crds)
 
     def _addon_exe(self, name: str) -> Path:
         exe = self.bin / name
@@ -679,7 +679,23 @@ class ControlPlane:
         for f in files:
             args += ["-f", str(f)]
         self.kubectl(*args)
-        self.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+        self._wait_established("--all")
+
+    def _wait_established(self, *crds: str, timeout: float = 60) -> None:
+        """`kubectl wait` for CRDs to be Established, again while one has no status yet.
+
+        kubectl fails at once (`.status.conditions accessor error`) on a CRD the API server has
+        not yet given a status, instead of waiting for it.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            res = self.kubectl("wait", "--for=condition=Established", f"--timeout={timeout:.0f}s", "crd", *crds,
+                               check=False)
+            if res.returncode == 0:
+                return
+            if "accessor error" not in res.stderr or time.monotonic() > deadline:
+                raise RuntimeError(f"kubectl wait for CRDs {' '.join(crds)} failed:\n{res.stderr.strip()}")
+            time.sleep(0.5)
 
     def _wait_nodes_ready(self, deadline: float) -> None:
         last: Any = None

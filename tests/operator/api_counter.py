@@ -63,8 +63,18 @@ class ApiCounter:
             return sum(self.counts.values())
 
     def stop(self) -> None:
+        """Close the open watches and the upstream session, then the loop."""
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+    async def _shutdown(self) -> None:
+        await self._runner.cleanup()
+        await self._session.close()
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in rest:  # requests still streaming (watches): end them before the loop stops
+            task.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -79,7 +89,7 @@ class ApiCounter:
         )
         app = web.Application(client_max_size=64 << 20)
         app.router.add_route("*", "/{tail:.*}", self._forward)
-        runner = web.AppRunner(app)
+        runner = self._runner = web.AppRunner(app, shutdown_timeout=1)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

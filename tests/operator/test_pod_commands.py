@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from packtrain.operator.commands import pack_stage_command, train_command
@@ -76,3 +78,27 @@ def test_train_command_single_and_multi_node() -> None:
     assert train_command("c", "d", "o", nproc_per_node=0)[4] == "1"  # CPU-only: one process
     with pytest.raises(ValueError, match="nnodes"):
         train_command("c", "d", "o", nproc_per_node=1, nnodes=0)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-m", "packtrain.trainer", "-c", "{missing}"],
+        ["-m", "packtrain.operator.cli", "pack", "plan", "-c", "{missing}", "-o", "{out}"],
+    ],
+    ids=["trainer", "packer-plan"],
+)
+def test_a_pod_that_fails_leaves_its_error_in_the_termination_message(argv: list[str], tmp_path: Any) -> None:
+    """What the operator reads once the pod is gone: the pods' real entry points, given a config that is not there."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    term = tmp_path / "termination-log"
+    args = [a.format(missing=tmp_path / "missing.yaml", out=tmp_path / "out") for a in argv]
+    env = {**os.environ, "PACKTRAIN_TERMINATION_LOG": str(term)}
+    done = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    said = json.loads(term.read_text())
+    assert "missing.yaml" in said["error"] and len(term.read_bytes()) <= 4096

@@ -63,6 +63,13 @@ if phase == "Failed" then
   hs.message = message_of(failed) or message_of(ready) or "Failed"
   return hs
 end
+-- A deadline passed (pods unschedulable, a stage without progress): the operator sets Degraded.
+local degraded = condition(status, "Degraded")
+if degraded ~= nil and degraded.status == "True" then
+  hs.status = "Degraded"
+  hs.message = message_of(degraded) or "Degraded"
+  return hs
+end
 local message = message_of(ready) or progress(status)
 
 local known = { Pending = true, Converting = true, Planning = true, Materializing = true }

@@ -70,7 +70,18 @@ if phase == "Failed" then
   hs.message = message_of(failed) or message_of(ready) or "Failed"
   return hs
 end
+-- A deadline passed (pods unschedulable, a stage without progress): the operator sets Degraded.
+local degraded = condition(status, "Degraded")
+if degraded ~= nil and degraded.status == "True" then
+  hs.status = "Degraded"
+  hs.message = message_of(degraded) or "Degraded"
+  return hs
+end
+-- While training, the step is the news; otherwise what the operator says it waits on.
 local message = message_of(ready) or progress(status)
+if phase == "Running" then
+  message = progress(status) or message
+end
 if phase == "Suspended" then
   hs.status = "Suspended"
   hs.message = message or "Suspended"
