@@ -144,6 +144,11 @@ for image in "${images[@]}"; do
     log "$image: up to date ($tag)"
     continue
   fi
+  # Committing a layer holds it three times over for a moment (the container's files, a tar, the
+  # layer): the trainer's CUDA layer needs ~25 GB free at its peak. Keep 8 GB for everyone else.
+  need_gb=$([ "$image" = trainer ] && echo 33 || echo 12)
+  free_gb=$(df --output=avail -BG "$CACHE" | tail -1 | tr -dc 0-9)
+  [ "$free_gb" -ge "$need_gb" ] || impossible "building $image needs ${need_gb} GB free on $CACHE's disk, $free_gb GB are"
   log "$image: building $tag"
   t0=$SECONDS
   rm -f "$CACHE/stamps/$image.key"

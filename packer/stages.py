@@ -217,9 +217,9 @@ def convert(
         return json.loads(summary_path.read_text())
 
     tokenizer = tokenizer or sample_tokenizer(cfg, out)
-    # Converted rows go to Arrow record batches every PART_BATCH_TOKENS tokens: Python int lists cost
-    # ~80 bytes a token (Arrow: 8), and one batch's list offsets are int32 (2^31 tokens at most).
-    batches: list[pa.RecordBatch] = []
+    # Converted rows go to the part file as Arrow record batches every PART_BATCH_TOKENS tokens: Python
+    # int lists cost ~80 bytes a token, and one batch's list offsets are int32 (2^31 tokens at most).
+    # Streamed, a worker holds one batch, whatever the size of its slice.
     rows: list[dict[str, Any]] = []
     pending_tokens = converted = tokens = 0
     rejected = seen = 0
@@ -228,7 +228,11 @@ def convert(
     records = iter_records(cfg.source.paths, select=mine, weigh=weigher(cfg.source, cfg.packing.seed))
     first: TokenizedSample | Reject | None = None  # a record's result, reused for its mixture repeats
     # Rejects stream to their file (a worker may reject millions: a missing media folder).
-    with atomic_writer(work / "convert" / f"rejects-{name}.jsonl") as reject_file:
+    with (
+        atomic_writer(work / "convert" / f"rejects-{name}.jsonl") as reject_file,
+        atomic_writer(work / "convert" / f"part-{name}.arrow") as part_file,
+        pa.ipc.new_file(pa.PythonFile(part_file, mode="w"), PART_SCHEMA) as part,
+    ):
         for position, raw in enumerate(records):
             if raw.reason == SKIPPED:
                 continue  # another worker's record, yielded unparsed
@@ -257,7 +261,7 @@ def convert(
                 )
                 pending_tokens += len(result.input_ids)
                 if pending_tokens >= PART_BATCH_TOKENS:
-                    batches.append(pa.RecordBatch.from_pylist(rows, schema=PART_SCHEMA))
+                    part.write_batch(pa.RecordBatch.from_pylist(rows, schema=PART_SCHEMA))
                     converted += len(rows)
                     tokens += pending_tokens
                     rows, pending_tokens = [], 0
@@ -265,15 +269,15 @@ def convert(
                 progress(64)
         if progress is not None and seen % 64:
             progress(seen % 64)
-        # Claim the folder only now, before publishing anything: a config that fails (bad model
-        # or paths, `overlong: error`) leaves it free for the corrected config.
+        if rows:
+            part.write_batch(pa.RecordBatch.from_pylist(rows, schema=PART_SCHEMA))
+            converted += len(rows)
+            tokens += pending_tokens
+        # Claim the folder only now, before publishing anything (the part and rejects files appear
+        # when this block ends): a config that fails (bad model or paths, `overlong: error`) leaves
+        # it free for the corrected config.
         check_output_config(cfg, out, record=True)
 
-    if rows:
-        batches.append(pa.RecordBatch.from_pylist(rows, schema=PART_SCHEMA))
-        converted += len(rows)
-        tokens += pending_tokens
-    write_table(work / "convert" / f"part-{name}.arrow", pa.Table.from_batches(batches, schema=PART_SCHEMA))
     summary: ConvertSummary = {
         "stage": "convert",
         "index": index,
@@ -476,12 +480,20 @@ def _build_shard(
     seq_off = parts_col.offsets.to_numpy() - parts_col.offsets[0].as_py()  # sub-samples per sequence
     flat_parts = parts_col.flatten().to_numpy()
     flat_rows = rows_col.flatten().to_numpy()
-    pieces, where = [], []
+    # Taken record batch by record batch: a Table.take over a many-chunk column may first concatenate
+    # every chunk, i.e. copy a whole convert part into memory for each shard.
+    pieces: list[pa.RecordBatch] = []
+    where: list[np.ndarray] = []
     for part in np.unique(flat_parts):
         at = np.nonzero(flat_parts == part)[0]
-        pieces.append(part_tables[int(part)].take(pa.array(flat_rows[at])))
-        where.append(at)
-    samples = pa.concat_tables(pieces).combine_chunks() if pieces else PART_SCHEMA.empty_table()
+        batches = part_tables[int(part)].to_batches()
+        starts = np.cumsum([0] + [b.num_rows for b in batches])
+        batch_of = np.searchsorted(starts, flat_rows[at], side="right") - 1
+        for b in np.unique(batch_of):
+            sel = at[batch_of == b]
+            pieces.append(batches[int(b)].take(pa.array(flat_rows[sel] - starts[b])))
+            where.append(sel)
+    samples = pa.Table.from_batches(pieces, schema=PART_SCHEMA).combine_chunks()
     if pieces:
         samples = samples.take(pa.array(np.argsort(np.concatenate(where), kind="stable")))
     n = samples.num_rows

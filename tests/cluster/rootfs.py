@@ -42,7 +42,13 @@ class ImagesUnavailable(RuntimeError):
 
 
 def ensure_built(timeout: float = 3600) -> dict[str, Image]:
-    """Run images/build.sh (warm: seconds; cold: a Debian base and CUDA torch) and inspect the images."""
+    """Run images/build.sh (warm: seconds; cold: a Debian base and CUDA torch) and inspect the images.
+
+    PACKTRAIN_IMAGES_PREBUILT=1 uses the local tags as they are, without building (whatever sources
+    they were built from): for a machine whose disk cannot hold a rebuild of the trainer image.
+    """
+    if os.environ.get("PACKTRAIN_IMAGES_PREBUILT") == "1":
+        return {name: inspect(tag) for name, tag in IMAGE_TAGS.items()}
     proc = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode == 3:
         marker = cache_dir() / "UNAVAILABLE"
