@@ -31,9 +31,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 NAME = "quickstart"
 PACK_TIMEOUT = 600
 TRAIN_TIMEOUT = 900
-# Inside the containers: a working dir whose ../shared is the node's copy of the fixture folder.
-WORKDIR = "/workspace/packtrain"
-SHARED_MOUNT = "/workspace/shared"
 KUBECONFIG_MOUNT = "/var/run/packtrain/kubeconfig"
 
 
@@ -95,7 +92,11 @@ def e2e_images(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
         if e.impossible and not _in_ci():
             pytest.skip(str(e))
         pytest.fail(str(e))
-    agent_args = ["--run-all", "--images", "--workdir", WORKDIR, "--mount", f"{shared_dir}:{SHARED_MOUNT}"]
+    # Inside the containers the shared folder sits where it does here and the working dir is the
+    # checkout's path (an empty folder in the image): ../shared resolves, and reject details, which
+    # name media paths, read as they do for the checkout's own pack.
+    workdir = str(shared_dir.parent / REPO.name)
+    agent_args = ["--run-all", "--images", "--workdir", workdir, "--mount", f"{shared_dir}:{shared_dir}"]
     cp = ControlPlane(bin_dir, crd_dir, node_agent_args=agent_args)
     harness: ImageHarness | None = None
     try:
