@@ -125,6 +125,15 @@ inputs_key() {
   } | sha
 }
 
+# What the dependency layer is made of: when it matches, the build reuses that layer.
+deps_key() {
+  {
+    echo "$base_key"
+    git -C "$REPO" log -1 --format=%ct -- "images/$1/requirements.txt" 2>/dev/null || true
+    cat "$HERE/$1/Dockerfile" "$HERE/$1/requirements.txt" "$HERE/requirements-build.txt"
+  } | sha
+}
+
 # pip's HTTP cache does not persist through every proxy, so the locked wheels are downloaded
 # here once (hash-checked; this machine's Python and glibc pick the files the image's would) and
 # handed to the build read-only; it installs them with no index.
@@ -146,12 +155,21 @@ for image in "${images[@]}"; do
   fi
   # Committing a layer holds it three times over for a moment (the container's files, a tar, the
   # layer): the trainer's CUDA layer needs ~25 GB free at its peak. Keep 8 GB for everyone else.
-  need_gb=$([ "$image" = trainer ] && echo 33 || echo 12)
+  # When the dependency layer is cached (same base, Dockerfile and locks), only the small source
+  # layers are built again.
+  deps="$(deps_key "$image")"
+  need_gb=12
+  if [ "$image" = trainer ] && [ "$(cat "$CACHE/stamps/$image.deps" 2>/dev/null)" != "$deps" ]; then
+    need_gb=33
+  fi
   free_gb=$(df --output=avail -BG "$CACHE" | tail -1 | tr -dc 0-9)
   [ "$free_gb" -ge "$need_gb" ] || impossible "building $image needs ${need_gb} GB free on $CACHE's disk, $free_gb GB are"
   log "$image: building $tag"
   t0=$SECONDS
   rm -f "$CACHE/stamps/$image.key"
+  # The dependency layer's epoch is its lock's commit time: a new commit alone does not rebuild it.
+  lock_epoch="$(git -C "$REPO" log -1 --format=%ct -- "images/$image/requirements.txt" 2>/dev/null || true)"
+  lock_epoch="${lock_epoch:-0}"
   wheel_args=()
   # /mnt is an empty folder in both bases, so the mount leaves no trace in a layer.
   if fetch_wheels "$image"; then
@@ -164,10 +182,12 @@ for image in "${images[@]}"; do
       -f "$HERE/$image/Dockerfile" --ignorefile "$HERE/$image/Dockerfile.dockerignore" \
       --build-arg "BASE_IMAGE=$BASE_TAG" --build-arg "SOURCE_DATE_EPOCH=$SOURCE_DATE_EPOCH" \
       --build-arg "VERSION=$VERSION" --build-arg "REVISION=$REVISION" \
+      --build-arg "LOCK_SOURCE_DATE_EPOCH=$lock_epoch" \
       -v "$CA_BUNDLE:/etc/ssl/certs/ca-certificates.crt:ro" "${wheel_args[@]}" \
-      --timestamp "$SOURCE_DATE_EPOCH" -t "$tag" "$REPO" >>"$LOG" 2>&1 \
+      -t "$tag" "$REPO" >>"$LOG" 2>&1 \
     || { echo "building $image failed; the end of $LOG:" >&2; tail -30 "$LOG" >&2; exit 1; }
   echo "$key" >"$CACHE/stamps/$image.key"
+  echo "$deps" >"$CACHE/stamps/$image.deps"
   # The replaced image and the builder stages' layers: nothing points at them any more.
   "${PODMAN[@]}" image prune -f >>"$LOG" 2>&1 || true
   log "$image: built in $((SECONDS - t0)) s"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -35,35 +36,63 @@ def video_frames(
     """The frames at `indices` (decode order) at height x width, through an allowed demuxer only.
 
     Each wanted frame is resized as soon as it is decoded, so memory holds one source-size frame
-    at a time; a frame larger than the stream header declared (what convert's decode cap measured)
-    is refused rather than decoded on.
+    at a time.
+    """
+    frames = {i: resize_uint8(fr.to_ndarray(format="rgb24"), height, width) for i, fr in _sampled(f, indices, name)}
+    return [frames[i] for i in indices]
+
+
+def check_frames(f: BinaryIO, indices: list[int], name: str = "video") -> None:
+    """Decode (no conversion kept) up to the last sampled frame, as the trainer will.
+
+    Convert counts vision tokens from the stream header and packets without
+    decoding, so this is where a video whose frames do not decode is refused
+    before training, also when shards keep the original bytes.
+    """
+    for _ in _sampled(f, indices, name):
+        pass
+
+
+def _sampled(f: BinaryIO, indices: list[int], name: str) -> Iterator[tuple[int, Any]]:
+    """Each decoded frame at `indices`, through an allowed demuxer only; every wanted frame or an error.
+
+    A frame of another size than the stream header declared (what convert's decode cap measured
+    and counted) is refused rather than decoded on.
     """
     import av
 
     f.seek(0)
     demuxer = sniff_container(f.read(SNIFF_BYTES))
     if demuxer is None:
-        raise ValueError(f"{name}: not a video in an allowed container")
+        raise ConfigError(f"{name}: not a video in an allowed container; remove it from the dataset")
     f.seek(0)
     wanted = set(indices)
-    frames: dict[int, np.ndarray] = {}
-    with av.open(f, format=demuxer) as container:
-        stream = container.streams.video[0]
-        declared = (stream.codec_context.width, stream.codec_context.height)
-        for i, frame in enumerate(container.decode(stream)):
-            if (frame.width, frame.height) != declared:
-                raise ValueError(
-                    f"{name}: frame {i} is {frame.width}x{frame.height}, but the stream declares "
-                    f"{declared[0]}x{declared[1]}; re-encode the video"
-                )
-            if i in wanted:
-                frames[i] = resize_uint8(frame.to_ndarray(format="rgb24"), height, width)
-            if len(frames) == len(wanted):
-                break
-    missing = wanted - frames.keys()
+    got: set[int] = set()
+    try:
+        with av.open(f, format=demuxer) as container:
+            stream = container.streams.video[0]
+            declared = (stream.codec_context.width, stream.codec_context.height)
+            for i, frame in enumerate(container.decode(stream)):
+                if (frame.width, frame.height) != declared:
+                    raise ConfigError(
+                        f"{name}: frame {i} is {frame.width}x{frame.height}, but the stream declares "
+                        f"{declared[0]}x{declared[1]}; re-encode the video or remove it from the dataset"
+                    )
+                if i in wanted:
+                    got.add(i)
+                    yield i, frame
+                if len(got) == len(wanted):
+                    break
+    except ConfigError:
+        raise
+    except (av.FFmpegError, OSError, ValueError) as exc:
+        raise ConfigError(f"{name}: video does not decode ({exc}); re-encode it or remove it from the dataset") from exc
+    missing = wanted - got
     if missing:
-        raise ValueError(f"{name}: frames {sorted(missing)[:5]} could not be decoded")
-    return [frames[i] for i in indices]
+        raise ConfigError(
+            f"{name}: frames {sorted(missing)[:5]} could not be decoded; re-encode the video or remove it "
+            "from the dataset"
+        )
 
 
 def _checked_open(
@@ -109,6 +138,8 @@ def media_blob(
     f, data = _checked_open(path, kind, ref["key"], limits, roots, keep)
     with f:
         if storage == "original":
+            if kind == "video":
+                check_frames(f, list(ref["frames"]), str(path))
             return {"key": ref["key"], "kind": kind, "encoding": "original", "data": data, "frames": []}
         h, w = ref["height"], ref["width"]
         if kind == "image":

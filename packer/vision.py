@@ -358,26 +358,43 @@ def _check_png(data: bytes) -> None:
     raise MediaError("corrupt_media", "PNG is truncated (no IEND chunk)")
 
 
+# Demuxers whose streams carry the codec's headers (size included) before any frame, so probing
+# need not decode; FFmpeg's probe otherwise decodes a few frames of each stream.
+HEADER_SIZED_DEMUXERS = frozenset({"mp4", "matroska"})
+_SKIP_DECODE = {"skip_frame": "all"}
+
+
 def probe_video(
     source: str | Path | BinaryIO,
     *,
     format: str | None = None,
     demuxers: Sequence[str] | None = None,
     check: Callable[[int, int, int, float], None] | None = None,
+    headers_only: bool = True,
 ) -> VideoInfo:
-    """Frame count and rate as `read_video_pyav` reads them, checked against the packets present.
+    """Frame count, rate and frame size as `read_video_pyav` reads them, checked against the packets present.
 
-    The packets are demuxed, not decoded, so a truncated file is caught cheaply;
-    a container without a frame count in its header (e.g. some MKV/WebM) falls
-    back to the packet count, where the reference would fail. `check(width,
-    height, frames, fps)` sees the header's numbers before the only decode (the
-    first frame, for the size the processor sees) and again if that size differs.
-    `format` forces the demuxer and `demuxers` lists those allowed (the packer's
-    media module passes both, so FFmpeg never guesses).
+    Nothing is decoded: the token count needs only the header and the packet
+    count, so a truncated file is caught cheaply here, and a bitstream that does
+    not decode is caught where frames are decoded before training (materialize,
+    see `packer.media_store.check_frames`). A container without a frame count in
+    its header (e.g. some MKV/WebM) falls back to the packet count, where the
+    reference would fail. The size is the stream's coded size: PyAV (the
+    processor's and the trainer's decoder) does not apply a display matrix, so a
+    rotated video's frames keep that size. `check(width, height, frames, fps)`
+    sees these numbers before the packets are counted. `format` forces the
+    demuxer and `demuxers` lists those allowed (the packer's media module passes
+    both, so FFmpeg never guesses).
+
+    With `headers_only`, FFmpeg's own probing skips decoding too (in mp4/mov and
+    Matroska the size is in the codec's headers, e.g. the H.264 SPS): the same
+    numbers as `read_video_pyav`'s open, which decodes a few frames, at a quarter
+    of the cost. A stream whose headers lack the size is probed again decoding.
     """
     target = str(source) if isinstance(source, Path) else source
+    skip = headers_only and format in HEADER_SIZED_DEMUXERS
     try:
-        with av.open(target, format=format) as container:
+        with av.open(target, format=format, options=dict(_SKIP_DECODE) if skip else None) as container:
             opened = set(container.format.name.split(","))
             if demuxers is not None and not opened & set(demuxers):
                 raise MediaError("corrupt_media", f"container {container.format.name!r} is not allowed")
@@ -388,22 +405,29 @@ def probe_video(
             rate = stream.average_rate
             if not rate:
                 raise MediaError("corrupt_media", "video has no frame rate in its header")
-            packets = sum(1 for p in container.demux(video=0) if p.size > 0)
-            total = header_frames or packets
             width, height = stream.codec_context.width, stream.codec_context.height
-            if check is not None and width and height and total:
-                check(width, height, total, float(rate))
-            container.seek(0)
-            first = next(container.decode(video=0), None)
-            if first is None:
-                raise MediaError("corrupt_media", "video has no decodable frame")
-            if check is not None and (first.width, first.height) != (width, height):
-                check(first.width, first.height, total, float(rate))
-            width, height = first.width, first.height
+            if skip and not (width and height):
+                sized = False
+            elif not (width and height):
+                raise MediaError("corrupt_media", "video has no frame size in its header")
+            else:
+                sized = True
+                if check is not None and header_frames:
+                    check(width, height, header_frames, float(rate))
+                packets = sum(1 for p in container.demux(video=0) if p.size > 0)
+                total = header_frames or packets
+                if not total:
+                    raise MediaError("corrupt_media", "video has no frames")
+                if check is not None and not header_frames:
+                    check(width, height, total, float(rate))
     except MediaError:
         raise
     except (av.FFmpegError, OSError, ValueError, StopIteration) as exc:
         raise MediaError("corrupt_media", f"video does not open: {exc}") from exc
+    if not sized:
+        if not isinstance(target, str):
+            target.seek(0)
+        return probe_video(target, format=format, demuxers=demuxers, check=check, headers_only=False)
     if header_frames and packets < header_frames:
         raise MediaError(
             "corrupt_media",

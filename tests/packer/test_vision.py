@@ -154,6 +154,98 @@ def test_generated_video_is_measured(tmp_path: Path) -> None:
     assert (info.width, info.height, info.total_frames, info.fps) == (64, 48, 21, 10.0)
 
 
+def _rotated(path: Path, degrees: int) -> Path:
+    """An mp4 whose stream carries a display matrix (a phone video held upright)."""
+    import av
+    import numpy as np
+
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 96, 40, "yuv420p"
+        stream.set_display_rotation(degrees)
+        for i in range(5):
+            rgb = np.full((40, 96, 3), i * 40, np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return path
+
+
+def test_header_only_probe_equals_what_read_video_pyav_decodes(tmp_path: Path) -> None:
+    """Convert reads no frame: its size, count and rate must equal the processor's backend
+    (`read_video_pyav`: frame count and rate from the header, frames as decoded, no display matrix
+    applied), for every container, with and without FFmpeg's decoding probe."""
+    import av
+
+    from packtrain.packer.media import sniff_container
+
+    videos = [DEMO_MEDIA / n for n in ("1.mp4", "2.avi", "3.mp4", "4.mp4")]
+    videos += [mf.video(tmp_path / f"v{ext}", frames=7, fps=6, width=100, height=58) for ext in (".mp4", ".mkv", ".avi")]
+    rotated = _rotated(tmp_path / "rotated.mp4", 90)
+    for path in [*videos, rotated]:
+        fmt = sniff_container(path.read_bytes()[:512])
+        with av.open(str(path)) as c:
+            stream = c.streams.video[0]
+            first = next(c.decode(video=0))
+            pixels = first.to_ndarray(format="rgb24")
+            frames, rate = stream.frames, float(stream.average_rate)
+            if path == rotated:
+                assert first.rotation == 90  # the display matrix is there; PyAV does not apply it
+        if not frames:  # no count in the header (Matroska): the packets, where the reference fails
+            with av.open(str(path)) as c:
+                frames = sum(1 for p in c.demux(video=0) if p.size)
+        want = (pixels.shape[1], pixels.shape[0], frames, rate)
+        for headers_only in (True, False):
+            with path.open("rb") as f:
+                info = probe_video(f, format=fmt, headers_only=headers_only)
+            assert (info.width, info.height, info.total_frames, info.fps) == want, (path.name, headers_only)
+
+
+def _undecodable(path: Path) -> Path:
+    """A well-formed mp4 whose frame data is noise: header and packets intact, nothing decodes."""
+    import random
+
+    data = bytearray(path.read_bytes())
+    start = data.find(b"mdat") + 4
+    size = int.from_bytes(data[start - 8 : start - 4], "big")
+    rng = random.Random(0)
+    data[start : start + size - 8] = bytes(rng.randrange(256) for _ in range(size - 8))
+    path.write_bytes(data)
+    return path
+
+
+def test_undecodable_video_is_counted_by_convert_and_stopped_by_materialize(tmp_path: Path) -> None:
+    """Convert counts from headers only, so a video whose frames do not decode is caught before
+    training by materialize (with shards keeping the original bytes too), naming the file."""
+    import json
+
+    from packtrain.packer import stages
+    from packtrain.packer.config import PackConfig
+    from packtrain.packer.records import ConfigError, iter_records
+    from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
+
+    _undecodable(mf.video(tmp_path / "data" / "bad.mp4", frames=8))
+    mf.video(tmp_path / "data" / "good.mp4", frames=8)
+    lines = [
+        {"messages": [{"role": "user", "content": "<video>Describe."}, {"role": "assistant", "content": "OK."}],
+         "videos": [name]}
+        for name in ("good.mp4", "bad.mp4")
+    ]
+    dataset = tmp_path / "data" / "d.jsonl"
+    dataset.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    model = DEMO_MEDIA.parents[2] / "models" / "qwen2-vl"
+    for storage in ("original", "resized"):
+        cfg = PackConfig.model_validate(
+            {"source": {"paths": [str(dataset)]}, "model": {"path": str(model)},
+             "packing": {"maxLength": 4096, "mediaStorage": storage}}
+        )
+        tok = SampleTokenizer(cfg.source, cfg.model, cfg.packing)
+        assert all(isinstance(tok(r), TokenizedSample) for r in iter_records(cfg.source.paths))
+        with pytest.raises(ConfigError, match=r"bad\.mp4.*(decode|decoded)"):
+            stages.run_in_process(cfg, tmp_path / f"out-{storage}", workers=1)
+
+
 def test_decompression_bomb_is_refused_not_raised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = mf.image(tmp_path / "big.png", 100, 100).read_bytes()
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
