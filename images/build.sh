@@ -182,7 +182,7 @@ for image in "${images[@]}"; do
       -f "$HERE/$image/Dockerfile" --ignorefile "$HERE/$image/Dockerfile.dockerignore" \
       --build-arg "BASE_IMAGE=$BASE_TAG" --build-arg "SOURCE_DATE_EPOCH=$SOURCE_DATE_EPOCH" \
       --build-arg "VERSION=$VERSION" --build-arg "REVISION=$REVISION" \
-      --build-arg "LOCK_SOURCE_DATE_EPOCH=$lock_epoch" \
+      --build-arg "LOCK_SOURCE_DATE_EPOCH=$lock_epoch" --build-arg "STAGE_NONCE=$(date +%s%N)" \
       -v "$CA_BUNDLE:/etc/ssl/certs/ca-certificates.crt:ro" "${wheel_args[@]}" \
       -t "$tag" "$REPO" >>"$LOG" 2>&1 \
     || { echo "building $image failed; the end of $LOG:" >&2; tail -30 "$LOG" >&2; exit 1; }

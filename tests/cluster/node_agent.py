@@ -63,7 +63,10 @@ MODE_ANNOTATION = "packtrain.dev/node-agent"
 EXIT_CODE_ANNOTATION = "packtrain.dev/node-agent-exit-code"
 DURATION_ANNOTATION = "packtrain.dev/node-agent-duration"
 LEASE_SECONDS = 40
-POD_CIDR = ipaddress.ip_network("10.244.0.0/16")
+# Pods run as local processes sharing this machine's network, and Linux routes all of 127.0.0.0/8
+# to loopback: a pod IP from this range reaches whatever the pod serves on 0.0.0.0 (its trainer's
+# /metrics), as a real pod IP does on a cluster, so the operator's live progress scrape is exercised.
+POD_CIDR = ipaddress.ip_network("127.244.0.0/16")
 
 
 @dataclass(frozen=True)

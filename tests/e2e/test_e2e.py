@@ -13,25 +13,31 @@ import json
 import os
 import shutil
 import signal
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import yaml
 from e2e_harness import (
+    GROUP,
     QUICKSTART,
     REPO,
     RESTRICTED,
+    VERSION,
     Harness,
     MetricsScraper,
     Recorder,
     convert_processes,
+    free_port,
     metric,
     port_is_free,
     wait_for,
 )
+from kubernetes import watch
 
 pytestmark = pytest.mark.cluster
 
@@ -290,3 +296,81 @@ def test_operator_killed_mid_pipeline_finishes_without_duplicates(e2e: Harness, 
     manifest = e2e.pvc_dir(ns, "packtrain-data") / NAME / "manifest.json"
     assert manifest.read_bytes() == quickstart.manifest_path.read_bytes()
     assert e2e.get("packjobs", ns, NAME)["status"]["stats"] == quickstart.packjob["status"]["stats"]
+
+
+@dataclass
+class ProgressWatch:
+    """Every SFTJob update a watch delivers: (seconds since start, phase, status.progress)."""
+
+    h: Harness
+    ns: str
+    name: str
+    seen: list[tuple[float, str | None, dict[str, Any]]] = field(default_factory=list)
+    _t0: float = 0.0
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> ProgressWatch:
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                for ev in watch.Watch().stream(self.h.custom.list_namespaced_custom_object, GROUP, VERSION,
+                                               self.ns, "sftjobs", field_selector=f"metadata.name={self.name}",
+                                               timeout_seconds=2):
+                    status = ev["object"].get("status") or {}
+                    self.seen.append((time.monotonic() - self._t0, status.get("phase"),
+                                      dict(status.get("progress") or {})))
+                    if self._stop.is_set():
+                        return
+            except Exception:  # a dropped watch: list again
+                time.sleep(0.2)
+
+
+def test_live_progress_is_scraped_from_the_running_trainer(
+    e2e: Harness, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """While the SFTJob is Running, `status.progress` comes from the trainer's own /metrics.
+
+    The node agent gives each pod a loopback address that really serves, so the operator scrapes
+    the master pod's IP as on a cluster. The operator scrapes every second here (30 s by default)
+    and the run is long enough to span many scrapes; a step below maxSteps while Running can only
+    come from the live scrape (the final progress comes with the trainer's summary, at the end).
+    """
+    ns, max_steps = "live", 60
+    e2e.namespace_with_claims(ns)
+    e2e.stop_operator()
+    with mock.patch.dict(os.environ, {"PACKTRAIN_PROGRESS_INTERVAL": "1"}):
+        e2e.start_operator()
+    docs = quickstart_docs()
+    sft = next(d for d in docs if d["kind"] == "SFTJob")
+    sft["spec"]["metricsPort"] = free_port()  # not the default: other runs on this machine may hold it
+    sft["spec"]["training"].update(maxSteps=max_steps, checkpointEvery=max_steps)
+    with ProgressWatch(e2e, ns, NAME) as seen:
+        e2e.cp.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all(docs))
+        assert e2e.wait_phase("packjobs", ns, NAME, ("Succeeded", "Failed"), PACK_TIMEOUT) == "Succeeded", (
+            e2e.diagnostics(ns))
+        assert e2e.wait_phase("sftjobs", ns, NAME, ("Succeeded", "Failed"), TRAIN_TIMEOUT) == "Succeeded", (
+            e2e.diagnostics(ns))
+    live = [(t, p) for t, phase, p in seen.seen if phase == "Running" and 1 <= p.get("step", 0) < max_steps]
+    assert live, (f"no status.progress while Running: {[(round(t), ph, p.get('step')) for t, ph, p in seen.seen]}"
+                  f"\n{e2e.diagnostics(ns)}")
+    first, last = live[0], live[-1]
+    assert first[1]["maxSteps"] == max_steps and first[1]["loss"] > 0 and first[1]["updatedAt"], first
+    done = next(t for t, phase, _ in seen.seen if phase == "Succeeded")
+    final = e2e.get("sftjobs", ns, NAME)["status"]["progress"]
+    assert final["step"] == max_steps, final
+    with capsys.disabled():
+        print(f"\n| live status.progress (scrape every 1 s) | |\n| --- | --- |\n"
+              f"| updates while Running with 1 <= step < {max_steps} | {len(live)} |\n"
+              f"| first / last live step | {first[1]['step']} at {first[0]:.1f} s / {last[1]['step']} at "
+              f"{last[0]:.1f} s |\n| Succeeded (step {final['step']}) | {done:.1f} s |")
