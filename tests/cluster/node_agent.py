@@ -66,6 +66,9 @@ LEASE_SECONDS = 40
 # Pods run as local processes sharing this machine's network, and Linux routes all of 127.0.0.0/8
 # to loopback: a pod IP from this range reaches whatever the pod serves on 0.0.0.0 (its trainer's
 # /metrics), as a real pod IP does on a cluster, so the operator's live progress scrape is exercised.
+# The price: the API refuses loopback EndpointSlice addresses, so Services get no endpoints (the
+# controller-manager logs FailedToUpdateEndpointSlices); nothing here reads them, as the agent
+# resolves a Service name itself.
 POD_CIDR = ipaddress.ip_network("127.244.0.0/16")
 
 

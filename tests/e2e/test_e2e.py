@@ -346,7 +346,7 @@ def test_live_progress_is_scraped_from_the_running_trainer(
     and the run is long enough to span many scrapes; a step below maxSteps while Running can only
     come from the live scrape (the final progress comes with the trainer's summary, at the end).
     """
-    ns, max_steps = "live", 60
+    ns, max_steps = "live", 24
     e2e.namespace_with_claims(ns)
     e2e.stop_operator()
     with mock.patch.dict(os.environ, {"PACKTRAIN_PROGRESS_INTERVAL": "1"}):
