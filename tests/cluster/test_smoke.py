@@ -61,8 +61,16 @@ def test_namespace_and_configmap_round_trip(api: client.ApiClient, namespace: st
     ]
 
 
+def _ready_nodes(core: client.CoreV1Api) -> dict[str, Any] | None:
+    """The nodes once the node lifecycle controller has lifted its `not-ready` taint, which it puts
+    on every node it sees before that node's agent has reported Ready."""
+    nodes = {n.metadata.name: n for n in core.list_node().items}
+    lifecycle = [n for n in nodes.values() for t in n.spec.taints or () if t.key.startswith("node.kubernetes.io/")]
+    return None if lifecycle else nodes
+
+
 def test_nodes_carry_the_chart_pool_labels_and_taints(api: client.ApiClient) -> None:
-    nodes = {n.metadata.name: n for n in client.CoreV1Api(api).list_node().items}
+    nodes = waiting.wait_for("the nodes to be Ready", partial(_ready_nodes, client.CoreV1Api(api)))
     cpu, gpu = nodes["cpu-0"], nodes["gpu-0"]
     assert cpu.metadata.labels["packtrain.dev/pool"] == "cpu"
     assert not cpu.spec.taints
@@ -226,10 +234,15 @@ def test_training_operator_runs_a_pytorchjob(kube_cluster: ControlPlane, api: cl
             return done[0] if done else None
 
         assert wait_for("PyTorchJob pt to finish", finished, timeout=120) == "Succeeded"
-        pods = core.list_namespaced_pod(namespace, label_selector="training.kubeflow.org/job-name=pt").items
+        # The job succeeds with its master (Kubeflow's default success policy); the workers finish
+        # on their own a moment later.
+        def pods_done() -> list[Any] | None:
+            pods = core.list_namespaced_pod(namespace, label_selector="training.kubeflow.org/job-name=pt").items
+            return pods if {p.status.phase for p in pods} == {"Succeeded"} else None
+
+        pods = wait_for("the PyTorchJob's pods to succeed", pods_done, timeout=60)
         roles = sorted(p.metadata.labels["training.kubeflow.org/replica-type"] for p in pods)
         assert roles == ["master", "worker", "worker"]
-        assert {p.status.phase for p in pods} == {"Succeeded"}
         services = {s.metadata.name for s in core.list_namespaced_service(namespace).items}
         assert "pt-master-0" in services
     finally:
