@@ -13,7 +13,7 @@ Adding a family is one entry here plus its parity and equivalence tests.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -102,79 +102,64 @@ class Family:
 
 _QWEN_TOKENIZER = "transformers.models.qwen2.tokenization_qwen2.Qwen2Tokenizer"
 
-FAMILIES: dict[str, Family] = {
-    f.name: f
-    for f in (
-        Family(
-            name="qwen2-vl",
-            model_type="qwen2_vl",
-            processor_class="Qwen2VLProcessor",
-            image_processor_class="Qwen2VLImageProcessor",
-            video_processor_class="Qwen2VLVideoProcessor",
-            model_class="Qwen2VLForConditionalGeneration",
-            tokenizer_class=_QWEN_TOKENIZER,
-            patch_size=14,
-            merge_size=2,
-            temporal_patch_size=2,
-            image_mean=CLIP_MEAN,
-            image_std=CLIP_STD,
-            min_pixels=56 * 56,
-            max_pixels=28 * 28 * 1280,
-            video_min_pixels=None,
-            video_max_pixels=None,
-            frame_sampling="stride",
-            video_resize="frame",
-            video_timestamps=False,
-            time_scaled_rope=False,
-            deepstack=False,
-        ),
-        Family(
-            name="qwen2.5-vl",
-            model_type="qwen2_5_vl",
-            processor_class="Qwen2_5_VLProcessor",
-            image_processor_class="Qwen2VLImageProcessor",
-            video_processor_class="Qwen2VLVideoProcessor",
-            model_class="Qwen2_5_VLForConditionalGeneration",
-            tokenizer_class=_QWEN_TOKENIZER,
-            patch_size=14,
-            merge_size=2,
-            temporal_patch_size=2,
-            image_mean=CLIP_MEAN,
-            image_std=CLIP_STD,
-            min_pixels=56 * 56,
-            max_pixels=28 * 28 * 1280,
-            video_min_pixels=None,
-            video_max_pixels=None,
-            frame_sampling="stride",
-            video_resize="frame",
-            video_timestamps=False,
-            time_scaled_rope=True,
-            deepstack=False,
-        ),
-        Family(
-            name="qwen3-vl",
-            model_type="qwen3_vl",
-            processor_class="Qwen3VLProcessor",
-            image_processor_class="Qwen2VLImageProcessor",
-            video_processor_class="Qwen3VLVideoProcessor",
-            model_class="Qwen3VLForConditionalGeneration",
-            tokenizer_class=_QWEN_TOKENIZER,
-            patch_size=16,
-            merge_size=2,
-            temporal_patch_size=2,
-            image_mean=HALF,
-            image_std=HALF,
-            min_pixels=56 * 56,
-            max_pixels=28 * 28 * 1280,
-            video_min_pixels=128 * 32 * 32,
-            video_max_pixels=32 * 32 * 768,
-            frame_sampling="linspace",
-            video_resize="volume",
-            video_timestamps=True,
-            time_scaled_rope=False,
-            deepstack=True,
-        ),
-    )
-}
+QWEN2_VL = Family(
+    name="qwen2-vl",
+    model_type="qwen2_vl",
+    processor_class="Qwen2VLProcessor",
+    image_processor_class="Qwen2VLImageProcessor",
+    video_processor_class="Qwen2VLVideoProcessor",
+    model_class="Qwen2VLForConditionalGeneration",
+    tokenizer_class=_QWEN_TOKENIZER,
+    patch_size=14,
+    merge_size=2,
+    temporal_patch_size=2,
+    image_mean=CLIP_MEAN,
+    image_std=CLIP_STD,
+    min_pixels=56 * 56,
+    max_pixels=28 * 28 * 1280,
+    video_min_pixels=None,
+    video_max_pixels=None,
+    frame_sampling="stride",
+    video_resize="frame",
+    video_timestamps=False,
+    time_scaled_rope=False,
+    deepstack=False,
+)
+
+# Qwen2.5-VL changes Qwen2-VL only in its classes and its time-scaled video positions.
+QWEN2_5_VL = replace(
+    QWEN2_VL,
+    name="qwen2.5-vl",
+    model_type="qwen2_5_vl",
+    processor_class="Qwen2_5_VLProcessor",
+    model_class="Qwen2_5_VLForConditionalGeneration",
+    time_scaled_rope=True,
+)
+
+QWEN3_VL = Family(
+    name="qwen3-vl",
+    model_type="qwen3_vl",
+    processor_class="Qwen3VLProcessor",
+    image_processor_class="Qwen2VLImageProcessor",
+    video_processor_class="Qwen3VLVideoProcessor",
+    model_class="Qwen3VLForConditionalGeneration",
+    tokenizer_class=_QWEN_TOKENIZER,
+    patch_size=16,
+    merge_size=2,
+    temporal_patch_size=2,
+    image_mean=HALF,
+    image_std=HALF,
+    min_pixels=56 * 56,
+    max_pixels=28 * 28 * 1280,
+    video_min_pixels=128 * 32 * 32,
+    video_max_pixels=32 * 32 * 768,
+    frame_sampling="linspace",
+    video_resize="volume",
+    video_timestamps=True,
+    time_scaled_rope=False,
+    deepstack=True,
+)
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (QWEN2_VL, QWEN2_5_VL, QWEN3_VL)}
 
 FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)
