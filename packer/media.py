@@ -245,11 +245,17 @@ class MediaAccess:
         if isinstance(ref.ref, EmbeddedMedia):
             return self._embedded(ref.kind, ref.ref)
         path = self.roots.resolve(ref.ref, dataset_dir)
-        key = (ref.kind, path)
+        return self._cached(
+            (ref.kind, path),
+            lambda: measure(ref.kind, path, self.spec, self.limits, self.roots.roots(dataset_dir)),
+        )
+
+    def _cached(self, key: tuple[str, Path], compute: Callable[[], MediaItem]) -> MediaItem:
+        """One measurement per media file (or its reject), kept in a small LRU: datasets repeat media."""
         cached = self._cache.get(key)
         if cached is None:
             try:
-                cached = measure(ref.kind, path, self.spec, self.limits, self.roots.roots(dataset_dir))
+                cached = compute()
             except MediaError as exc:
                 cached = exc
             self._cache[key] = cached
@@ -269,23 +275,12 @@ class MediaAccess:
             raise MediaError("media_too_large", f"{ref}: {_too_large(kind, len(data), cap).detail}")
         digest = hashlib.sha256(data).hexdigest()
         path = (self.embedded_dir or Path(EMBEDDED_DIR)) / digest[:2] / digest
-        key = (kind, path)
-        cached = self._cache.get(key)
-        if cached is None:
-            try:
-                cached = _decoded(str(ref), lambda: _measure_bytes(kind, path, data, self.spec, self.limits))
-            except MediaError as exc:
-                cached = exc
-            self._cache[key] = cached
-            if len(self._cache) > _MEDIA_CACHE_SIZE:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
-        if isinstance(cached, MediaError):
-            raise MediaError(cached.reason, cached.detail)
+        item = self._cached(
+            (kind, path), lambda: _decoded(str(ref), lambda: _measure_bytes(kind, path, data, self.spec, self.limits))
+        )
         if self.embedded_dir is not None and not path.is_file():
             atomic_write(path, data)  # same name, same bytes: concurrent workers write identical files
-        return cached
+        return item
 
 
 def _measure_bytes(kind: str, path: Path, data: bytes, spec: VisionSpec, limits: MediaLimits) -> MediaItem:
