@@ -26,6 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from . import stages
 from .config import PackConfig
+from .mixture import weigher
 from .records import ConfigError, iter_records
 from .shards import MANIFEST
 
@@ -46,17 +47,58 @@ def peak_rss_mib() -> float:
     return round(maxrss / (1 << 20 if sys.platform == "darwin" else 1 << 10), 1)
 
 
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def anon_rss_mib() -> float | None:
+    """Resident memory not backed by a file (Linux): what the process really holds. Peak RSS also
+    counts the pages of memory-mapped shards and parts, which the kernel drops under pressure."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    return None
+
+
+class _Watch:
+    """A stage's progress callback that also samples anonymous RSS (at most every 0.2 s) and CPU."""
+
+    def __init__(self, forward: Callable[[int], None]) -> None:
+        self.forward, self.peak, self.last = forward, anon_rss_mib(), 0.0
+        self.cpu = cpu_seconds()
+
+    def __call__(self, n: int) -> None:
+        self.forward(n)
+        now = time.monotonic()
+        if now - self.last >= 0.2:
+            self.last = now
+            self.sample()
+
+    def sample(self) -> None:
+        current = anon_rss_mib()
+        if current is not None and (self.peak is None or current > self.peak):
+            self.peak = current
+
+    def report(self) -> dict[str, Any]:
+        self.sample()
+        return {"peak_rss_mib": peak_rss_mib(), "peak_anon_rss_mib": self.peak,
+                "cpu_s": round(cpu_seconds() - self.cpu, 2)}
+
+
 def _convert_job(index: int, count: int) -> dict[str, Any]:
     w = _WORKER
-    summary = stages.convert(w["cfg"], w["out"], index, count, progress=w["progress"].put,
-                             tokenizer=w.get("tokenizer"))
-    return {**summary, "peak_rss_mib": peak_rss_mib()}
+    watch = _Watch(w["progress"].put)
+    summary = stages.convert(w["cfg"], w["out"], index, count, progress=watch, tokenizer=w.get("tokenizer"))
+    return {**summary, **watch.report()}
 
 
 def _materialize_job(index: int, count: int) -> dict[str, Any]:
     w = _WORKER
-    summary = stages.materialize(w["cfg"], w["out"], index, count, progress=w["progress"].put)
-    return {**summary, "peak_rss_mib": peak_rss_mib()}
+    watch = _Watch(w["progress"].put)
+    summary = stages.materialize(w["cfg"], w["out"], index, count, progress=watch)
+    return {**summary, **watch.report()}
 
 
 def _ready() -> int:
@@ -98,7 +140,8 @@ def _run_stage(
     task = progress.add_task(label, total=total)
     advance: Callable[[int], None] = lambda n: progress.advance(task, n)  # noqa: E731
     if pool is None:
-        results = [local(advance)]
+        watch = _Watch(advance)
+        results = [{**local(watch), **watch.report()}]
     else:
         futures: list[Future[dict[str, Any]]] = [pool.submit(job, i, workers) for i in range(workers)]
         while not all(f.done() for f in futures):
@@ -120,25 +163,35 @@ def run_all(
 ) -> dict[str, Any]:
     """convert (N processes) → plan → materialize (N processes); returns the manifest.
 
-    `timings`, when given, receives each stage's wall seconds and each process's peak RSS.
+    `timings`, when given, receives each stage's wall and CPU seconds and, per process, its peak
+    RSS and sampled peak anonymous RSS.
     """
-    clock = time.perf_counter()
+    clock, cpu = time.perf_counter(), cpu_seconds()
     stage_times: dict[str, Any] = {}
 
     def lap(stage: str, results: list[dict[str, Any]] | None = None) -> None:
-        nonlocal clock
-        now = time.perf_counter()
+        nonlocal clock, cpu
+        now, now_cpu = time.perf_counter(), cpu_seconds()
         stage_times[stage] = {"seconds": round(now - clock, 3)}
         if results is not None and pool is not None:
-            stage_times[stage]["worker_peak_rss_mib"] = [r["peak_rss_mib"] for r in results]
-        clock = now
+            stage_times[stage] |= {
+                "cpu_s": round(sum(r["cpu_s"] for r in results), 2),
+                "worker_peak_rss_mib": [r["peak_rss_mib"] for r in results],
+                "worker_peak_anon_rss_mib": [r["peak_anon_rss_mib"] for r in results],
+            }
+        else:
+            stage_times[stage]["cpu_s"] = round(now_cpu - cpu, 2)
+            if results is not None:
+                stage_times[stage]["peak_anon_rss_mib"] = results[0]["peak_anon_rss_mib"]
+        clock, cpu = now, now_cpu
 
     if workers < 1:
         raise ConfigError(f"--workers {workers}: give at least 1 worker process")
     out.mkdir(parents=True, exist_ok=True)
     stages.check_output_config(cfg, out)
     # The bar's total: records counted, not parsed (one more read of the input, so only for a bar).
-    total = sum(1 for _ in iter_records(cfg.source.paths, select=lambda _: False)) if show_progress else None
+    total = sum(1 for _ in iter_records(cfg.source.paths, select=lambda _: False,
+                                        weigh=weigher(cfg.source, cfg.packing.seed))) if show_progress else None
     # One tokenizer thread per worker process: the workers are the parallelism.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     pool: ProcessPoolExecutor | None = None

@@ -143,16 +143,19 @@ def planner(n: int, max_length: int, tmp: Path) -> dict[str, Any]:
 
 
 def stage_cell(run: dict[str, Any], stage: str) -> str:
+    """`wall s / CPU s (anonymous RSS MiB per worker)`: anonymous memory is what a worker holds;
+    its peak RSS (in the JSON) also counts mapped pages the kernel can drop."""
     s = run["stages"].get(stage, {})
-    rss = s.get("worker_peak_rss_mib")
-    return f"{s.get('seconds', 0):.1f}" + (f" ({'/'.join(f'{r:.0f}' for r in rss)})" if rss else "")
+    anon = s.get("worker_peak_anon_rss_mib") or ([s["peak_anon_rss_mib"]] if s.get("peak_anon_rss_mib") else [])
+    cell = f"{s.get('seconds', 0):.0f}/{s.get('cpu_s', 0):.0f}"
+    return cell + (f" ({'/'.join(f'{r:.0f}' for r in anon if r is not None)})" if anon else "")
 
 
 def print_table(runs: list[dict[str, Any]], data: dict[str, Any]) -> None:
     print(f"\n{data['samples']:,} samples ({data['jsonl_bytes'] / 2**30:.2f} GiB JSONL, "
           f"{data['media_files']} media files, generated in {data['seconds']:.0f} s)")
     stages = ["load", "convert", "plan", "materialize"]
-    head = f"{'workers':>7} {'wall s':>8} {'CPU s':>8} {'speedup':>7} " + " ".join(f"{s + ' s (worker MiB)':>26}" for s in stages)
+    head = f"{'workers':>7} {'wall s':>8} {'CPU s':>8} {'speedup':>7} " + " ".join(f"{s + ' wall/CPU s (anon MiB)':>26}" for s in stages)
     print(head + f" {'main MiB':>9} {'out GiB':>8} {'seq/LB':>9} {'load avg':>11}")
     base = runs[0]["wall_s"] * runs[0]["workers"] if runs else 0
     for r in runs:
