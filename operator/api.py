@@ -575,6 +575,16 @@ class TrainProgress(CamelModel):
     eval_loss: float | None = Field(None, description="Token-mean loss over the evaluation set, last evaluated.")
     tokens_per_second: float | None = Field(None, description="Token slots processed per second.")
     updated_at: str | None = Field(None, description="When this was read.")
+    last_advance_time: str | None = Field(
+        None, description="When the step last changed; the training-stall deadline counts from here."
+    )
+
+
+class ScrapeError(CamelModel):
+    """Why the operator could not read live progress from the trainer's metrics."""
+
+    message: str = Field(..., description="What failed: no running rank-0 pod, or the endpoint and its error.")
+    since: str = Field(..., description="Since when scrapes have failed in a row.")
 
 
 class TrainFailure(CamelModel):
@@ -604,6 +614,9 @@ class SFTJobStatus(CamelModel):
         None, description="Mirrored from the child job."
     )
     progress: TrainProgress | None = Field(None, description="Live progress while running, the summary at the end.")
+    scrape_error: ScrapeError | None = Field(
+        None, description="Set while the trainer's metrics cannot be read (then a stall cannot be told apart)."
+    )
     last_failure: TrainFailure | None = Field(None, description="The last trainer pod that exited non-zero.")
     blocked: Blocked | None = Field(None, description="Since when the SFTJob is blocked, and why.")
 

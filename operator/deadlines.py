@@ -10,6 +10,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from packtrain.packer.contract import train_metric
+
+# The trainer's gauge of how long the last step waited for data (what a stuck data loader shows).
+DATA_WAIT = train_metric("data_wait_seconds")
+
 
 @dataclass(frozen=True)
 class Deadlines:
@@ -18,22 +23,38 @@ class Deadlines:
     dataWait: an SFTJob whose PackJob is missing or failed turns Failed.
     unschedulable: pods the scheduler cannot place turn the job Degraded (an autoscaler may still help).
     stall: a PackJob stage without progress (no index finished) turns the PackJob Degraded.
+    training_stall: a Running SFTJob whose training step has not advanced turns Degraded.
+    training_stall_fail: ...and Failed, its training job deleted so its GPUs go back (None: never).
     """
 
     data_wait: float = 24 * 3600
     unschedulable: float = 3600
     stall: float = 6 * 3600
+    training_stall: float = 30 * 60
+    training_stall_fail: float | None = 6 * 3600
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> Deadlines:
-        keys = {"dataWaitSeconds": "data_wait", "unschedulableSeconds": "unschedulable", "stallSeconds": "stall"}
+        keys = {
+            "dataWaitSeconds": "data_wait",
+            "unschedulableSeconds": "unschedulable",
+            "stallSeconds": "stall",
+            "trainingStallSeconds": "training_stall",
+            "trainingStallFailSeconds": "training_stall_fail",
+        }
         unknown = set(raw) - set(keys)
         if unknown:
             raise ValueError(f"unknown deadline(s) {sorted(unknown)}; expected {sorted(keys)}")
-        values = {keys[k]: float(v) for k, v in raw.items()}
-        if any(v <= 0 for v in values.values()):
+        # 0 (or null) never fails a stalled training: it stays Degraded. 0, because Helm drops a null value.
+        never = {"trainingStallFailSeconds"}
+        values = {keys[k]: None if k in never and not v else float(v) for k, v in raw.items()}
+        if any(v is not None and v <= 0 for v in values.values()):
             raise ValueError(f"deadlines must be positive seconds, got {dict(raw)}")
-        return cls(**values)
+        out = cls(**values)
+        if out.training_stall_fail is not None and out.training_stall_fail <= out.training_stall:
+            raise ValueError("trainingStallFailSeconds must be longer than trainingStallSeconds (or 0: never fail), "
+                             f"got {out.training_stall_fail:g} <= {out.training_stall:g}")
+        return out
 
 
 def seconds_between(since: str | None, now: str) -> float:
@@ -53,6 +74,100 @@ def blocked_since(previous: Mapping[str, Any] | None, reason: str | None, now: s
     if prev.get("reason") == reason and prev.get("since"):
         return {"reason": reason, "since": str(prev["since"])}
     return {"reason": reason, "since": now}
+
+
+# Training stalls: the trainer's step, scraped while an SFTJob runs (`progress`), against a clock kept in status.
+
+
+def last_advance(previous: Mapping[str, Any] | None, step: int, now: str) -> str:
+    """`status.progress.lastAdvanceTime`: when the step last changed, kept across scrapes and restarts.
+
+    Any change counts, not only an increase: a trainer restarted from its checkpoint moves too.
+    """
+    prev = previous or {}
+    if prev.get("step") == step and prev.get("lastAdvanceTime"):
+        return str(prev["lastAdvanceTime"])
+    return now
+
+
+def scrape_error(previous: Mapping[str, Any] | None, message: str, now: str) -> dict[str, str]:
+    """`status.scrapeError`: why no live progress could be read, since the first failure in a row."""
+    return {"message": message, "since": str((previous or {}).get("since") or now)}
+
+
+@dataclass(frozen=True)
+class Stall:
+    """What a Running SFTJob's conditions say once its training-stall deadline passed.
+
+    reason: `TrainingStalled` (the step was seen standing still) or `NoLiveProgress` (it could not be seen).
+    fail: the fail deadline passed too: the SFTJob turns Failed and its training job is deleted.
+    """
+
+    reason: str
+    message: str
+    fail: bool = False
+
+
+def training_stall(
+    status: Mapping[str, Any],
+    running_since: str | None,
+    now: str,
+    deadlines: Deadlines,
+    *,
+    namespace: str,
+    selector: str,
+    pod: str | None,
+    child: str,
+) -> Stall | None:
+    """The stall of a Running SFTJob from its status alone (restart-safe: every time it reads is in there).
+
+    The clock runs from the later of the step's last advance and the job turning Running (a resumed
+    job starts afresh). A stall is called only when the last good scrape saw the step stand still, or
+    no scrape failed: where the metrics could not be read it says so (`NoLiveProgress`) and is never
+    failed for it, since the operator cannot tell a hang from a network it cannot cross.
+    `selector`: the training pods' label selector; `pod`: rank 0's pod; `child`: e.g. `PyTorchJob demo`.
+    """
+    progress = status.get("progress") or {}
+    step = progress.get("step")
+    advanced = progress.get("lastAdvanceTime") if step is not None else None
+    since = _later(advanced, running_since)
+    if since is None or seconds_between(since, now) <= deadlines.training_stall:
+        return None
+    limit = duration(deadlines.training_stall)
+    error = status.get("scrapeError") or {}
+    seen_still = seconds_between(since, str(progress.get("updatedAt") or since)) > deadlines.training_stall
+    logs = f"kubectl logs -n {namespace} {pod}" if pod else f"kubectl logs -n {namespace} -l {selector}"
+    if error and not seen_still:
+        last = f"the last reading was step {step}, unchanged since {since}" if step is not None else (
+            f"no step was read since it started running at {since}")
+        return Stall(
+            "NoLiveProgress",
+            f"no live progress: {error.get('message')} (since {error.get('since')}); {last}, so whether training "
+            f"moves within the {limit} training-stall deadline is unknown. Check that the operator can reach the "
+            f"trainer's metrics port (a NetworkPolicy), then the trainer's log ({logs})",
+        )
+    said = f"training step {step} has not advanced since {since}" if step is not None else (
+        f"no training step since the job started running at {since}")
+    message = (
+        f"{said}, longer than the {limit} training-stall deadline. Look at rank 0's log ({logs}) and every "
+        f"rank's (kubectl logs -n {namespace} -l {selector} --prefix) for a hung collective or a dead rank, "
+        f"and at {DATA_WAIT} (time the last steps waited for data) for a stuck data loader"
+    )
+    fail_after = deadlines.training_stall_fail
+    if fail_after is not None and seconds_between(since, now) > fail_after:
+        return Stall(
+            "TrainingStalled",
+            f"{message}. Failed after {duration(fail_after)} without a step: {child} was deleted so its GPUs "
+            "go back; fix the cause, then delete and re-create the SFTJob",
+            fail=True,
+        )
+    return Stall("TrainingStalled", message)
+
+
+def _later(a: str | None, b: str | None) -> str | None:
+    if a is None or b is None:
+        return a or b
+    return a if seconds_between(b, a) > 0 else b
 
 
 def duration(seconds: float) -> str:

@@ -30,7 +30,7 @@ import kubernetes
 from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
-from . import builders, logs, metrics, policy, progress
+from . import builders, deadlines, logs, metrics, policy, progress
 from . import status as st
 from .api import GROUP, VERSION, PackJobSpec, SFTJobSpec
 from .view import CachedKube, Kube
@@ -216,6 +216,8 @@ def _write_status(memo: kopf.Memo, kube: Any, plural: str, body: Mapping[str, An
             body, meta = fresh, fresh["metadata"]
             continue
         _post_transition(kind, body, status)
+        if kind == "SFTJob":
+            _stop_stalled(kube, body, status)
         return
     raise kopf.TemporaryError(f"{kind} {meta['name']} kept changing while its status was written", delay=5)
 
@@ -347,6 +349,7 @@ def reconcile_sftjob(
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
     prev = body.get("status") or {}
     if prev.get("phase") in st.TERMINAL:
+        _stop_stalled(kube, body, prev)  # again after a restart between the Failed write and the delete
         return dict(prev)
     try:
         spec = SFTJobSpec.model_validate(body["spec"])
@@ -413,14 +416,52 @@ def reconcile_sftjob(
             f"PackJob {ref} was deleted while this SFTJob trains on its pack; the files stay on the claim "
             f"until removed, but re-creating PackJob {ref} now would rewrite them under a running job"
         )
-    return st.sft_status(
+    stall = _training_stall(body, pods, f"{kind} {child['metadata']['name']}", defaults) if phase == "Running" else None
+    status = st.sft_status(
         generation, kind, child, data_path or spec.data.path or "", prev, now(), train_progress, pods=pods,
         deadlines=defaults.deadlines, failure_seen=failure, data_gone=data_gone,
-        queued=spec.queue_name if phase == "Suspended" and not spec.suspend else None,
+        queued=spec.queue_name if phase == "Suspended" and not spec.suspend else None, stall=stall,
+    )
+    if prev.get("scrapeError"):  # kept while it says something about a running trainer
+        status["scrapeError"] = prev["scrapeError"] if status["phase"] == "Running" else None
+    return status
+
+
+def _training_stall(
+    body: Mapping[str, Any], pods: list[dict[str, Any]], child: str, defaults: builders.OperatorDefaults
+) -> deadlines.Stall | None:
+    """The training-stall deadline of a Running SFTJob, from its status (the clock is kept there)."""
+    meta, prev = body["metadata"], body.get("status") or {}
+    running = st.get_condition(prev.get("conditions"), "Running") or {}
+    master = progress.master_pod(pods)
+    return deadlines.training_stall(
+        prev, running.get("lastTransitionTime") if running.get("status") == "True" else None, now(),
+        defaults.deadlines, namespace=meta["namespace"], selector=f"{builders.SFTJOB_LABEL}={meta['name']}",
+        pod=master["metadata"]["name"] if master is not None else None, child=child,
     )
 
 
 RECONCILERS["sftjobs"] = ("SFTJob", reconcile_sftjob)
+
+
+def _stop_stalled(kube: Any, body: Mapping[str, Any], status: Mapping[str, Any]) -> None:
+    """Delete the training job of an SFTJob failed for a training stall, so its GPUs go back to the pool.
+
+    Only once that status is written: a child gone from the view while the SFTJob still ran
+    would be created again.
+    """
+    failed = st.get_condition(status.get("conditions"), "Failed") or {}
+    if status.get("phase") != "Failed" or failed.get("reason") != "TrainingStalled":
+        return
+    ref = status.get("trainingJob") or {}
+    group, version, plural, kind = next(c for c in CHILD_KINDS.values() if c[3] == ref.get("kind"))
+    namespace = body["metadata"]["namespace"]
+    child = kube.get(group, version, plural, namespace, ref.get("name", ""))
+    if child is None or child["metadata"].get("deletionTimestamp"):
+        return
+    kube.delete(group, version, plural, namespace, ref["name"])
+    log.warning("deleted %s %s/%s: training stalled", kind, namespace, ref["name"],
+                extra=logs.ref("SFTJob", namespace, body["metadata"]["name"]))
 
 
 @kopf.on.resume(GROUP, VERSION, "sftjobs")

@@ -3,7 +3,9 @@
 Kept apart from the reconcilers: scraping is best-effort and periodic (one loop for every running
 SFTJob, not a per-object kopf timer, which would put a finalizer on each), while reconciling is
 event-driven. The metric names are the trainer's own (`packer.contract`); the scrape itself is
-bounded in size and time (`scrape`).
+bounded in size and time (`scrape`). Each scrape also keeps the training-stall clock in the status
+(`progress.lastAdvanceTime`, and `scrapeError` while nothing can be read), which the reconcilers
+hold against the deadline (`deadlines.training_stall`).
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
 
 from packtrain.packer.contract import TRAIN_EVAL_LOSS, TRAIN_LOSS, TRAIN_STEP, TRAIN_TOKENS_PER_SECOND
 
-from . import scrape
+from . import deadlines, scrape
 from .api import GROUP, VERSION, SFTJobSpec
 from .builders import SFTJOB_LABEL
 from .status import COMPLETION_INDEX
@@ -83,39 +86,70 @@ def master_pod(pods: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     return None
 
 
-def _metrics_target(kube: ProgressKube, namespace: str, name: str) -> tuple[str, int] | None:
-    """(the running master pod's /metrics URL, maxSteps), or None when there is nothing to scrape."""
+@dataclass(frozen=True)
+class Target:
+    """What one scrape reads: rank 0's /metrics URL (None: no running rank-0 pod), and what it continues."""
+
+    url: str | None
+    max_steps: int | None
+    status: Mapping[str, Any]
+
+
+def _metrics_target(kube: ProgressKube, namespace: str, name: str) -> Target | None:
+    """The running SFTJob's scrape target, or None when it is not Running (nothing to scrape, nothing amiss)."""
     body = kube.get(GROUP, VERSION, "sftjobs", namespace, name)
-    if body is None or (body.get("status") or {}).get("phase") != "Running":
+    status = (body or {}).get("status") or {}
+    if body is None or status.get("phase") != "Running":
         return None
     spec = SFTJobSpec.model_validate(body["spec"])
     pod = master_pod(kube.pods(namespace, f"{SFTJOB_LABEL}={name}"))
-    if pod is None:
-        return None
-    return scrape.metrics_url(pod["status"]["podIP"], spec.metrics_port), spec.training.fixed_steps()
+    url = scrape.metrics_url(pod["status"]["podIP"], spec.metrics_port) if pod is not None else None
+    return Target(url, spec.training.fixed_steps(), status)
+
+
+def reading(target: Target, text: str | None, error: str | None, now: str) -> dict[str, Any] | None:
+    """The status patch of one scrape: progress with the time its step last changed, or why there is none.
+
+    A failed scrape is recorded (`scrapeError`, since its first failure in a row) so the training-stall
+    deadline says it could not see progress rather than calling a stall; a good one clears it.
+    None: nothing to write.
+    """
+    prev = target.status
+    if error is not None:
+        failed = deadlines.scrape_error(prev.get("scrapeError"), error, now)
+        return None if failed == prev.get("scrapeError") else {"scrapeError": failed}
+    patch: dict[str, Any] = {"scrapeError": None} if prev.get("scrapeError") else {}
+    progress = progress_from_metrics(text or "", target.max_steps, now)
+    if progress is not None:
+        progress["lastAdvanceTime"] = deadlines.last_advance(prev.get("progress"), progress["step"], now)
+        patch["progress"] = progress
+    return patch or None
 
 
 async def update_progress(
     kube: ProgressKube, client: aiohttp.ClientSession, namespace: str, name: str, now: Callable[[], str]
 ) -> dict[str, Any] | None:
-    """Scrape the master pod's trainer metrics into `status.progress`; None when there is nothing to read.
+    """Scrape the master pod's trainer metrics into `status.progress` (or `status.scrapeError`).
 
-    The API calls and the parsing run in threads, off the event loop kopf's handlers share.
+    Returns the progress read, None when there is none. The API calls and the parsing run in
+    threads, off the event loop kopf's handlers share.
     """
     loop = asyncio.get_running_loop()
     target = await loop.run_in_executor(None, _metrics_target, kube, namespace, name)
     if target is None:
         return None
-    url, max_steps = target
-    try:
-        text = await scrape.fetch(client, url)
-    except scrape.ScrapeError as exc:
-        log.info("SFTJob %s/%s: no progress from %s: %s", namespace, name, url, exc)
-        return None
-    progress = await loop.run_in_executor(None, progress_from_metrics, text, max_steps, now())
-    if progress is not None:
-        await loop.run_in_executor(None, kube.merge_status, "sftjobs", namespace, name, {"progress": progress})
-    return progress
+    text, error = None, "no running rank-0 pod to scrape"
+    if target.url is not None:
+        try:
+            text, error = await scrape.fetch(client, target.url), None
+        except scrape.ScrapeError as exc:
+            error = f"metrics endpoint {target.url} could not be read: {exc}"
+    if error is not None:
+        log.info("SFTJob %s/%s: no progress: %s", namespace, name, error)
+    patch = await loop.run_in_executor(None, reading, target, text, error, now())
+    if patch is not None:
+        await loop.run_in_executor(None, kube.merge_status, "sftjobs", namespace, name, patch)
+    return (patch or {}).get("progress")
 
 
 async def progress_round(

@@ -32,15 +32,17 @@ NAMESPACED_RULES: list[dict[str, Any]] = [
     {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create"]},
     # Termination messages (stage summaries, failure log tails) and unschedulable pods.
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    # delete: the training job of an SFTJob failed for a training stall (its GPUs go back); the
+    # garbage collector deletes every other child.
     {
         "apiGroups": ["kubeflow.org"],
         "resources": ["pytorchjobs"],
-        "verbs": ["get", "list", "watch", "create", "patch"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
     {
         "apiGroups": ["trainer.kubeflow.org"],
         "resources": ["trainjobs"],
-        "verbs": ["get", "list", "watch", "create", "patch"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
     # Events on PackJobs/SFTJobs (kopf posts core/v1 Events).
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},

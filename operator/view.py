@@ -76,6 +76,16 @@ class Kube:
     def patch(self, group: str, version: str, plural: str, namespace: str, name: str, body: dict) -> None:
         self.custom.patch_namespaced_custom_object(group, version, namespace, plural, name, body)
 
+    def delete(self, group: str, version: str, plural: str, namespace: str, name: str) -> None:
+        """Delete with its pods (background garbage collection); already gone is fine."""
+        try:
+            self.custom.delete_namespaced_custom_object(
+                group, version, namespace, plural, name, propagation_policy="Background"
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
     def patch_status(
         self, plural: str, namespace: str, name: str, status: dict[str, Any], resource_version: str
     ) -> dict[str, Any]:
@@ -124,15 +134,17 @@ class CachedKube:
                 return None
             return seen[1]
 
-    def _one(self, index: str, key: tuple[str, ...]) -> dict[str, Any] | None:
-        store = self.indexes[index].get(key)
-        return next(iter(store), None) if store else None
+    def _read(self, index: str | None, key: tuple[str, ...]) -> list[dict[str, Any]] | None:
+        """What kopf index `index` holds under `key`; None where no such index is filled (ask the API)."""
+        if index is None or index not in self.indexes:
+            return None
+        return [dict(body) for body in self.indexes[index].get(key) or ()]
 
     def get(self, group: str, version: str, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
-        index = INDEX_OF.get(plural)
-        if index is None or index not in self.indexes:
+        held = self._read(INDEX_OF.get(plural), (namespace, name))
+        if held is None:
             return self.kube.get(group, version, plural, namespace, name)
-        found = self._one(index, (namespace, name))
+        found = next(iter(held), None)
         if found is None:
             return self._recent((plural, namespace, name))
         with self._lock:
@@ -155,10 +167,8 @@ class CachedKube:
 
     def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         label, _, value = selector.partition("=")
-        index = POD_INDEX_OF.get(label)
-        if index is None or index not in self.indexes:
-            return self.kube.pods(namespace, selector)
-        return [dict(p) for p in self.indexes[index].get((label, namespace, value)) or ()]
+        held = self._read(POD_INDEX_OF.get(label), (label, namespace, value))
+        return self.kube.pods(namespace, selector) if held is None else held
 
     def create(self, body: dict[str, Any]) -> bool:
         """Create unless this process made (or met) it moments ago and the watch has not shown it yet."""
@@ -193,6 +203,9 @@ class CachedKube:
 
     def patch(self, group: str, version: str, plural: str, namespace: str, name: str, body: dict) -> None:
         self.kube.patch(group, version, plural, namespace, name, body)
+
+    def delete(self, group: str, version: str, plural: str, namespace: str, name: str) -> None:
+        self.kube.delete(group, version, plural, namespace, name)
 
     def patch_status(
         self, plural: str, namespace: str, name: str, status: dict[str, Any], resource_version: str

@@ -116,3 +116,19 @@ def test_stale_status_waits_for_the_operator(kind: str, model: type[PackJobStatu
     assert health(kind, cr(stale, generation=2)) == {
         "status": "Progressing", "message": "Waiting for the operator to observe generation 2"}
     assert health(kind, cr(stale, generation=1))["status"] == "Healthy"
+
+
+def test_a_stalled_training_is_degraded_with_the_operators_message() -> None:
+    """A Running SFTJob whose step stands still (the operator's own status for it): Degraded, not its step."""
+    from packtrain.operator import status as st
+    from packtrain.operator.deadlines import Stall
+
+    child = {"apiVersion": "kubeflow.org/v1", "metadata": {"name": "j"},
+             "status": {"conditions": [{"type": "Running", "status": "True", "reason": "PyTorchJobRunning"}]}}
+    stall = Stall("TrainingStalled", "training step 120 has not advanced since 2026-01-01T00:00:00Z")
+    status = st.sft_status(1, "PyTorchJob", child, "/data/p", {"progress": {"step": 120, "maxSteps": 1000}}, NOW,
+                           stall=stall)
+    assert health("SFTJob", cr(SFTJobStatus.model_validate(status))) == {"status": "Degraded", "message": stall.message}
+    cleared = st.sft_status(1, "PyTorchJob", child, "/data/p", status, NOW)
+    assert health("SFTJob", cr(SFTJobStatus.model_validate(cleared))) == {"status": "Progressing",
+                                                                          "message": "step 120/1000"}

@@ -17,6 +17,7 @@ import yaml
 from packtrain.operator import builders, crdgen, rbac
 from packtrain.operator.api import GROUP, KINDS, PackJobSpec, SFTJobSpec
 from packtrain.operator.builders import OperatorDefaults
+from packtrain.operator.deadlines import Deadlines
 
 from .helm import (
     CHART,
@@ -52,7 +53,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                           "tolerations": [{"key": "batch", "operator": "Exists", "effect": "NoSchedule"}]},
                   "gpu": {"nodeSelector": {"gpu": "h100"}, "tolerations": []}},
         "operator": {"watchNamespaces": ["ml"], "metricsPort": 9090, "livenessPort": 9091,
-                     "verbose": True, "extraEnv": [{"name": "EXTRA", "value": "1"}]},
+                     "verbose": True, "extraEnv": [{"name": "EXTRA", "value": "1"}],
+                     "deadlines": {"trainingStallSeconds": 600, "trainingStallFailSeconds": 0}},
         "serviceAccount": {"name": "pt-operator", "annotations": {"iam.example.com/role": "pt"}},
         "podAnnotations": {"example.com/scrape": "false"},
         "podLabels": {"team": "ml"},
@@ -227,6 +229,7 @@ def test_operator_arguments_and_environment(rendered: tuple[dict[str, Any], list
         image = merged["workloadImages"][kind]
         assert getattr(defaults, f"{kind}_image") == f"{image['repository']}:{image['tag'] or app_version}"
     assert container["image"] == f"{merged['image']['repository']}:{merged['image']['tag'] or app_version}"
+    assert defaults.deadlines == Deadlines.from_dict(merged["operator"]["deadlines"])
     watched = [a.removeprefix("--namespace=") for a in container["args"] if a.startswith("--namespace=")]
     if merged["rbac"]["scope"] == "namespace":
         assert watched == (merged["operator"]["watchNamespaces"] or [NAMESPACE])
