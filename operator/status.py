@@ -13,12 +13,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from packtrain.packer.contract import TrainSummary
+from packtrain.packer.contract import TrainSummary, parse_summary
 
 from .api import PackJobSpec
 from .builders import PACKJOB_LABEL, pack_job_name, pack_output_dir
 from .commands import EXIT_CONFIG, PACK_STAGES, PackStage
-from .deadlines import Deadlines, blocked_since, seconds_between
+from .deadlines import Deadlines, Stall, blocked_since, seconds_between
 from .deadlines import duration as _duration
 
 STAGE_PHASE: dict[str, str] = {"convert": "Converting", "plan": "Planning", "materialize": "Materializing"}
@@ -186,20 +186,6 @@ class Terminated:
         return parse_summary(self.message)
 
 
-def parse_summary(message: str | None) -> dict[str, Any] | None:
-    """The JSON object a stage wrote to its termination log, or None for plain text."""
-    if not message:
-        return None
-    text = message.strip()
-    if not text.startswith("{"):
-        return None
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
 def terminated(pod: Mapping[str, Any], container: str) -> Terminated | None:
     """The terminated state of `container` in `pod`, if it has ended."""
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
@@ -350,6 +336,11 @@ def pack_stats(
     if plan:
         p = plan[-1]
         stats.update({dst: p[src] for src, dst in _PLAN_STATS.items() if p.get(src) is not None})
+    # The worker that wrote the manifest reports the final counts (`PackCounts`): plan's, less the
+    # samples materialize rejected (a video whose frames do not decode), and the sequences written.
+    final = [s["pack"] for s in summaries.get("materialize", ()) if isinstance(s.get("pack"), Mapping)]
+    if final:
+        stats.update({dst: final[-1][src] for src, dst in _PLAN_STATS.items() if final[-1].get(src) is not None})
     return stats
 
 
@@ -407,12 +398,13 @@ def pack_status(
     prev = dict(previous or {})
     if prev.get("phase") in TERMINAL:
         return PackDecision(status=prev)
-    # Counts come from the stages that finished, and from a plan that refused the pack (NoSamples).
+    # Counts come from the stages that finished, and from a plan or materialize that refused the pack
+    # (NoSamples, TooManyRejected: materialize's final counts under `pack`).
     summaries = {
         stage: [
             t.summary
             for t in _pod_results(pods.get(stage, ()), "packer")
-            if t.summary and ("error" not in t.summary or "samples" in t.summary)
+            if t.summary and ("error" not in t.summary or "samples" in t.summary or "pack" in t.summary)
         ]
         for stage in PACK_STAGES
     }
@@ -680,6 +672,7 @@ def sft_status(
     failure_seen: Mapping[str, Any] | None = None,
     data_gone: str | None = None,
     queued: str | None = None,
+    stall: Stall | None = None,
 ) -> dict[str, Any]:
     """Mirror the child training job's state into the SFTJob's phase, conditions and replica statuses.
 
@@ -687,6 +680,7 @@ def sft_status(
     so the Failed condition quotes the trainer even after the child deleted the pod.
     `data_gone`: the referenced PackJob was deleted while this job uses its pack.
     `queued`: the queue name, when the child waits for the queue to admit (unsuspend) it.
+    `stall`: the training-stall deadline passed (`deadlines.training_stall`): Degraded, or Failed.
     """
     deadlines = deadlines or Deadlines()
     prev = dict(previous or {})
@@ -745,6 +739,12 @@ def sft_status(
             )
         else:
             message = f"{message}. Details: kubectl describe {kind.lower()} {meta.get('name', '')}"
+    if stall is not None and degraded is None and phase == "Running":
+        if stall.fail:
+            phase, reason, message = "Failed", stall.reason, stall.message
+            status.update(phase=phase, completionTime=prev.get("completionTime") or now)
+        else:
+            degraded = (stall.reason, stall.message)
     if data_gone:
         conds = set_condition(prev.get("conditions") or [], "DataReady", False, "PackJobDeleted", data_gone, now,
                               generation)
@@ -765,7 +765,8 @@ def sft_status(
 
 # Reasons that deserve a Warning event although the phase is not Failed.
 WARNING_REASONS = frozenset(
-    {"PackJobFailed", "PackJobNotFound", "PackJobDeleted", "Unschedulable", "StageStalled", "TrainerFailed"}
+    {"PackJobFailed", "PackJobNotFound", "PackJobDeleted", "Unschedulable", "StageStalled", "TrainerFailed",
+     "TrainingStalled", "NoLiveProgress"}
 )
 
 

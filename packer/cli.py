@@ -154,7 +154,16 @@ def _run(args: argparse.Namespace) -> int:
             return EXIT_CONFIG
         report(summary)
     elif args.cmd == "materialize":
-        report(stages.materialize(cfg, out, _index(args), args.count))
+        done = stages.materialize(cfg, out, _index(args), args.count)
+        final = done["pack"]  # the manifest's counts, from the worker that wrote it
+        problem = None if final is None else pack_outcome_error(
+            final["samples"], final["packed"], final["rejected_by_reason"], cfg.packing.max_rejected_fraction
+        )
+        if problem is not None:  # materialize's rejects (videos that do not decode) left too little packed
+            print(f"packtrain pack materialize: {problem['error']}", file=sys.stderr)
+            report({**problem, **done})
+            return EXIT_CONFIG
+        report(done)
     elif args.cmd == "run":
         from .local import run_all
 

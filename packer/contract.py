@@ -10,10 +10,26 @@ of ours (the operator, the packer and the trainer may all depend on it).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from typing import Final, NotRequired, TypedDict
+from typing import Any, Final, NotRequired, TypedDict
 
 # Termination messages
+
+
+def parse_summary(message: str | None) -> dict[str, Any] | None:
+    """The JSON object of a summary line (a stage's termination message, the trainer's last line), or
+    None for anything else (a traceback, a log line): the operator and `packtrain run` read it alike."""
+    if not message:
+        return None
+    text = message.strip()
+    if not text.startswith("{"):
+        return None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 class ConvertSummary(TypedDict):
@@ -38,7 +54,11 @@ class SourceCounts(TypedDict):
 
 
 class PlanSummary(TypedDict):
-    """The whole pack's counts, known once plan has seen every converted sample."""
+    """The whole pack's counts as plan knows them, before materialize decodes the videos.
+
+    A sample whose video does not decode is found by materialize and rejected there, so the
+    finished pack (its manifest, `PackCounts`) may pack fewer samples in fewer, shorter sequences.
+    """
 
     stage: str
     samples: int
@@ -55,16 +75,37 @@ class PlanSummary(TypedDict):
     sources: dict[str, SourceCounts]
 
 
+class PackCounts(TypedDict):
+    """A finished pack's counts, as its manifest has them: plan's less the samples materialize rejected
+    (a video whose frames do not decode), and the sequences, tokens and fill of the shards written."""
+
+    samples: int
+    packed: int
+    rejected: int
+    rejected_by_reason: dict[str, int]
+    sequences: int
+    tokens: int
+    lower_bound: int
+    fill_ratio: float
+    padding_saved: float
+
+
 class MaterializeSummary(TypedDict):
-    """One materialize worker's shards; the worker that completes the set writes the manifest."""
+    """One materialize worker's shards; the worker that completes the set writes the manifest.
+
+    `rejected`: samples dropped from this worker's shards (media that does not decode); `pack`: the
+    final counts, from the worker that wrote the manifest (else None).
+    """
 
     stage: str
     index: int
     count: int
     shards: int
     written: int
+    rejected: int
     manifest: bool
     manifest_sha256: str | None
+    pack: PackCounts | None
 
 
 class ErrorReport(TypedDict):

@@ -46,15 +46,17 @@ def check_frames(f: BinaryIO, indices: list[int], name: str = "video") -> None:
     """Decode (no conversion kept) up to the last sampled frame, as the trainer will.
 
     Convert counts vision tokens from the stream header and packets without
-    decoding, so this is where a video whose frames do not decode is refused
-    before training, also when shards keep the original bytes.
+    decoding, so this is where a video whose frames do not decode is found
+    before training, also when shards keep the original bytes: a MediaError
+    (`corrupt_media`) that materialize turns into a reject of each sample using it.
     """
     for _ in _sampled(f, indices, name):
         pass
 
 
 def _sampled(f: BinaryIO, indices: list[int], name: str) -> Iterator[tuple[int, Any]]:
-    """Each decoded frame at `indices`, through an allowed demuxer only; every wanted frame or an error.
+    """Each decoded frame at `indices`, through an allowed demuxer only; every wanted frame or a
+    MediaError (`corrupt_media`) naming the file.
 
     A frame of another size than the stream header declared (what convert's decode cap measured
     and counted) is refused rather than decoded on.
@@ -64,7 +66,7 @@ def _sampled(f: BinaryIO, indices: list[int], name: str) -> Iterator[tuple[int, 
     f.seek(0)
     demuxer = sniff_container(f.read(SNIFF_BYTES))
     if demuxer is None:
-        raise ConfigError(f"{name}: not a video in an allowed container; remove it from the dataset")
+        raise MediaError("corrupt_media", f"{name}: not a video in an allowed container")
     f.seek(0)
     wanted = set(indices)
     got: set[int] = set()
@@ -74,24 +76,25 @@ def _sampled(f: BinaryIO, indices: list[int], name: str) -> Iterator[tuple[int, 
             declared = (stream.codec_context.width, stream.codec_context.height)
             for i, frame in enumerate(container.decode(stream)):
                 if (frame.width, frame.height) != declared:
-                    raise ConfigError(
+                    raise MediaError(
+                        "corrupt_media",
                         f"{name}: frame {i} is {frame.width}x{frame.height}, but the stream declares "
-                        f"{declared[0]}x{declared[1]}; re-encode the video or remove it from the dataset"
+                        f"{declared[0]}x{declared[1]}",
                     )
                 if i in wanted:
                     got.add(i)
                     yield i, frame
                 if len(got) == len(wanted):
                     break
-    except ConfigError:
+    except MediaError:
         raise
-    except (av.FFmpegError, OSError, ValueError) as exc:
-        raise ConfigError(f"{name}: video does not decode ({exc}); re-encode it or remove it from the dataset") from exc
+    except Exception as exc:  # decoders raise anything on hostile input; one file must not stop a worker
+        raise MediaError("corrupt_media", f"{name}: video does not decode ({type(exc).__name__}: {exc})") from exc
     missing = wanted - got
     if missing:
-        raise ConfigError(
-            f"{name}: frames {sorted(missing)[:5]} could not be decoded; re-encode the video or remove it "
-            "from the dataset"
+        raise MediaError(
+            "corrupt_media",
+            f"{name}: sampled frames {sorted(missing)[:5]} could not be decoded ({len(got)} of {len(wanted)} were)",
         )
 
 
@@ -131,7 +134,11 @@ def _checked_open(
 def media_blob(
     ref: dict[str, Any], storage: str, limits: MediaLimits, roots: frozenset[str] | None = None
 ) -> dict[str, Any]:
-    """The MEDIA_SCHEMA row for one media reference of a converted sample (re-opened inside `roots`)."""
+    """The MEDIA_SCHEMA row for one media reference of a converted sample (re-opened inside `roots`).
+
+    A video whose sampled frames do not decode raises MediaError (the dataset's fault: a reject); a
+    file that changed or vanished since convert raises ConfigError (the pack's inputs moved: re-pack).
+    """
     path = Path(ref["path"])
     kind = ref["kind"]
     keep = storage == "original" or kind == "image"

@@ -16,7 +16,7 @@ import os
 import re
 import sys
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .config import PackConfig
-from .contract import ConvertSummary, MaterializeSummary, PlanSummary
+from .contract import ConvertSummary, MaterializeSummary, PackCounts, PlanSummary
 from .media import EMBEDDED_DIR, MediaLimits, MediaRoots
 from .media_store import media_blob
 from .mixture import repeat, source_counts, weigher
@@ -48,10 +48,12 @@ from .shards import (
     write_table,
 )
 from .tokenize import Reject, SampleTokenizer, TokenizedSample
+from .vision import MediaError
 
 WORK = "work"
 CONFIG_CLAIM = "config.json"
 DUPLICATE_IDS = "duplicate_ids"  # manifest counts key: samples whose id an earlier sample already used
+SHARD_REJECTS = "rejects"  # a shard's done record: the samples materialize dropped (media that does not decode)
 PART_BATCH_TOKENS = 1 << 20
 Progress = Callable[[int], None]
 
@@ -387,21 +389,16 @@ def plan(cfg: PackConfig, out: Path) -> PlanSummary:
     )
     write_table(work / "plan.arrow", plan_table)
 
-    # Each worker's rejects are in position order: merge them, streaming, into input order.
     reasons: Counter[str] = Counter()
     rejected_by_file: Counter[str] = Counter()
-    with contextlib.ExitStack() as stack, atomic_writer(out / REJECTS) as f:
-        files = [stack.enter_context((work / "convert" / f"rejects-{_part_name(i, count)}.jsonl").open("rb"))
-                 for i in range(count)]
-        streams = ((json.loads(line) for line in fh if line.strip()) for fh in files)
-        reject_ids: list[str] = []
-        for r in heapq.merge(*streams, key=lambda r: r["position"]):
+    reject_ids: list[str] = []
+    with _rejects_in_order(work, count) as rejects, atomic_writer(out / REJECTS) as f:
+        for r in rejects:
             reasons[r["reason"]] += 1
             rejected_by_file[r["source"]] += 1
             if isinstance(r.get("id"), str):
                 reject_ids.append(r["id"])
-            keep = {k: r[k] for k in ("source", "index", "id", "reason", "detail")}
-            f.write((json.dumps(keep, ensure_ascii=False) + "\n").encode())
+            f.write(_reject_line(r))
     rejected = sum(reasons.values())
     duplicates, examples = count_duplicate_ids([*ids, pa.array(reject_ids, pa.string())])
     if duplicates:
@@ -413,6 +410,7 @@ def plan(cfg: PackConfig, out: Path) -> PlanSummary:
         )
     tokens = int(length.sum())
     shards = -(-sequences // per_shard)
+    fill_ratio, padding_saved = _fill(tokens, sequences, converted_total, p.max_length)
     summary: PlanSummary = {
         "stage": "plan",
         "samples": converted_total + rejected,
@@ -424,9 +422,8 @@ def plan(cfg: PackConfig, out: Path) -> PlanSummary:
         "shards": shards,
         "tokens": tokens,
         "lower_bound": lower_bound(length, p.max_length) if len(length) else 0,
-        "fill_ratio": round(tokens / (sequences * p.max_length), 6) if sequences else 0.0,
-        # Fraction of fixed-length sequences saved versus one sample per sequence.
-        "padding_saved": round(1 - sequences / converted_total, 6) if converted_total else 0.0,
+        "fill_ratio": fill_ratio,
+        "padding_saved": padding_saved,
         "sources": source_counts(
             source_files(cfg.source.paths), cfg.source.mixture, packed_by_file, rejected_by_file
         ),
@@ -437,6 +434,35 @@ def plan(cfg: PackConfig, out: Path) -> PlanSummary:
          "rejects_sha256": sha256_file(out / REJECTS)},
     )
     return summary
+
+
+@contextlib.contextmanager
+def _rejects_in_order(
+    work: Path, count: int, late: Sequence[dict[str, Any]] = ()
+) -> Iterator[Iterator[dict[str, Any]]]:
+    """Every reject in input order: each convert worker's file (already in position order) and
+    materialize's `late` rejects, merged streaming. Global positions make the order independent of
+    the number of workers."""
+    with contextlib.ExitStack() as stack:
+        files = [stack.enter_context((work / "convert" / f"rejects-{_part_name(i, count)}.jsonl").open("rb"))
+                 for i in range(count)]
+        streams = [(json.loads(line) for line in fh if line.strip()) for fh in files]
+        yield heapq.merge(*streams, sorted(late, key=lambda r: r["position"]), key=lambda r: r["position"])
+
+
+def _reject_line(r: dict[str, Any]) -> bytes:
+    """One `rejects.jsonl` line: the reject without its position (an internal ordering key)."""
+    keep = {k: r[k] for k in ("source", "index", "id", "reason", "detail")}
+    return (json.dumps(keep, ensure_ascii=False) + "\n").encode()
+
+
+def _fill(tokens: int, sequences: int, packed: int, max_length: int) -> tuple[float, float]:
+    """`fill_ratio` (real tokens / sequence capacity) and `padding_saved` (share of sequences saved
+    versus one sample per sequence)."""
+    return (
+        round(tokens / (sequences * max_length), 6) if sequences else 0.0,
+        round(1 - sequences / packed, 6) if packed else 0.0,
+    )
 
 
 def count_duplicate_ids(chunks: list[pa.Array | pa.ChunkedArray]) -> tuple[int, list[str]]:
@@ -472,9 +498,14 @@ def _build_shard(
     plan_rows: pa.Table,
     part_tables: dict[int, pa.Table],
     embedded: Path | None = None,
-) -> tuple[pa.Table, list[dict[str, Any]]]:
-    """One shard's sequences (SEQUENCE_SCHEMA), built column-wise: the sub-samples are taken from
-    the convert parts and regrouped by offsets, so no token becomes a Python object."""
+) -> tuple[pa.Table, list[dict[str, Any]], list[dict[str, Any]]]:
+    """One shard's sequences (SEQUENCE_SCHEMA), its media rows and the samples it rejected.
+
+    Built column-wise: the sub-samples are taken from the convert parts and regrouped by offsets, so
+    no token becomes a Python object. A sample whose video does not decode (convert counted it from
+    the headers) is dropped from its sequence and returned as a reject row: its sequence gets
+    shorter (a sample is never split), a sequence left empty is dropped.
+    """
     parts_col = plan_rows.column("parts").combine_chunks()
     rows_col = plan_rows.column("rows").combine_chunks()
     seq_off = parts_col.offsets.to_numpy() - parts_col.offsets[0].as_py()  # sub-samples per sequence
@@ -496,6 +527,10 @@ def _build_shard(
     samples = pa.Table.from_batches(pieces, schema=PART_SCHEMA).combine_chunks()
     if pieces:
         samples = samples.take(pa.array(np.argsort(np.concatenate(where), kind="stable")))
+    blobs, bad = _shard_media(cfg, samples.column("media").combine_chunks().flatten(), embedded)
+    rejects: list[dict[str, Any]] = []
+    if bad:
+        samples, seq_off, rejects = _drop_undecodable(samples, seq_off, bad)
     n = samples.num_rows
     length = samples.column("length").combine_chunks()
     token_off = np.concatenate([[0], np.cumsum(length.to_numpy(), dtype=np.int64)])[seq_off]
@@ -524,20 +559,67 @@ def _build_shard(
         ],
         schema=SEQUENCE_SCHEMA,
     )
+    used = set(children["key"].to_pylist())  # a dropped sample's other media may be used by no one
+    return table, [blobs[k] for k in sorted(blobs) if k in used], rejects
+
+
+def _shard_media(
+    cfg: PackConfig, flat_media: pa.StructArray, embedded: Path | None
+) -> tuple[dict[str, dict[str, Any]], dict[str, MediaError]]:
+    """Each media key's MEDIA_SCHEMA row, made once per shard, and the keys whose video does not decode."""
     blobs: dict[str, dict[str, Any]] = {}
+    bad: dict[str, MediaError] = {}
     limits, roots = MediaLimits.of(cfg.source), MediaRoots(cfg.source).all_roots()
     if embedded is not None:  # media convert took from the dataset files, kept by sha256
         roots |= {os.path.realpath(embedded)}
-    for i, key in enumerate(children["key"].to_pylist()):
-        if key not in blobs:
-            blobs[key] = media_blob(flat_media[i].as_py(), cfg.packing.media_storage, limits, roots)
-    return table, [blobs[k] for k in sorted(blobs)]
+    for i, key in enumerate(flat_media.field("key").to_pylist()):
+        if key not in blobs and key not in bad:
+            try:
+                blobs[key] = media_blob(flat_media[i].as_py(), cfg.packing.media_storage, limits, roots)
+            except MediaError as exc:
+                bad[key] = exc
+    return blobs, bad
+
+
+def _drop_undecodable(
+    samples: pa.Table, seq_off: np.ndarray, bad: dict[str, MediaError]
+) -> tuple[pa.Table, np.ndarray, list[dict[str, Any]]]:
+    """The samples using none of the `bad` media, their sequences' new offsets (emptied sequences
+    gone), and a reject row (in position order) for each sample dropped."""
+    media = samples.column("media").combine_chunks()
+    per_sample = pc.list_value_length(media).to_numpy(zero_copy_only=False).astype(np.int64)
+    keys = media.flatten().field("key").to_pylist()
+    media_of = np.repeat(np.arange(samples.num_rows), per_sample)
+    broken = np.zeros(samples.num_rows, dtype=bool)
+    broken[media_of[np.array([k in bad for k in keys], dtype=bool)]] = True
+    first_bad: dict[int, MediaError] = {}
+    for sample, key in zip(media_of.tolist(), keys, strict=True):
+        if key in bad:
+            first_bad.setdefault(sample, bad[key])
+    dropped = samples.filter(pa.array(broken)).select(["position", "source", "index", "sample_id"]).to_pylist()
+    rejects = [
+        _reject_row(Reject(r["source"], r["index"], r["sample_id"], err.reason, err.detail), r["position"])
+        for r, err in zip(dropped, (first_bad[i] for i in np.flatnonzero(broken).tolist()), strict=True)
+    ]
+    kept = np.bincount(
+        np.repeat(np.arange(len(seq_off) - 1), np.diff(seq_off))[~broken], minlength=len(seq_off) - 1
+    )
+    kept = kept[kept > 0]
+    return (
+        samples.filter(pa.array(~broken)),
+        np.concatenate([[0], np.cumsum(kept)]).astype(np.int64),
+        sorted(rejects, key=lambda r: r["position"]),
+    )
 
 
 def materialize(
     cfg: PackConfig, out: Path, index: int, count: int, progress: Progress | None = None
 ) -> MaterializeSummary:
-    """Write every `count`-th shard starting at `index`; the worker that completes the set writes the manifest."""
+    """Write every `count`-th shard starting at `index`; the worker that completes the set writes the manifest.
+
+    Every sampled video frame is decoded here (convert counted from headers): a sample whose video
+    does not decode is dropped from its sequence and rejected (`corrupt_media`), not a failed pack.
+    """
     if not 0 <= index < count:
         raise ConfigError(f"materialize index {index} is outside 0..{count - 1}")
     check_output_config(cfg, out)
@@ -567,13 +649,17 @@ def materialize(
             part: read_table(work / "convert" / f"part-{_part_name(part, plan_info['convert_workers'])}.arrow")
             for part in np.unique(plan_rows.column("parts").combine_chunks().flatten().to_numpy()).tolist()
         }
-        sequences, media = _build_shard(cfg, plan_rows, part_tables, work / EMBEDDED_DIR)
+        sequences, media, rejects = _build_shard(cfg, plan_rows, part_tables, work / EMBEDDED_DIR)
         del part_tables
         entry = write_shard(out, s, sequences, media)
-        atomic_write_json(done, entry)
+        # The shard's rejects travel in its done record, published with it in one rename: a re-run
+        # rewrites both, and `finalize` reads each shard's once, so nothing is counted twice.
+        atomic_write_json(done, {**entry, SHARD_REJECTS: rejects})
         written += 1
         if progress is not None:
             progress(1)
+    rejected = sum(len(json.loads((work / "shards" / f"{s:05d}.json").read_text()).get(SHARD_REJECTS, []))
+                   for s in mine)
     manifest = finalize(cfg, out)
     return {
         "stage": "materialize",
@@ -581,8 +667,10 @@ def materialize(
         "count": count,
         "shards": len(mine),
         "written": written,
+        "rejected": rejected,
         "manifest": manifest is not None,
         "manifest_sha256": sha256_file(out / MANIFEST) if manifest is not None else None,
+        "pack": pack_counts(manifest) if manifest is not None else None,
     }
 
 
@@ -597,18 +685,44 @@ def _shard_intact(out: Path, entry: dict[str, Any]) -> bool:
 def finalize(cfg: PackConfig, out: Path) -> dict[str, Any] | None:
     """Write manifest.json once every shard is done; None while some are missing.
 
+    Plan's counts, less the samples materialize rejected (their rejects merged into rejects.jsonl
+    in input order); sequences, tokens, lower bound and fill are those of the shards written.
     Several workers may get here at once: the content is deterministic and the
     write atomic, so whichever rename lands last leaves the same bytes.
     """
     plan_info, _ = _load_plan(out)
     summary = plan_info["summary"]
-    entries = []
+    entries: list[dict[str, Any]] = []
+    late: list[dict[str, Any]] = []  # materialize's rejects
     for s in range(summary["shards"]):
         done = _work(out) / "shards" / f"{s:05d}.json"
         if not done.is_file():
             return None
-        entries.append(json.loads(done.read_text()))
+        entry = json.loads(done.read_text())
+        late.extend(entry.pop(SHARD_REJECTS, []))
+        entries.append(entry)
     p = cfg.packing
+    rejects_sha256 = plan_info["rejects_sha256"]
+    reasons = Counter(summary["rejected_by_reason"])
+    sources = json.loads(json.dumps(summary.get("sources", {})))
+    if late:
+        with _rejects_in_order(_work(out), plan_info["convert_workers"], late) as rejects, \
+                atomic_writer(out / REJECTS) as f:
+            for r in rejects:
+                f.write(_reject_line(r))
+        rejects_sha256 = sha256_file(out / REJECTS)
+        reasons.update(r["reason"] for r in late)
+        entry_of = {i["name"]: i.get("entry", "") for i in plan_info["inputs"]}
+        for r in late:
+            counts = sources.get(entry_of.get(r["source"], ""))
+            if counts is not None:
+                counts["packed"] -= 1
+                counts["rejected"] += 1
+    totals = np.array([_shard_totals(out, e) for e in entries], dtype=np.int64).reshape(-1, 2)
+    tokens, label_tokens = (int(x) for x in totals.sum(axis=0))
+    packed = summary["packed"] - len(late)
+    sequences = sum(int(e["rows"]) for e in entries)
+    fill_ratio, padding_saved = _fill(tokens, sequences, packed, p.max_length)
     manifest = {
         "format": "packtrain-pack",
         "format_version": FORMAT_VERSION,
@@ -618,30 +732,49 @@ def finalize(cfg: PackConfig, out: Path) -> dict[str, Any] | None:
         "inputs": plan_info["inputs"],
         "counts": {
             "input": summary["samples"],
-            "packed": summary["packed"],
-            "rejected": summary["rejected"],
-            "rejected_by_reason": summary["rejected_by_reason"],
+            "packed": packed,
+            "rejected": summary["rejected"] + len(late),
+            "rejected_by_reason": dict(sorted(reasons.items())),
             DUPLICATE_IDS: summary.get("duplicate_ids", 0),
-            "sources": summary.get("sources", {}),  # per source.paths entry: input = packed + rejected
+            "sources": sources,  # per source.paths entry: input = packed + rejected
         },
-        "tokens": summary["tokens"],
-        "label_tokens": sum(_label_tokens(out, e) for e in entries),
-        "sequences": summary["sequences"],
-        "lower_bound": summary["lower_bound"],
+        "tokens": tokens,
+        "label_tokens": label_tokens,
+        "sequences": sequences,
+        "lower_bound": lower_bound(totals[:, 0], p.max_length),
         "max_length": p.max_length,
         "algorithm": p.algorithm,
-        "fill_ratio": summary["fill_ratio"],
-        "padding_saved": summary["padding_saved"],
-        "rejects": {"file": REJECTS, "sha256": plan_info["rejects_sha256"]},
+        "fill_ratio": fill_ratio,
+        "padding_saved": padding_saved,
+        "rejects": {"file": REJECTS, "sha256": rejects_sha256},
         "shards": entries,
     }
     atomic_write_json(out / MANIFEST, manifest)
     return manifest
 
 
-def _label_tokens(out: Path, entry: dict[str, Any]) -> int:
-    labels = read_table(out / entry["file"]).column("labels").combine_chunks().flatten()
-    return int(pc.sum(pc.not_equal(labels, IGNORE_INDEX).cast(pa.int64())).as_py() or 0)
+def pack_counts(manifest: dict[str, Any]) -> PackCounts:
+    """The finished pack's counts from its manifest, under the stage summaries' keys."""
+    c = manifest["counts"]
+    return {
+        "samples": c["input"],
+        "packed": c["packed"],
+        "rejected": c["rejected"],
+        "rejected_by_reason": c["rejected_by_reason"],
+        "sequences": manifest["sequences"],
+        "tokens": manifest["tokens"],
+        "lower_bound": manifest["lower_bound"],
+        "fill_ratio": manifest["fill_ratio"],
+        "padding_saved": manifest["padding_saved"],
+    }
+
+
+def _shard_totals(out: Path, entry: dict[str, Any]) -> tuple[int, int]:
+    """A written shard's tokens and label tokens (its columns memory-mapped, summed without copying rows)."""
+    table = read_table(out / entry["file"])
+    tokens = int(pc.sum(table.column("seq_lens").combine_chunks().flatten()).as_py() or 0)
+    labels = table.column("labels").combine_chunks().flatten()
+    return tokens, int(pc.sum(pc.not_equal(labels, IGNORE_INDEX).cast(pa.int64())).as_py() or 0)
 
 
 def run_in_process(cfg: PackConfig, out: Path, workers: int = 1) -> dict[str, Any]:

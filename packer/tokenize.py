@@ -73,7 +73,8 @@ REJECT_REASONS: dict[str, str] = {
     "source.mediaRoot, the dataset files' folders, source.mediaPathMap targets; whether it exists is not told",
     "missing_media": "a media file inside the media folders does not exist or cannot be read",
     "corrupt_media": "a media file does not decode, or is not an allowed image format or video container "
-    "(truncated, too few frames, text named as a video)",
+    "(truncated, too few frames, text named as a video); a video whose sampled frames do not decode is "
+    "found by materialize",
     "media_type_mismatch": "a video used as an image, or an image used as a video",
     "unsupported_media": "audio, or a media path that is not a regular file (folder, FIFO, device)",
     "media_too_large": "a media file over source.maxImageBytes / source.maxVideoBytes, or an image over "

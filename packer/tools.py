@@ -170,6 +170,8 @@ def verify(path: Path, notes: list[str] | None = None) -> list[str]:
         problems.append(
             f"counts do not add up: manifest {c}, found packed={found.packed} rejected={len(rejects)}"
         )
+    if reader.num_sequences != m.get("sequences"):
+        problems.append(f"manifest says {m.get('sequences')} sequences, shards hold {reader.num_sequences}")
     if found.tokens != m.get("tokens"):
         problems.append(f"manifest says {m.get('tokens')} tokens, shards hold {found.tokens}")
     if found.label_tokens != m.get("label_tokens"):

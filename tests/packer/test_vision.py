@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 
 import media_factory as mf
@@ -215,14 +216,14 @@ def _undecodable(path: Path) -> Path:
     return path
 
 
-def test_undecodable_video_is_counted_by_convert_and_stopped_by_materialize(tmp_path: Path) -> None:
+def test_undecodable_video_is_counted_by_convert_and_rejected_by_materialize(tmp_path: Path) -> None:
     """Convert counts from headers only, so a video whose frames do not decode is caught before
-    training by materialize (with shards keeping the original bytes too), naming the file."""
+    training by materialize (with shards keeping the original bytes too): one reject naming the file."""
     import json
 
     from packtrain.packer import stages
     from packtrain.packer.config import PackConfig
-    from packtrain.packer.records import ConfigError, iter_records
+    from packtrain.packer.records import iter_records
     from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
 
     _undecodable(mf.video(tmp_path / "data" / "bad.mp4", frames=8))
@@ -242,8 +243,11 @@ def test_undecodable_video_is_counted_by_convert_and_stopped_by_materialize(tmp_
         )
         tok = SampleTokenizer(cfg.source, cfg.model, cfg.packing)
         assert all(isinstance(tok(r), TokenizedSample) for r in iter_records(cfg.source.paths))
-        with pytest.raises(ConfigError, match=r"bad\.mp4.*(decode|decoded)"):
-            stages.run_in_process(cfg, tmp_path / f"out-{storage}", workers=1)
+        out = tmp_path / f"out-{storage}"
+        counts = stages.run_in_process(cfg, out, workers=1)["counts"]
+        assert (counts["packed"], counts["rejected_by_reason"]) == (1, {"corrupt_media": 1})
+        (reject,) = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+        assert reject["index"] == 1 and re.search(r"bad\.mp4.*does not decode", reject["detail"])
 
 
 def test_decompression_bomb_is_refused_not_raised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
