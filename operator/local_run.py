@@ -15,30 +15,21 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-import yaml
-from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from packtrain.trainer.progress import ProgressBar, follow
 
-from .api import PackJob, PackJobSpec, SFTJob, SFTJobSpec
+from .api import PackJobSpec, SFTJobSpec
 from .builders import PACK_CONFIG_FILE, TRAIN_CONFIG_FILE, DataSource, pack_config_map, train_config_map
 from .commands import EXIT_CONFIG, pack_stage_command, train_command
+from .manifests import Named, load_manifests
 
 console = Console(stderr=True)
-
-
-@dataclass(frozen=True)
-class Named:
-    name: str
-    namespace: str
-    spec: Any
 
 
 class PipelineError(RuntimeError):
@@ -51,36 +42,13 @@ class PipelineError(RuntimeError):
 
 
 def load_documents(path: Path) -> tuple[list[Named], list[Named]]:
-    """PackJobs and SFTJobs of a (multi-document) YAML, validated like the operator validates them."""
-    packs: list[Named] = []
-    sfts: list[Named] = []
-    try:
-        docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML: {exc}") from exc
-    for n, doc in enumerate(docs):
-        if not isinstance(doc, dict):
-            raise ValueError(f"{path} document {n}: a {type(doc).__name__}; expected a PackJob or SFTJob manifest")
-        kind = doc.get("kind")
-        meta = doc.get("metadata") or {}
-        name = meta.get("name")
-        if kind not in ("PackJob", "SFTJob"):
-            raise ValueError(f"{path} document {n}: kind {kind!r}; expected PackJob or SFTJob")
-        if not name:
-            raise ValueError(f"{path} document {n}: {kind} needs metadata.name")
-        model = PackJob if kind == "PackJob" else SFTJob
-        try:
-            spec = model.model_validate({"spec": doc.get("spec") or {}}).spec
-        except ValidationError as exc:
-            raise ValueError(f"{path}: {kind} {name} is invalid:\n{exc}") from exc
-        (packs if kind == "PackJob" else sfts).append(Named(name, meta.get("namespace", "default"), spec))
-    for sft in sfts:
+    """PackJobs and SFTJobs of a (multi-document) YAML, each SFTJob's PackJob among them."""
+    found = load_manifests(path)
+    for sft in found.sfts:
         ref = sft.spec.data.pack_job_ref
-        if ref is not None and ref not in {p.name for p in packs}:
+        if ref is not None and ref not in {p.name for p in found.packs}:
             raise ValueError(f"SFTJob {sft.name} refers to PackJob {ref!r}, which {path} does not define")
-    if not packs and not sfts:
-        raise ValueError(f"{path} holds no PackJob or SFTJob")
-    return packs, sfts
+    return found.packs, found.sfts
 
 
 def _resolve(argv: list[str]) -> list[str]:

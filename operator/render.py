@@ -24,9 +24,9 @@ import yaml
 from pydantic import ValidationError
 
 from . import builders, policy
-from .api import GROUP, PackJob, PackJobSpec, PackOutput, SFTJob
+from .api import PackJobSpec, PackOutput
 from .commands import EXIT_CONFIG, PACK_STAGES
-from .local_run import Named
+from .manifests import load_manifests
 
 CHART = Path(__file__).resolve().parents[1] / "charts" / "packtrain"
 
@@ -122,35 +122,6 @@ def pack_claim(value: str) -> PackOutput:
         raise argparse.ArgumentTypeError(f"{value!r} is not CLAIM[:SUBPATH]: {exc}") from exc
 
 
-def load(path: Path) -> tuple[list[Named], list[Named], list[dict[str, Any]]]:
-    """The PackJobs, the SFTJobs (validated as the operator validates them) and every other object of `path`."""
-    try:
-        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML: {exc}") from exc
-    packs: list[Named] = []
-    sfts: list[Named] = []
-    others: list[dict[str, Any]] = []
-    for n, doc in enumerate(docs):
-        if not isinstance(doc, dict):
-            raise ValueError(f"{path} document {n}: a {type(doc).__name__}; expected a Kubernetes object")
-        kind, meta = doc.get("kind"), doc.get("metadata") or {}
-        if kind not in ("PackJob", "SFTJob") or not str(doc.get("apiVersion", "")).startswith(f"{GROUP}/"):
-            others.append(doc)
-            continue
-        if not meta.get("name"):
-            raise ValueError(f"{path} document {n}: {kind} needs metadata.name")
-        model = PackJob if kind == "PackJob" else SFTJob
-        try:
-            spec = model.model_validate({"spec": doc.get("spec") or {}}).spec
-        except ValidationError as exc:
-            raise ValueError(f"{path}: {kind} {meta['name']} is invalid:\n{exc}") from exc
-        (packs if kind == "PackJob" else sfts).append(Named(meta["name"], meta.get("namespace", "default"), spec))
-    if not packs and not sfts:
-        raise ValueError(f"{path} holds no PackJob or SFTJob")
-    return packs, sfts, others
-
-
 def render(
     path: Path,
     defaults: builders.OperatorDefaults,
@@ -159,7 +130,8 @@ def render(
 ) -> list[dict]:
     """Every object of `path` that is not ours, then every child of its PackJobs and SFTJobs; ValueError
     naming what to fix. An SFTJob whose PackJob is not in `path` reads `pack_output`'s claim."""
-    packs, sfts, others = load(path)
+    found = load_manifests(path, keep_others=True)
+    packs, sfts = found.packs, found.sfts
     missing = sorted({ref for s in sfts if (ref := s.spec.data.pack_job_ref) and ref not in {p.name for p in packs}})
     if missing and pack_output is None:
         raise ValueError(f"an SFTJob refers to PackJob {', '.join(missing)}, which {path} does not define: add it "
@@ -172,7 +144,7 @@ def render(
     ]
     if refused:
         raise ValueError("\n".join(refused))
-    objects: list[dict] = list(others)
+    objects: list[dict] = list(found.others)
     pack_specs = {p.name: p.spec for p in packs}
     if pack_output is not None:
         # Only the output section of a PackJob decides where its pack is (builders.data_source).

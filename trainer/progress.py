@@ -18,6 +18,8 @@ from typing import Any, Protocol, TextIO
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from packtrain.packer.contract import parse_summary
+
 LOG_FORMATS = ("auto", "rich", "json")
 
 
@@ -110,7 +112,7 @@ def follow(lines: Iterable[str], reporter: Reporter, echo: Callable[[str], None]
     try:
         for line in lines:
             text = line.strip()
-            doc = _object(text)
+            doc = parse_summary(text)
             if doc is None or "event" not in doc:
                 if doc is not None and "steps" in doc:
                     summary = doc
@@ -127,13 +129,3 @@ def follow(lines: Iterable[str], reporter: Reporter, echo: Callable[[str], None]
     finally:
         reporter.close()
     return summary
-
-
-def _object(text: str) -> dict[str, Any] | None:
-    if not text.startswith("{"):
-        return None
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    return doc if isinstance(doc, dict) else None

@@ -20,20 +20,29 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Self, TypeVar
 
+import pytest
 import yaml
-from cluster.controlplane import ControlPlane, _die_with_parent, free_port, tail
+from cluster.controlplane import (
+    ClusterUnavailable,
+    ControlPlane,
+    _die_with_parent,
+    free_port,
+    locate_binaries,
+    tail,
+)
 from cluster.waiting import wait_for
 from kubernetes import client, watch
 
+from packtrain.operator.api import GROUP, VERSION, SFTJobSpec
+
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
-GROUP, VERSION = "packtrain.dev", "v1alpha1"
 RELEASE, RELEASE_NS = "packtrain", "packtrain-system"
 CLAIMS = ("packtrain-data", "packtrain-checkpoints")
 RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/enforce-version": "latest"}
@@ -41,6 +50,26 @@ RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted", "pod-security.
 
 def stamp() -> str:
     return datetime.now(UTC).strftime("%H:%M:%S")
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+
+def quickstart_docs() -> list[dict[str, Any]]:
+    """The objects of examples/quickstart.yaml, as a test edits them before applying."""
+    return [d for d in yaml.safe_load_all(QUICKSTART.read_text()) if d]
+
+
+def of_kind(docs: Iterable[dict[str, Any]], kind: str) -> dict[str, Any]:
+    """The first object of `kind` among `docs`."""
+    return next(d for d in docs if d["kind"] == kind)
+
+
+def table(header: Sequence[object], rows: Iterable[Sequence[object]]) -> str:
+    """A Markdown table: how the tests print what they measured."""
+    lines = [header, ["---"] * len(header), *rows]
+    return "\n".join("|" + "|".join(f" {c} " if str(c) else " " for c in line) + "|" for line in lines)
 
 
 def stop_process(proc: subprocess.Popen[bytes], grace: float = 20) -> None:
@@ -225,8 +254,78 @@ class Harness:
         return "\n".join(parts)
 
 
+H = TypeVar("H", bound=Harness)
+
+
+def control_plane_binaries() -> tuple[Path, Path]:
+    """(bin dir, CRD dir) of the built control plane; a skip outside CI where it cannot be built here."""
+    try:
+        return locate_binaries()
+    except ClusterUnavailable as e:
+        if e.impossible and not in_ci():
+            pytest.skip(str(e))
+        pytest.fail(str(e))
+
+
+def running(request: pytest.FixtureRequest, work: Path, cp: ControlPlane, harness: type[H],
+            **fields: Any) -> Iterator[H]:
+    """Start `cp` and the e2e components on it (training-operator, chart, operator), yield the
+    `harness` built with `fields`, then stop everything: the body of a module-scoped e2e fixture.
+
+    The components' logs are kept when a test of the session failed (or with
+    PACKTRAIN_KEEP_CLUSTER_LOGS=1); a start that fails keeps them and names where they are.
+    """
+    started: H | None = None
+    try:
+        cp.start()
+        started = harness(cp, work, **fields)
+        started.start_training_operator()
+        started.install_chart()
+        started.start_operator()
+    except Exception as e:
+        if started is not None:
+            started.close()
+        cp.stop(keep_logs=True)
+        pytest.fail(f"the end-to-end environment did not start: {e}\ncomponent logs: {cp.logs_dir}")
+    yield started
+    started.close()
+    keep = request.session.testsfailed > 0 or os.environ.get("PACKTRAIN_KEEP_CLUSTER_LOGS") == "1"
+    cp.stop(keep_logs=keep)
+    if keep:
+        print(f"\ne2e component logs kept in {cp.logs_dir}")
+
+
+class Background:
+    """Runs `_loops()` (by default `_run`) on daemon threads for the length of a `with` block.
+
+    A loop polls or watches until `_stop` is set. Leaving the block sets it and gives each thread
+    10 s to end; a thread stuck in an API call is left behind (a daemon, it dies with the tests).
+    """
+
+    _stop: threading.Event
+    _threads: list[threading.Thread]
+
+    def _loops(self) -> list[Callable[[], None]]:
+        return [self._run]
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=loop, daemon=True) for loop in self._loops()]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=10)
+
+
 @dataclass
-class Recorder:
+class Recorder(Background):
     """Watches a namespace's PackJobs and SFTJobs while a run goes on.
 
     Records every phase each object passes through (from watch events, so short phases are not
@@ -238,24 +337,16 @@ class Recorder:
     ns: str
     phases: dict[tuple[str, str], list[str]] = field(default_factory=dict)
     transcript: list[str] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
     _changed: threading.Event = field(default_factory=threading.Event)
-    _threads: list[threading.Thread] = field(default_factory=list)
     _last: list[str] = field(default_factory=list)
 
-    def __enter__(self) -> Recorder:
-        for plural in ("packjobs", "sftjobs"):
-            self._threads.append(threading.Thread(target=self._watch, args=(plural,), daemon=True))
-        self._threads.append(threading.Thread(target=self._snapshots, daemon=True))
-        for t in self._threads:
-            t.start()
-        return self
+    def _loops(self) -> list[Callable[[], None]]:
+        return [lambda: self._watch("packjobs"), lambda: self._watch("sftjobs"), self._snapshots]
 
     def __exit__(self, *_: Any) -> None:
         self._stop.set()
-        self._changed.set()
-        for t in self._threads:
-            t.join(timeout=10)
+        self._changed.set()  # the snapshot loop sees the stop now, not after its 5 s wait
+        super().__exit__()
         self._snapshot()
 
     def sequence(self, plural: str, name: str) -> list[str]:
@@ -305,23 +396,11 @@ class Recorder:
 
 
 @dataclass
-class MetricsScraper:
+class MetricsScraper(Background):
     """Scrapes the trainer's Prometheus endpoint while it runs (the node agent runs pods on loopback)."""
 
     port: int
     samples: list[str] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-
-    def __enter__(self) -> MetricsScraper:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
 
     def _run(self) -> None:
         while not self._stop.wait(1.0):
@@ -342,6 +421,14 @@ def port_is_free(port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+def free_trainer_port(sftjob: dict[str, Any]) -> int:
+    """The SFTJob's trainer /metrics port, once it is free: pods share this machine's network here,
+    so another run's trainer on the same port would crash ours."""
+    port = SFTJobSpec.model_validate(sftjob["spec"]).metrics_port
+    wait_for(f"port {port} (the trainer's /metrics) to be free", lambda: port_is_free(port), timeout=300, every=2)
+    return port
 
 
 def metric(text: str, name: str) -> float | None:

@@ -13,11 +13,10 @@ import json
 import os
 import shutil
 import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 from unittest import mock
 
 import pytest
@@ -28,13 +27,17 @@ from e2e_harness import (
     REPO,
     RESTRICTED,
     VERSION,
+    Background,
     Harness,
     MetricsScraper,
     Recorder,
     convert_processes,
     free_port,
+    free_trainer_port,
     metric,
-    port_is_free,
+    of_kind,
+    quickstart_docs,
+    table,
     wait_for,
 )
 from kubernetes import watch
@@ -44,10 +47,6 @@ pytestmark = pytest.mark.cluster
 NAME = "quickstart"
 PACK_TIMEOUT = 300
 TRAIN_TIMEOUT = 480
-
-
-def quickstart_docs() -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(QUICKSTART.read_text()) if d]
 
 
 def sha256(path: Path) -> str:
@@ -86,10 +85,7 @@ def quickstart(e2e: Harness) -> QuickstartRun:
     """The quickstart applied unchanged, watched until both jobs are done."""
     ns = "quickstart"
     e2e.namespace_with_claims(ns)
-    sft_doc = next(d for d in quickstart_docs() if d["kind"] == "SFTJob")
-    port = int(sft_doc["spec"].get("metricsPort", 9400))
-    # Pods share this machine's network here: another run's trainer on the same port would crash ours.
-    wait_for(f"port {port} (the trainer's /metrics) to be free", lambda: port_is_free(port), timeout=300, every=2)
+    port = free_trainer_port(of_kind(quickstart_docs(), "SFTJob"))
     t0 = time.monotonic()
     with Recorder(e2e, ns) as rec, MetricsScraper(port) as scraper:
         e2e.cp.kubectl("apply", "-n", ns, "-f", str(QUICKSTART))
@@ -159,7 +155,7 @@ def test_quickstart_end_to_end(e2e: Harness, quickstart: QuickstartRun, capsys: 
     assert env.get("PET_NNODES") and env.get("MASTER_ADDR"), env  # set by the training-operator
     assert master[0].spec.node_name == "cpu-0" and exit_codes(master) == [0]  # gpusPerNode: 0 runs on the CPU pool
     progress = run.sftjob["status"]["progress"]
-    max_steps = next(d for d in quickstart_docs() if d["kind"] == "SFTJob")["spec"]["training"]["maxSteps"]
+    max_steps = of_kind(quickstart_docs(), "SFTJob")["spec"]["training"]["maxSteps"]
     assert progress["step"] == max_steps and progress["loss"] > 0, run.sftjob["status"]
     checkpoints = e2e.pvc_dir(ns, "packtrain-checkpoints") / NAME
     assert any(checkpoints.iterdir()), f"no checkpoints in {checkpoints}"
@@ -185,9 +181,7 @@ def test_quickstart_end_to_end(e2e: Harness, quickstart: QuickstartRun, capsys: 
     ]
     with capsys.disabled():
         print("\n\n".join(["", "=== kubectl get packjobs,sftjobs during the quickstart run ===", *run.transcript]))
-        print("\n| quickstart on the local cluster | |\n| --- | --- |")
-        for what, value in rows:
-            print(f"| {what} | {value} |")
+        print("\n" + table(("quickstart on the local cluster", ""), rows))
 
 
 def _write_corrupt_dataset(folder: Path) -> dict[str, str]:
@@ -213,7 +207,7 @@ def _write_corrupt_dataset(folder: Path) -> dict[str, str]:
 
 
 def _packjob(name: str, **spec: Any) -> dict[str, Any]:
-    doc = next(d for d in quickstart_docs() if d["kind"] == "PackJob")
+    doc = of_kind(quickstart_docs(), "PackJob")
     doc["metadata"]["name"] = name
     doc["spec"].update(spec)
     return doc
@@ -299,7 +293,7 @@ def test_operator_killed_mid_pipeline_finishes_without_duplicates(e2e: Harness, 
 
 
 @dataclass
-class ProgressWatch:
+class ProgressWatch(Background):
     """Every SFTJob update a watch delivers: (seconds since start, phase, status.progress)."""
 
     h: Harness
@@ -307,19 +301,10 @@ class ProgressWatch:
     name: str
     seen: list[tuple[float, str | None, dict[str, Any]]] = field(default_factory=list)
     _t0: float = 0.0
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
 
-    def __enter__(self) -> ProgressWatch:
+    def __enter__(self) -> Self:
         self._t0 = time.monotonic()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        return super().__enter__()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -352,7 +337,7 @@ def test_live_progress_is_scraped_from_the_running_trainer(
     with mock.patch.dict(os.environ, {"PACKTRAIN_PROGRESS_INTERVAL": "1"}):
         e2e.start_operator()
     docs = quickstart_docs()
-    sft = next(d for d in docs if d["kind"] == "SFTJob")
+    sft = of_kind(docs, "SFTJob")
     sft["spec"]["metricsPort"] = free_port()  # not the default: other runs on this machine may hold it
     sft["spec"]["training"].update(maxSteps=max_steps, checkpointEvery=max_steps)
     with ProgressWatch(e2e, ns, NAME) as seen:
@@ -370,7 +355,7 @@ def test_live_progress_is_scraped_from_the_running_trainer(
     final = e2e.get("sftjobs", ns, NAME)["status"]["progress"]
     assert final["step"] == max_steps, final
     with capsys.disabled():
-        print(f"\n| live status.progress (scrape every 1 s) | |\n| --- | --- |\n"
-              f"| updates while Running with 1 <= step < {max_steps} | {len(live)} |\n"
-              f"| first / last live step | {first[1]['step']} at {first[0]:.1f} s / {last[1]['step']} at "
-              f"{last[0]:.1f} s |\n| Succeeded (step {final['step']}) | {done:.1f} s |")
+        print("\n" + table(("live status.progress (scrape every 1 s)", ""), [
+            (f"updates while Running with 1 <= step < {max_steps}", len(live)),
+            ("first / last live step", f"{first[1]['step']} at {first[0]:.1f} s / {last[1]['step']} at {last[0]:.1f} s"),
+            (f"Succeeded (step {final['step']})", f"{done:.1f} s")]))

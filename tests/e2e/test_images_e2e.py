@@ -23,8 +23,20 @@ from pathlib import Path
 import pytest
 import yaml
 from cluster import rootfs
-from cluster.controlplane import ClusterUnavailable, ControlPlane, _die_with_parent, locate_binaries
-from e2e_harness import QUICKSTART, REPO, Harness, port_is_free, stamp, wait_for
+from cluster.controlplane import ControlPlane, _die_with_parent
+from e2e_harness import (
+    QUICKSTART,
+    RELEASE_NS,
+    REPO,
+    Harness,
+    control_plane_binaries,
+    free_trainer_port,
+    in_ci,
+    of_kind,
+    quickstart_docs,
+    running,
+    stamp,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -32,10 +44,6 @@ NAME = "quickstart"
 PACK_TIMEOUT = 600
 TRAIN_TIMEOUT = 900
 KUBECONFIG_MOUNT = "/var/run/packtrain/kubeconfig"
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
 
 
 def local_tag_values() -> dict[str, object]:
@@ -62,7 +70,7 @@ class ImageHarness(Harness):
         uid, gid = pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]
         os.chown(self.operator_kubeconfig, uid, gid)
         env = {**image.env, **{e["name"]: e["value"] for e in container["env"] if "value" in e},
-               "KUBECONFIG": KUBECONFIG_MOUNT, "POD_NAMESPACE": "packtrain-system"}
+               "KUBECONFIG": KUBECONFIG_MOUNT, "POD_NAMESPACE": RELEASE_NS}
         self.operator_starts += 1
         argv = rootfs.container_argv(
             image, [*image.entrypoint, *container["args"]], scratch=self.work / f"operator-rootfs{self.operator_starts}",
@@ -78,53 +86,30 @@ class ImageHarness(Harness):
 @pytest.fixture(scope="module")
 def e2e_images(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
                shared_dir: Path) -> Iterator[ImageHarness]:
-    if os.environ.get("PACKTRAIN_SKIP_CLUSTER") == "1" and not _in_ci():
+    if os.environ.get("PACKTRAIN_SKIP_CLUSTER") == "1" and not in_ci():
         pytest.skip("cluster tests skipped because PACKTRAIN_SKIP_CLUSTER=1")
     try:
         images = rootfs.ensure_built()
     except rootfs.ImagesUnavailable as e:
-        if _in_ci():
+        if in_ci():
             pytest.fail(f"CI must build the images, but: {e}")
         pytest.skip(f"SKIPPED LOUDLY: the images cannot be built on this machine: {e}")
-    try:
-        bin_dir, crd_dir = locate_binaries()
-    except ClusterUnavailable as e:
-        if e.impossible and not _in_ci():
-            pytest.skip(str(e))
-        pytest.fail(str(e))
+    bin_dir, crd_dir = control_plane_binaries()
     # Inside the containers the shared folder sits where it does here and the working dir is the
     # checkout's path (an empty folder in the image): ../shared resolves, and reject details, which
     # name media paths, read as they do for the checkout's own pack.
     workdir = str(shared_dir.parent / REPO.name)
     agent_args = ["--run-all", "--images", "--workdir", workdir, "--mount", f"{shared_dir}:{shared_dir}"]
     cp = ControlPlane(bin_dir, crd_dir, node_agent_args=agent_args)
-    harness: ImageHarness | None = None
-    try:
-        cp.start()
-        harness = ImageHarness(cp, tmp_path_factory.mktemp("e2e-images"), chart_values=local_tag_values(),
-                               operator_image=images["operator"], images=images)
-        harness.start_training_operator()
-        harness.install_chart()
-        harness.start_operator()
-    except Exception as e:
-        if harness is not None:
-            harness.close()
-        cp.stop(keep_logs=True)
-        pytest.fail(f"the end-to-end environment did not start: {e}\ncomponent logs: {cp.logs_dir}")
-    yield harness
-    harness.close()
-    keep = request.session.testsfailed > 0 or os.environ.get("PACKTRAIN_KEEP_CLUSTER_LOGS") == "1"
-    cp.stop(keep_logs=keep)
-    if keep:
-        print(f"\ne2e component logs kept in {cp.logs_dir}")
+    yield from running(request, tmp_path_factory.mktemp("e2e-images"), cp, ImageHarness,
+                       chart_values=local_tag_values(), operator_image=images["operator"], images=images)
 
 
 def test_quickstart_runs_in_the_images(e2e_images: ImageHarness, tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     h, ns = e2e_images, "quickstart-images"
-    docs = [d for d in yaml.safe_load_all(QUICKSTART.read_text()) if d]
-    port = int(next(d for d in docs if d["kind"] == "SFTJob")["spec"].get("metricsPort", 9400))
-    wait_for(f"port {port} (the trainer's /metrics) to be free", lambda: port_is_free(port), timeout=300, every=2)
+    docs = quickstart_docs()
+    free_trainer_port(of_kind(docs, "SFTJob"))
     h.namespace_with_claims(ns)
     t0 = time.monotonic()
     h.cp.kubectl("apply", "-n", ns, "-f", str(QUICKSTART))
@@ -152,7 +137,7 @@ def test_quickstart_runs_in_the_images(e2e_images: ImageHarness, tmp_path: Path,
     mount = packjob["spec"]["output"].get("mountPath", "/data")
     pack = h.pvc_dir(ns, "packtrain-data") / Path(packjob["status"]["outputPath"]).relative_to(mount)
     config = tmp_path / "packjob.yaml"
-    config.write_text(yaml.safe_dump(next(d for d in docs if d["kind"] == "PackJob")))
+    config.write_text(yaml.safe_dump(of_kind(docs, "PackJob")))
     host = subprocess.run([str(Path(sys.executable).with_name("packtrain")), "pack", "run", "-c", str(config),
                            "-o", str(tmp_path / "host"), "--workers", "1", "--no-progress"],
                           capture_output=True, text=True, cwd=REPO, timeout=600, check=False)
@@ -160,7 +145,7 @@ def test_quickstart_runs_in_the_images(e2e_images: ImageHarness, tmp_path: Path,
     assert (pack / "manifest.json").read_bytes() == (tmp_path / "host" / "manifest.json").read_bytes()
 
     progress = h.get("sftjobs", ns, NAME)["status"]["progress"]
-    max_steps = next(d for d in docs if d["kind"] == "SFTJob")["spec"]["training"]["maxSteps"]
+    max_steps = of_kind(docs, "SFTJob")["spec"]["training"]["maxSteps"]
     assert progress["step"] == max_steps and progress["loss"] > 0, progress
     assert "in localhost/packtrain/operator:dev" in h.operator_log.read_text()
     with capsys.disabled():

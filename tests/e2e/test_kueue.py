@@ -14,7 +14,6 @@ shows the PyTorchJob path: created suspended, admitted by Kueue, run by the trai
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 from cluster.controlplane import free_port
-from e2e_harness import QUICKSTART, Harness, wait_for
+from e2e_harness import Background, Harness, of_kind, quickstart_docs, table, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -73,26 +72,14 @@ def _queues() -> list[dict[str, Any]]:
 
 
 @dataclass
-class QueueWatch:
+class QueueWatch(Background):
     """Polls the namespace's Workloads and pods while the run goes on."""
 
     h: Harness
     max_running_pods: int = 0
     pending_on_quota: dict[str, str] = field(default_factory=dict)  # workload -> message, while another ran
     admitted_order: list[str] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
     errors: list[str] = field(default_factory=list)
-
-    def __enter__(self) -> QueueWatch:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
 
     def _run(self) -> None:
         group, version = KUEUE
@@ -177,9 +164,7 @@ def test_second_job_waits_for_quota_then_runs(e2e: Harness, capsys: pytest.Captu
             ("most stage pods running at once", str(watch.max_running_pods)),
             ("wall time (apply → both PackJobs Succeeded)", f"{seconds:.0f} s")]
     with capsys.disabled():
-        print("\n| Kueue admission (two PackJobs, quota for one pod) | |\n| --- | --- |")
-        for what, value in rows:
-            print(f"| {what} | {value} |")
+        print("\n" + table(("Kueue admission (two PackJobs, quota for one pod)", ""), rows))
 
 
 def test_queued_sftjob_runs_once_kueue_admits_its_pytorchjob(e2e: Harness) -> None:
@@ -187,8 +172,8 @@ def test_queued_sftjob_runs_once_kueue_admits_its_pytorchjob(e2e: Harness) -> No
 
     It trains on the first test's pack.
     """
-    docs = [d for d in yaml.safe_load_all(QUICKSTART.read_text()) if d]
-    sft = next(d for d in docs if d["kind"] == "SFTJob")
+    docs = quickstart_docs()
+    sft = of_kind(docs, "SFTJob")
     sft["metadata"]["name"] = "queued-sft"
     sft["spec"]["data"]["packJobRef"] = PACKS[0]
     sft["spec"]["queueName"] = "training"

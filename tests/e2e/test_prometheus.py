@@ -39,7 +39,7 @@ from cluster.prometheus import (
     service_monitor_scrape_config,
     service_targets,
 )
-from e2e_harness import QUICKSTART, RELEASE, RELEASE_NS, Harness, wait_for
+from e2e_harness import RELEASE, RELEASE_NS, Harness, of_kind, quickstart_docs, table, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -69,8 +69,8 @@ class ObservedRun:
 
 
 def _quickstart(metrics_port: int) -> str:
-    docs = [d for d in yaml.safe_load_all(QUICKSTART.read_text()) if d]
-    sft = next(d for d in docs if d["kind"] == "SFTJob")
+    docs = quickstart_docs()
+    sft = of_kind(docs, "SFTJob")
     sft["spec"]["metricsPort"] = metrics_port  # not the default: other runs on this machine may hold it
     sft["spec"]["training"].update(maxSteps=6, checkpointEvery=6, peakTflops=0.5)
     return yaml.safe_dump_all(docs)
@@ -84,9 +84,8 @@ def observed(e2e: Harness, prometheus_tools: tuple[Path, Path],
     objects = render({"metrics": {"serviceMonitor": {"enabled": True, **monitors},
                                   "podMonitor": {"enabled": True, **monitors},
                                   "prometheusRule": RULE_VALUES}}, release=RELEASE, namespace=RELEASE_NS)
-    service_monitor = next(o for o in objects if o["kind"] == "ServiceMonitor")
-    pod_monitor = next(o for o in objects if o["kind"] == "PodMonitor")
-    rule = next(o for o in objects if o["kind"] == "PrometheusRule")
+    service_monitor, pod_monitor = of_kind(objects, "ServiceMonitor"), of_kind(objects, "PodMonitor")
+    rule = of_kind(objects, "PrometheusRule")
     work = tmp_path_factory.mktemp("prometheus")
     rules_file = work / "rules.yaml"
     rules_file.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
@@ -95,7 +94,7 @@ def observed(e2e: Harness, prometheus_tools: tuple[Path, Path],
                                   pod_monitor_scrape_config(pod_monitor, trainer_sd)], rule_files=[rules_file])
     container = e2e.deployment["spec"]["template"]["spec"]["containers"][0]
     operator_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics")
-    service = next(o for o in objects if o["kind"] == "Service")["metadata"]["name"]
+    service = of_kind(objects, "Service")["metadata"]["name"]
     prom.discover(operator_sd, lambda: service_targets(e2e.core, service_monitor,
                                                        {service: f"127.0.0.1:{operator_port}"}))
     prom.discover(trainer_sd, lambda: pod_targets(e2e.core, pod_monitor))
@@ -171,9 +170,7 @@ def test_every_dashboard_query_returns_series(observed: ObservedRun, capsys: pyt
                 empty.append(f"{panel['title']} [{target['refId']}]: {expr}")
             rows.append((panel["title"], target["refId"], f"{len(found)} series"))
     with capsys.disabled():
-        print("\n| dashboard panel | query | over the quickstart run |\n| --- | --- | --- |")
-        for title, ref, what in rows:
-            print(f"| {title} | {ref} | {what} |")
+        print("\n" + table(("dashboard panel", "query", "over the quickstart run"), rows))
     assert not empty, "dashboard queries that returned no series:\n" + "\n".join(empty)
 
 
@@ -200,6 +197,4 @@ def test_alert_rules_evaluate_against_the_scrape(observed: ObservedRun,
         assert found, f"{r['name']}: its signal returned no series: {signal.group('signal')}"
         rows.append((r["name"], f"{len(found)} series", r["state"]))
     with capsys.disabled():
-        print("\n| alert | signal over the run | state at the end |\n| --- | --- | --- |")
-        for name, what, state in rows:
-            print(f"| {name} | {what} | {state} |")
+        print("\n" + table(("alert", "signal over the run", "state at the end"), rows))

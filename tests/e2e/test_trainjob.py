@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 from cluster.controlplane import free_port
-from e2e_harness import QUICKSTART, Harness
+from e2e_harness import Harness, of_kind, quickstart_docs, table
 
 pytestmark = pytest.mark.cluster
 
@@ -33,8 +33,8 @@ JOBSET = ("jobset.x-k8s.io", "v1alpha2")
 
 
 def _quickstart() -> str:
-    docs = [d for d in yaml.safe_load_all(QUICKSTART.read_text()) if d]
-    sft = next(d for d in docs if d["kind"] == "SFTJob")
+    docs = quickstart_docs()
+    sft = of_kind(docs, "SFTJob")
     sft["spec"]["backend"] = "trainjob"
     sft["spec"]["metricsPort"] = free_port()  # not the default: other runs on this machine may hold it
     return yaml.safe_dump_all(docs)
@@ -85,8 +85,7 @@ def test_quickstart_runs_through_trainer_v2(e2e: Harness, capsys: pytest.Capture
     assert pod.status.container_statuses[0].state.terminated.exit_code == 0
 
     progress = sftjob["status"]["progress"]
-    max_steps = next(d for d in yaml.safe_load_all(QUICKSTART.read_text()) if d and d["kind"] == "SFTJob")[
-        "spec"]["training"]["maxSteps"]
+    max_steps = of_kind(quickstart_docs(), "SFTJob")["spec"]["training"]["maxSteps"]
     assert progress["step"] == max_steps and progress["loss"] > 0, sftjob["status"]
 
     rows = [("controllers", "Trainer v2 controller manager + JobSet controller, built from their modules"),
@@ -97,6 +96,4 @@ def test_quickstart_runs_through_trainer_v2(e2e: Harness, capsys: pytest.Capture
             ("steps / final loss", f"{progress['step']} / {progress['loss']:.4f}"),
             ("wall time (apply → SFTJob Succeeded)", f"{seconds:.0f} s")]
     with capsys.disabled():
-        print("\n| quickstart with backend: trainjob | |\n| --- | --- |")
-        for what, value in rows:
-            print(f"| {what} | {value} |")
+        print("\n" + table(("quickstart with backend: trainjob", ""), rows))

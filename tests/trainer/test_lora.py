@@ -4,9 +4,6 @@ exports, exact resume, and DDP / FSDP2 under torchrun."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,7 @@ from peft import PeftModel
 from pydantic import ValidationError
 from safetensors.torch import load_file
 from test_equivalence import _double, _grads, _reference, _rel
-from test_train import _free_port
+from torchrun_job import torchrun_two_processes
 from transformers import AutoModelForImageTextToText
 
 from packtrain.operator.api import SFTJobSpec
@@ -198,27 +195,7 @@ def test_lora_torchrun_two_gloo_processes_match_one_process(pack_dir, tmp_path, 
 
     train(load_train_config(write_job(tmp_path / "one.yaml", spec(tmp_path / "one", gradAccum=4))), log=print)
     job = write_job(tmp_path / "two.yaml", spec(tmp_path / "two", gradAccum=2, strategy=strategy))
-    torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run(
-        [
-            str(torchrun),
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            str(_free_port()),
-            "-m",
-            "packtrain.trainer",
-            "-c",
-            str(job),
-            "--log-format",
-            "json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        cwd=REPO,
-    )
+    proc = torchrun_two_processes(job)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one = load_file(tmp_path / "one" / "final" / "adapter_model.safetensors")
     two = load_file(tmp_path / "two" / "final" / "adapter_model.safetensors")

@@ -3,27 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import job_spec, straight_and_resumed, write_job
 from safetensors.torch import load_file
+from torchrun_job import free_port, torchrun_two_processes
 from transformers import AutoModelForImageTextToText
 
 from packtrain.trainer.cli import main
 from packtrain.trainer.config import load_train_config
 from packtrain.trainer.loop import train
 from packtrain.trainer.model import build_model
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _summary(capsys: pytest.CaptureFixture[str]) -> dict:
@@ -82,14 +76,8 @@ def test_padded_baseline_runs_on_the_same_data(pack_dir, tmp_path):
     assert summary["effective_tokens"] < summary["tokens"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_metrics_endpoint_is_scraped_during_a_cpu_run(pack_dir, tmp_path):
-    port = _free_port()
+    port = free_port()
     spec = job_spec(pack_dir, tmp_path / "m", maxSteps=4, metricsPort=port, saveFinal=False)
     spec["spec"]["data"]["numWorkers"] = 0
     cfg = load_train_config(write_job(tmp_path / "m.yaml", spec))
@@ -149,29 +137,7 @@ def test_torchrun_two_gloo_processes_match_one_process(
 ):
     spec = job_spec(pack_dir, tmp_path / "dist", strategy=strategy, gradAccum=2)
     spec["spec"]["data"]["evalFraction"] = 0.25
-    job = write_job(tmp_path / "job.yaml", spec)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run(
-        [
-            str(torchrun),
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            str(_free_port()),
-            "-m",
-            "packtrain.trainer",
-            "-c",
-            str(job),
-            "--log-format",
-            "json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=REPO,
-    )
+    proc = torchrun_two_processes(write_job(tmp_path / "job.yaml", spec))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines()]  # the pods' JSON lines, rank 0 only
     assert [line.get("event") for line in lines] == ["start", "step", "step", None]

@@ -1,0 +1,29 @@
+"""A job file trained by two gloo processes under the real torchrun, as a pod's torchrun runs it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago (for a rendezvous or a /metrics endpoint)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun_two_processes(job: Path) -> subprocess.CompletedProcess[str]:
+    """`torchrun --nproc-per-node 2 -m packtrain.trainer -c JOB --log-format json`, one thread per rank;
+    stdout holds rank 0's JSON lines."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    return subprocess.run(
+        [str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()),
+         "-m", "packtrain.trainer", "-c", str(job), "--log-format", "json"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO,
+    )  # fmt: skip
