@@ -9,7 +9,9 @@ every `RESYNC_INTERVAL` seconds that bounds the waits (`status.Deadlines`).
 
 Reads come from kopf indexes (`view.CachedKube`), filled by the watches kopf runs anyway,
 so an event costs no API read. Every create is "if absent" under a deterministic name,
-so a restart mid-run, a stale cache or two events racing never makes a duplicate; every
+so a restart mid-run, a stale cache or two events racing never makes a duplicate; a child
+counts only if its ownerReference carries the parent's uid (`ownership`), so a parent
+re-created under the same name waits for its predecessor's children to go; every
 status write is conditional on the resourceVersion it was computed from, so a stale view
 never overwrites a newer one.
 """
@@ -30,9 +32,10 @@ import kubernetes
 from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
-from . import builders, deadlines, logs, metrics, policy, progress
+from . import builders, deadlines, logs, metrics, ownership, policy, progress
 from . import status as st
 from .api import GROUP, VERSION, PackJobSpec, SFTJobSpec
+from .commands import PackStage
 from .view import CachedKube, Kube
 
 log = logging.getLogger("packtrain.operator")
@@ -42,6 +45,8 @@ CHILD_KINDS = {
     "trainjob": ("trainer.kubeflow.org", "v1alpha1", "trainjobs", "TrainJob"),
 }
 RESYNC_INTERVAL = float(os.environ.get("PACKTRAIN_RESYNC_INTERVAL", "60"))
+# Seconds between looks at a parent waiting for its predecessor's children to be garbage-collected.
+LEFTOVER_RECHECK = 2.0
 
 __all__ = ["Kube", "reconcile_packjob", "reconcile_sftjob", "write_status"]
 
@@ -54,21 +59,51 @@ class ChildRefused(Exception):
     """The API server refused a child for good (a quota or an admission policy, an invalid object)."""
 
 
+class Blocked(Exception):
+    """A same-named object is in a child's way: an earlier parent's being deleted, or someone else's."""
+
+    def __init__(self, blocker: ownership.Blocker) -> None:
+        super().__init__(blocker.message)
+        self.blocker = blocker
+
+
 def _create_owned(kube: Any, owner: Mapping[str, Any], child: dict[str, Any]) -> None:
+    """Create `child` owned by `owner`; one already there must be the owner's own (`Blocked` otherwise)."""
     kopf.adopt(child, owner=dict(owner))
+    meta = child["metadata"]
     try:
         created = kube.create(child)
     except ApiException as exc:
         if exc.status in st.REFUSED_CODES:
-            meta = child["metadata"]
             raise ChildRefused(
                 st.refusal_message(child["kind"], meta["name"], exc.status, exc.reason, exc.body)
             ) from exc
         raise
     if created:
-        meta = child["metadata"]
         log.info("created %s %s/%s", child["kind"], meta["namespace"], meta["name"],
                  extra=logs.ref(owner["kind"], meta["namespace"], owner["metadata"]["name"]))
+        return
+    existing = kube.read(child)
+    if existing is None:  # deleted (by the garbage collector) between the create and the read
+        raise Blocked(ownership.Blocker(ownership.LEFTOVER, f"{child['kind']} {meta['namespace']}/{meta['name']} "
+                                                            "was being deleted; creating it again"))
+    if (blocker := ownership.blocker(owner, [existing])) is not None:
+        raise Blocked(blocker)
+
+
+def _blocked(body: Mapping[str, Any], blocker: ownership.Blocker) -> dict[str, Any]:
+    """Pending while a predecessor's child is deleted; Failed (NameConflict) for someone else's object."""
+    if not blocker.waiting:
+        return _failed(body, blocker.reason, blocker.message)
+    prev = body.get("status") or {}
+    generation = body["metadata"].get("generation")
+    outcome = st.Outcome("Pending", blocker.reason, blocker.message)
+    return {
+        **prev,
+        "phase": "Pending",
+        "observedGeneration": generation,
+        "conditions": st.lifecycle_conditions(prev.get("conditions") or [], outcome, now(), generation),
+    }
 
 
 def _child_refused(kind: str, body: Mapping[str, Any], exc: ChildRefused) -> dict[str, Any]:
@@ -143,8 +178,10 @@ def reconcile_packjob(
         stage: kube.get("batch", "v1", "jobs", namespace, builders.pack_job_name(name, stage))
         for stage in st.PACK_STAGES
     }
+    if (blocker := ownership.blocker(body, jobs.values())) is not None:
+        return _blocked(body, blocker)
     pods = {
-        stage: kube.pods(namespace, f"{builders.JOB_NAME_LABEL}={builders.pack_job_name(name, stage)}")
+        stage: ownership.pods_of(job, kube.pods(namespace, _job_selector(name, stage)))
         for stage, job in jobs.items()
         if job is not None
     }
@@ -154,13 +191,23 @@ def reconcile_packjob(
     if decision.create is not None:
         if violations := policy.check(spec, defaults):
             return _refused("PackJob", body, violations)
+        job_name = builders.pack_job_name(name, decision.create)
+        stale_pods = kube.pods(namespace, _job_selector(name, decision.create))
+        if (leftover := ownership.leftover_pod(body, f"Job {job_name}", stale_pods)) is not None:
+            return _blocked(body, leftover)
         try:
             if decision.create == st.PACK_STAGES[0]:  # the stages share the config the first one gets
                 _create_owned(kube, body, builders.pack_config_map(name, namespace, spec))
             _create_owned(kube, body, builders.pack_job(name, namespace, spec, decision.create, defaults))
         except ChildRefused as exc:
             return _child_refused("PackJob", body, exc)
+        except Blocked as exc:
+            return _blocked(body, exc.blocker)
     return decision.status
+
+
+def _job_selector(name: str, stage: PackStage) -> str:
+    return f"{builders.JOB_NAME_LABEL}={builders.pack_job_name(name, stage)}"
 
 
 RECONCILERS = {"packjobs": ("PackJob", reconcile_packjob)}
@@ -195,6 +242,7 @@ def _write_status(memo: kopf.Memo, kube: Any, plural: str, body: Mapping[str, An
         except Exception as exc:
             metrics.ERRORS.labels(kind, type(exc).__name__).inc()
             raise
+        _track_leftovers(memo, plural, meta, status)
         if status == (body.get("status") or {}):
             metrics.PHASES.record(kind, f"{meta['namespace']}/{meta['name']}", status.get("phase"))
             return
@@ -220,6 +268,19 @@ def _write_status(memo: kopf.Memo, kube: Any, plural: str, body: Mapping[str, An
             _stop_stalled(kube, body, status)
         return
     raise kopf.TemporaryError(f"{kind} {meta['name']} kept changing while its status was written", delay=5)
+
+
+def _track_leftovers(memo: kopf.Memo, plural: str, meta: Mapping[str, Any], status: Mapping[str, Any]) -> None:
+    """Remember the parents waiting for a predecessor's children, for the short recheck of the sweep loop."""
+    leftovers = memo.get("leftovers")
+    if leftovers is None:
+        return
+    key = (plural, meta["namespace"], meta["name"])
+    ready = st.get_condition(status.get("conditions"), "Ready") or {}
+    if status.get("phase") == "Pending" and ready.get("reason") == ownership.LEFTOVER:
+        leftovers.add(key)
+    else:
+        leftovers.discard(key)
 
 
 def _parent_event(memo: kopf.Memo, plural: str, namespace: str, name: str, **hints: Any) -> None:
@@ -357,6 +418,8 @@ def reconcile_sftjob(
         return _invalid("SFTJob", body, exc)
     group, version, plural, kind = CHILD_KINDS[spec.backend]
     child = kube.get(group, version, plural, namespace, builders.training_job_name(name))
+    if child is not None and (blocker := ownership.blocker(body, [child])) is not None:
+        return _blocked(body, blocker)
     data_path = prev.get("dataPath")
     if child is None:
         if violations := policy.check(spec, defaults):
@@ -378,11 +441,16 @@ def reconcile_sftjob(
             data = dataclasses.replace(data, eval=evals)
         data_path = data.path
         child = builders.training_job(name, namespace, spec, data, defaults)
+        stale_pods = kube.pods(namespace, f"{builders.SFTJOB_LABEL}={name}")
+        if (leftover := ownership.leftover_pod(body, f"{kind} {name}", stale_pods)) is not None:
+            return _blocked(body, leftover)
         try:
             _create_owned(kube, body, builders.train_config_map(name, namespace, spec, data))
             _create_owned(kube, body, child)
         except ChildRefused as exc:
             return _child_refused("SFTJob", body, exc)
+        except Blocked as exc:
+            return _blocked(body, exc.blocker)
         except ApiException as exc:
             if exc.status == 404:
                 raise kopf.TemporaryError(
@@ -396,6 +464,7 @@ def reconcile_sftjob(
     pods = kube.pods(namespace, f"{builders.SFTJOB_LABEL}={name}") if phase != "Suspended" else []
     if pod is not None:
         pods = [p for p in pods if p["metadata"]["name"] != pod["metadata"]["name"]] + [dict(pod)]
+    pods = ownership.pods_of(child, pods)
     failure = next(
         (f for f in (st.pod_failure(p, container, now()) for p in pods) if f is not None), None
     )
@@ -459,6 +528,8 @@ def _stop_stalled(kube: Any, body: Mapping[str, Any], status: Mapping[str, Any])
     child = kube.get(group, version, plural, namespace, ref.get("name", ""))
     if child is None or child["metadata"].get("deletionTimestamp"):
         return
+    if ownership.claim(child, body) is not ownership.Claim.OURS:  # a same-named object that is not this job's
+        return
     kube.delete(group, version, plural, namespace, ref["name"])
     log.warning("deleted %s %s/%s: training stalled", kind, namespace, ref["name"],
                 extra=logs.ref("SFTJob", namespace, body["metadata"]["name"]))
@@ -508,7 +579,7 @@ def sftjob_event(type: str | None, namespace: str, name: str, body: kopf.Body, m
 
 @kopf.on.field(GROUP, VERSION, "sftjobs", field="spec.suspend")
 def sftjob_suspend(
-    spec: kopf.Spec, name: str, namespace: str, old: Any, new: Any, memo: kopf.Memo, **_: Any
+    spec: kopf.Spec, name: str, namespace: str, old: Any, new: Any, body: kopf.Body, memo: kopf.Memo, **_: Any
 ) -> None:
     """Pass `spec.suspend` on to the training job (only on change, so Kueue's own toggling is left alone).
 
@@ -518,6 +589,9 @@ def sftjob_suspend(
     if old is None or (not new and spec.get("queueName")):
         return
     group, version, plural, kind = CHILD_KINDS[spec.get("backend", "pytorchjob")]
+    child = memo.view.get(group, version, plural, namespace, builders.training_job_name(name))
+    if child is None or ownership.claim(child, body) is not ownership.Claim.OURS:
+        return  # not created yet (it will be created with the new value), or not this SFTJob's to change
     patch = (
         {"spec": {"runPolicy": {"suspend": bool(new)}}}
         if kind == "PyTorchJob"
@@ -533,11 +607,17 @@ def sftjob_suspend(
 # Periodic sweep: bounded waits need a clock, not only events.
 
 
-def sweep(memo: kopf.Memo) -> None:
-    """Reconcile every unfinished PackJob and SFTJob from the cache, so deadlines pass without an event."""
+def sweep(memo: kopf.Memo, only: frozenset[tuple[str, str, str]] | None = None) -> None:
+    """Reconcile every unfinished PackJob and SFTJob from the cache, so deadlines pass without an event.
+
+    `only`: just these (plural, namespace, name), the parents waiting for a predecessor's leftovers.
+    """
+    seen: set[tuple[str, str, str]] = set()
     for plural in ("packjobs", "sftjobs"):
         for body in memo.view.list_all(plural):
-            if (body.get("status") or {}).get("phase") not in st.TERMINAL:
+            key = (plural, body["metadata"]["namespace"], body["metadata"]["name"])
+            seen.add(key)
+            if (only is None or key in only) and (body.get("status") or {}).get("phase") not in st.TERMINAL:
                 meta = body["metadata"]
                 try:
                     write_status(memo, plural, body)
@@ -545,16 +625,26 @@ def sweep(memo: kopf.Memo) -> None:
                     kind = RECONCILERS[plural][0]
                     log.exception("%s %s/%s: reconcile in the sweep failed", kind, meta["namespace"],
                                   meta["name"], extra=logs.ref(kind, meta["namespace"], meta["name"]))
+    if "leftovers" in memo:  # parents deleted while they waited
+        memo.leftovers.difference_update(set(memo.leftovers) - seen)
 
 
 async def _sweep_loop(memo: kopf.Memo) -> None:
+    """The full sweep every RESYNC_INTERVAL; between them, every LEFTOVER_RECHECK seconds, the parents
+    waiting for a predecessor's leftovers (a ConfigMap's deletion brings no event: none is watched)."""
     loop = asyncio.get_running_loop()
+    next_sweep = loop.time() + RESYNC_INTERVAL
     while True:
-        await asyncio.sleep(RESYNC_INTERVAL)
+        await asyncio.sleep(min(RESYNC_INTERVAL, LEFTOVER_RECHECK))
         view = memo.get("view")
         context = view.context if view is not None else None
-        if context is not None:  # no handler has run yet: nothing is cached to sweep
+        if context is None:  # no handler has run yet: nothing is cached to sweep
+            continue
+        if loop.time() >= next_sweep:
+            next_sweep = loop.time() + RESYNC_INTERVAL
             await loop.run_in_executor(None, context.run, sweep, memo)
+        elif waiting := frozenset(memo.get("leftovers") or ()):
+            await loop.run_in_executor(None, context.run, sweep, memo, waiting)
 
 
 # Operator lifecycle
@@ -576,6 +666,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.kube = Kube()
     memo.latest = {}
     memo.running = set()
+    memo.leftovers = set()  # (plural, namespace, name) of parents waiting for a predecessor's children to go
     memo.view = CachedKube(memo.kube, memo.latest)
     memo.defaults = builders.OperatorDefaults.from_env()
     metrics.serve(int(memo.get("metrics_port", 0) or 0))

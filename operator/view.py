@@ -3,9 +3,10 @@
 `Kube` makes the few API calls the operator needs. `CachedKube` answers the reconcilers'
 reads (Jobs, pods, training jobs, PackJobs, SFTJobs) from the indexes kopf keeps from
 the watches it runs anyway, so an event costs no API read. The cache lags the API by one
-watch event at most; that is safe because every create is "if absent" (409 ignored) and
-every status write is conditional on the resourceVersion read. Our own status writes are
-remembered (`latest`) so the next event does not compute from the status just replaced.
+watch event at most; that is safe because every create is "if absent" (on a 409 the object
+there is read, and used only if the parent owns it) and every status write is conditional
+on the resourceVersion read. Our own status writes are remembered (`latest`) so the next
+event does not compute from the status just replaced.
 """
 
 from __future__ import annotations
@@ -73,6 +74,20 @@ class Kube:
             raise
         return True
 
+    def read(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The object `body` names (its kind, namespace and name) as the API server has it; None if absent."""
+        meta = body["metadata"]
+        if body["kind"] != "ConfigMap":
+            group, _, version = body["apiVersion"].rpartition("/")
+            return self.get(group, version, PLURALS[body["kind"]], meta["namespace"], meta["name"])
+        try:
+            found = self.core.read_namespaced_config_map(meta["name"], meta["namespace"])
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return dict(self.client.sanitize_for_serialization(found))
+
     def patch(self, group: str, version: str, plural: str, namespace: str, name: str, body: dict) -> None:
         self.custom.patch_namespaced_custom_object(group, version, namespace, plural, name, body)
 
@@ -109,6 +124,10 @@ def _version(body: Mapping[str, Any] | None) -> int:
         return int(((body or {}).get("metadata") or {}).get("resourceVersion") or 0)
     except ValueError:  # resourceVersions are opaque; etcd's are integers, anything else is "unknown"
         return 0
+
+
+def _owners(body: Mapping[str, Any]) -> list[Any]:
+    return [ref.get("uid") for ref in (body.get("metadata") or {}).get("ownerReferences") or ()]
 
 
 class CachedKube:
@@ -171,20 +190,36 @@ class CachedKube:
         return self.kube.pods(namespace, selector) if held is None else held
 
     def create(self, body: dict[str, Any]) -> bool:
-        """Create unless this process made (or met) it moments ago and the watch has not shown it yet."""
+        """Create unless this process made it for the same owner moments ago and the watch has not shown it yet.
+
+        One made for an earlier owner of the same name (a parent deleted and created again) does not
+        count: the API decides, and the caller reads what is there (`read`) when it already exists.
+        """
         meta = body["metadata"]
         key = (PLURAL_OF_KIND.get(body["kind"], body["kind"]), meta["namespace"], meta["name"])
         with self._lock:  # claimed before the call: a racing reconcile of the same parent skips it
             seen = self._created.get(key)
-            if seen is not None and time.monotonic() - seen[0] <= CREATED_GRACE:
+            fresh = seen is not None and time.monotonic() - seen[0] <= CREATED_GRACE
+            if fresh and seen is not None and _owners(seen[1]) == _owners(body):
                 return False
             self._created[key] = (time.monotonic(), body)
+        created = False
         try:
-            return self.kube.create(body)
-        except Exception:
-            with self._lock:
-                self._created.pop(key, None)
-            raise
+            created = self.kube.create(body)
+            return created
+        finally:
+            if not created:  # not made by this call: nothing to remember
+                with self._lock:
+                    self._created.pop(key, None)
+
+    def read(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
+        """What exists under `body`'s name: the one this process just created, else the API's answer
+        (not the cache: this is asked when a create met an object the cache does not show)."""
+        meta = body["metadata"]
+        mine = self._recent((PLURAL_OF_KIND.get(body["kind"], body["kind"]), meta["namespace"], meta["name"]))
+        if mine is not None and _owners(mine) == _owners(body):
+            return mine
+        return self.kube.read(body)
 
     def lock(self, plural: str, namespace: str, name: str) -> threading.Lock:
         """One writer per parent at a time: events of its children arrive on several threads at once."""

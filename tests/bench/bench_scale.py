@@ -180,7 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--planner-n", type=int, default=10**8, help="lengths for the planner run (0: skip it)")
     ap.add_argument("--work-dir", type=Path, help="keep the dataset here and reuse it (default: a temp folder)")
     ap.add_argument("--results-dir", type=Path, default=RESULTS)
+    ap.add_argument("--previous", type=Path,
+                    help="a results JSON of an earlier run on the same dataset: its runs join this run's table "
+                         "(a million samples per worker count is hours on a small machine)")
     args = ap.parse_args(argv)
+    previous = json.loads(args.previous.read_text()) if args.previous else None
+    if previous is not None and (previous["dataset"]["samples"], previous["meta"]["media_pool"],
+                                 previous["meta"]["max_length"]) != (args.samples, args.media_pool, args.max_length):
+        print(f"{args.previous} was measured on another dataset or max length", file=sys.stderr)
+        return 2
     if not MODEL.is_dir():
         print(f"the shared model folder {MODEL} is missing", file=sys.stderr)
         return 2
@@ -210,8 +218,13 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(pack_run(data_path, out, w, args.max_length))
             print(f"workers {w}: {runs[-1]['wall_s']:.1f} s, stages {runs[-1]['stages']}", flush=True)
             shutil.rmtree(out)  # one output on disk at a time
+        if previous is not None:
+            runs = sorted(runs + [r | {"earlier": True} for r in previous["runs"] if r["workers"] not in args.workers],
+                          key=lambda r: r["workers"])
         print_table(runs, data)
         plan = planner(args.planner_n, args.max_length, tmp) if args.planner_n else None
+        if plan is None and previous is not None:
+            plan = previous["planner"]
     if plan is not None:
         if "skipped" in plan:
             print(f"planner at {plan['n']:,} lengths skipped: {plan['skipped']}")

@@ -49,6 +49,11 @@ class FakeKube:
         self.created.append(f"{body['kind']}/{body['metadata']['name']}")
         return True
 
+    def read(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        group, plural = RESOURCES[body["kind"]]
+        assert rbac.allows(rbac.RULES, group, plural, "get"), f"RBAC lacks get {group}/{plural}"
+        return copy.deepcopy(self.objects.get((plural, body["metadata"]["namespace"], body["metadata"]["name"])))
+
     def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         return self.pod_list.get(selector, [])
 

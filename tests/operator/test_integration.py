@@ -671,6 +671,78 @@ def test_deleting_a_packjob_deletes_its_children(
     )
 
 
+def test_a_packjob_recreated_under_its_name_waits_for_the_old_children(
+    kube_cluster: Any, api: client.ApiClient, namespace: str, operator: Operator
+) -> None:
+    """Delete, then create again at once with another spec (Argo CD's Replace=true sync): the new PackJob
+    adopts none of the old one's children while the garbage collector (kube-controller-manager's, real
+    here) deletes them. A finalizer holds the old convert Job, so the wait lasts until the test lets go,
+    not only the few milliseconds the collector takes."""
+    hold = {"metadata": {"finalizers": ["packtrain.dev/test-hold"]}}
+    old = create(api, namespace, packjob("again", count=1))
+    wait_for("the old convert Job", lambda: jobs(api, namespace, "again"))
+    batch = client.BatchV1Api(api)
+    batch.patch_namespaced_job("again-convert", namespace, hold)
+    wait_for("the old convert to finish",
+             lambda: phase(api, namespace, "packjobs", "again") in ("Planning", "Materializing", "Succeeded"))
+    custom(api).delete_namespaced_custom_object(
+        GROUP, VERSION, namespace, "packjobs", "again", propagation_policy="Background"
+    )
+    new = create(api, namespace, packjob("again", count=2))
+    old_uid, new_uid = old["metadata"]["uid"], new["metadata"]["uid"]
+    assert new_uid != old_uid
+
+    def waiting() -> dict[str, Any] | None:
+        pj = get(api, namespace, "packjobs", "again")
+        ready = [c for c in (pj.get("status") or {}).get("conditions", []) if c["type"] == "Ready"]
+        return pj if ready and ready[0]["reason"] == "PreviousObjectBeingDeleted" else None
+
+    pj = wait_for("the new PackJob to wait for the old Job", waiting)
+    assert pj["status"]["phase"] == "Pending", pj["status"]
+    assert condition(pj, "Ready")["message"] == (
+        f"waiting for Job {namespace}/again-convert of the previous PackJob again (uid {old_uid}) to be deleted "
+        f"by the garbage collector (held by finalizers: packtrain.dev/test-hold); this PackJob (uid {new_uid}) "
+        "creates its own once it is gone"
+    )
+    time.sleep(3)  # events and rechecks come and go: still nothing of its own
+    assert [(j.metadata.name, j.metadata.owner_references[0].uid) for j in jobs(api, namespace, "again")] == [
+        ("again-convert", old_uid)
+    ]
+    assert phase(api, namespace, "packjobs", "again") == "Pending"
+    describe(kube_cluster, namespace, "packjob", "again")
+
+    batch.patch_namespaced_job("again-convert", namespace, {"metadata": {"finalizers": None}})
+    wait_for("PackJob again to succeed", lambda: phase(api, namespace, "packjobs", "again") == "Succeeded",
+             timeout=120)
+    children = jobs(api, namespace, "again")
+    assert sorted(j.metadata.name for j in children) == ["again-convert", "again-materialize", "again-plan"]
+    assert {j.metadata.owner_references[0].uid for j in children} == {new_uid}
+    convert = next(j for j in children if j.metadata.name == "again-convert")
+    assert convert.spec.completions == 2  # the new spec's workers, not the old one's single worker
+    cms = client.CoreV1Api(api).list_namespaced_config_map(namespace, label_selector="packtrain.dev/packjob=again")
+    assert [(c.metadata.name, c.metadata.owner_references[0].uid) for c in cms.items] == [
+        ("again-pack-config", new_uid)
+    ]
+
+
+def test_a_packjob_whose_configmap_name_is_taken_fails_with_what_to_do(
+    api: client.ApiClient, namespace: str, operator: Operator
+) -> None:
+    """A user's own ConfigMap under the name the PackJob gives its config: neither adopted nor overwritten."""
+    core = client.CoreV1Api(api)
+    core.create_namespaced_config_map(namespace, {"metadata": {"name": "taken-pack-config"}, "data": {"k": "v"}})
+    create(api, namespace, packjob("taken", count=1))
+    wait_for("PackJob taken to fail", lambda: phase(api, namespace, "packjobs", "taken") == "Failed")
+    failed = condition(get(api, namespace, "packjobs", "taken"), "Failed")
+    assert failed["reason"] == "NameConflict", failed
+    assert failed["message"].startswith(
+        f"ConfigMap {namespace}/taken-pack-config already exists and is not this PackJob's (its owners: nothing)"
+    ), failed
+    assert "Delete or rename that ConfigMap" in failed["message"]
+    assert jobs(api, namespace, "taken") == []
+    assert core.read_namespaced_config_map("taken-pack-config", namespace).data == {"k": "v"}
+
+
 def test_operator_service_account_is_not_admin(kube_cluster: Any, operator: Operator) -> None:
     who = f"--as=system:serviceaccount:{OPERATOR_NS}:{OPERATOR_SA}"
     assert (

@@ -3,8 +3,6 @@ runs without autograd, and that packed still equals each sample alone and resume
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +15,7 @@ from conftest import job_spec, straight_and_resumed, write_job
 from pydantic import ValidationError
 from safetensors.torch import load_file
 from test_equivalence import _double, _grads, _reference, _rel
+from torchrun_job import torchrun_two_processes
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 from packtrain.operator.api import SFTJobSpec
@@ -237,12 +236,6 @@ def test_example_validates_and_renders():
     assert rendered["spec"]["model"]["freeze"] == ["vision"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _freeze_job(pack_dir: Path, out: Path, **training) -> dict:
     """One step, whose batch holds images (seed 2): a later text-only step would update the merger
     from its AdamW momentum on the ranks that run the dummy image, but not in one process."""
@@ -264,11 +257,7 @@ def test_frozen_tower_under_ddp_and_fsdp2_matches_one_process(pack_dir, tmp_path
     find_unused_parameters (it only tracks parameters that require grad), and FSDP2 takes the
     root unit's mix of frozen (patch embedding) and trainable (merger, embeddings) parameters."""
     job = write_job(tmp_path / "job.yaml", _freeze_job(pack_dir, tmp_path / "dist", strategy=strategy, gradAccum=2))
-    proc = subprocess.run(
-        [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "2", "--master-port", str(_free_port()),
-         "-m", "packtrain.trainer", "-c", str(job), "--log-format", "json"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO,
-    )  # fmt: skip
+    proc = torchrun_two_processes(job)
     assert proc.returncode == 0, proc.stderr[-3000:]
     dist = load_file(tmp_path / "dist" / "final" / "model.safetensors")
     single = load_file(frozen_single_process / "final" / "model.safetensors")
