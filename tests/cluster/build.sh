@@ -79,24 +79,11 @@ fi
 
 say() { echo "build.sh: $*" >&2; echo "[$(date -u +%FT%TZ)] $*" >>"$LOG"; }
 run() { echo "[$(date -u +%FT%TZ)] \$ $*" >>"$LOG"; "$@" >>"$LOG" 2>&1; }
-# Record why a build cannot happen on this machine, so the test fixture can skip loudly
-# rather than fail; anything else that goes wrong is a real error.
-impossible() {
-  printf '%s\n' "$*" >"$UNAVAILABLE"
-  say "CANNOT BUILD: $* (recorded in $UNAVAILABLE)"
-  exit 3
-}
-
-export PATH="$PATH:/usr/local/go/bin"
-command -v go >/dev/null || impossible "no 'go' command on PATH; install Go >= 1.26 (https://go.dev/dl) and rerun bash tests/cluster/build.sh"
-export GOMODCACHE="$CACHE_ROOT/go/mod"
-export GOCACHE="$CACHE_ROOT/go/build"
-export GOTOOLCHAIN="${PACKTRAIN_GOTOOLCHAIN:-auto}"
-export GOSUMDB="${PACKTRAIN_GOSUMDB:-off}"
-export GOFLAGS="${GOFLAGS:-} -mod=mod -buildvcs=false"
-export CGO_ENABLED=0
-GO_VERSION="$(cd "$GO_SRC/kube" && go env GOVERSION)" ||
-  impossible "the go command cannot provide the toolchain the build needs (GOTOOLCHAIN=$GOTOOLCHAIN); see $LOG"
+GO_MOD_DIR="$GO_SRC/kube"
+BUILD_SCRIPT=tests/cluster/build.sh
+# impossible(), the Go environment and GO_VERSION, shared with tests/e2e/gitops/build.sh.
+# shellcheck source=go_env.sh
+source "$HERE/go_env.sh"
 
 # download MODULE@VERSION: print the module's directory and check its sum when one is pinned.
 download() {

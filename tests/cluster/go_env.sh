@@ -1,0 +1,26 @@
+# The Go environment of the build scripts, sourced by tests/cluster/build.sh and
+# tests/e2e/gitops/build.sh: module and build caches under the packtrain cache, the toolchain and
+# checksum policy, static binaries, and how a build that cannot happen here is recorded.
+#
+# The sourcing script sets CACHE_ROOT, LOG, UNAVAILABLE, GO_MOD_DIR (the folder whose go.mod picks
+# the toolchain) and BUILD_SCRIPT (named in messages), and defines say(); this sets GO_VERSION.
+# No cache key hashes this file: the keys hash GO_VERSION and each build's own inputs.
+
+# Record why a build cannot happen on this machine, so the test fixture can skip loudly
+# rather than fail; anything else that goes wrong is a real error.
+impossible() {
+  printf '%s\n' "$*" >"$UNAVAILABLE"
+  say "CANNOT BUILD: $* (recorded in $UNAVAILABLE)"
+  exit 3
+}
+
+export PATH="$PATH:/usr/local/go/bin"
+command -v go >/dev/null || impossible "no 'go' command on PATH; install Go >= 1.26 (https://go.dev/dl) and rerun bash $BUILD_SCRIPT"
+export GOMODCACHE="$CACHE_ROOT/go/mod"
+export GOCACHE="$CACHE_ROOT/go/build"
+export GOTOOLCHAIN="${PACKTRAIN_GOTOOLCHAIN:-auto}"
+export GOSUMDB="${PACKTRAIN_GOSUMDB:-off}"
+export GOFLAGS="${GOFLAGS:-} -mod=mod -buildvcs=false"
+export CGO_ENABLED=0
+GO_VERSION="$(cd "$GO_MOD_DIR" && go env GOVERSION)" ||
+  impossible "the go command cannot provide the toolchain the build needs (GOTOOLCHAIN=$GOTOOLCHAIN); see $LOG"
