@@ -63,7 +63,10 @@ def anon_rss_mib() -> float | None:
 
 
 class _Watch:
-    """A stage's progress callback that also samples anonymous RSS (at most every 0.2 s) and CPU."""
+    """A stage's progress callback that also samples anonymous RSS (at most every 0.2 s) and CPU.
+
+    The anonymous peak is sampled at progress callbacks, so it may miss a short spike between two; in
+    a worker that served convert first, it includes what convert left allocated."""
 
     def __init__(self, forward: Callable[[int], None]) -> None:
         self.forward, self.peak, self.last = forward, anon_rss_mib(), 0.0

@@ -161,9 +161,12 @@ def print_table(runs: list[dict[str, Any]], data: dict[str, Any]) -> None:
     for r in runs:
         cells = " ".join(f"{stage_cell(r, s):>26}" for s in stages)
         speed = base / r["wall_s"] / runs[0]["workers"] if r["wall_s"] else 0
-        print(f"{r['workers']:>7} {r['wall_s']:>8.1f} {r['cpu_s']:>8.1f} {speed:>7.2f} {cells} {r['main_peak_rss_mib']:>9.0f} "
+        print(f"{str(r['workers']) + ('*' if r.get('earlier') else ''):>7} {r['wall_s']:>8.1f} {r['cpu_s']:>8.1f} {speed:>7.2f} {cells} {r['main_peak_rss_mib']:>9.0f} "
               f"{r['output_bytes'] / 2**30:>8.2f} {r['sequences_over_lb']:>9.5f} "
               f"{r['load_average_before']:>5.1f}/{r['load_average_after']:<5.1f}")
+    if any(r.get("earlier") for r in runs):
+        print("* measured by an earlier invocation (--previous), under its own load: compare the load averages "
+              "and CPU seconds before reading the speedup")
     if runs:
         r = runs[0]
         print(f"({r['packed']:,} packed, {r['rejected']:,} rejected, {r['tokens']:,} tokens, "
@@ -223,13 +226,13 @@ def main(argv: list[str] | None = None) -> int:
                           key=lambda r: r["workers"])
         print_table(runs, data)
         plan = planner(args.planner_n, args.max_length, tmp) if args.planner_n else None
-        if plan is None and previous is not None:
-            plan = previous["planner"]
+        if plan is None and previous is not None and previous.get("planner"):
+            plan = previous["planner"] | {"earlier": True}
     if plan is not None:
         if "skipped" in plan:
             print(f"planner at {plan['n']:,} lengths skipped: {plan['skipped']}")
         else:
-            print(f"planner: {plan['n']:,} lengths in {plan['plan_seconds']:.1f} s ({plan['rate']:,.0f}/s), "
+            print(f"planner{' (earlier invocation)' if plan.get('earlier') else ''}: {plan['n']:,} lengths in {plan['plan_seconds']:.1f} s ({plan['rate']:,.0f}/s), "
                   f"peak RSS {plan['peak_rss_gib_after_plan']:.2f} GiB (limit {PLANNER_LIMIT_GIB:.0f}), "
                   f"{plan['sequences_over_lb']:.5f} x lower bound, valid {plan['valid']}; "
                   f"load avg {plan['load_average_before']}/{plan['load_average_after']}")

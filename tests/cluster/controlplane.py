@@ -88,7 +88,7 @@ def locate_binaries() -> tuple[Path, Path]:
 
 
 def free_port() -> int:
-    """A loopback port that was free a moment ago (the components bind it right after)."""
+    """A loopback port that was free a moment ago (a component, rendezvous or /metrics binds it right after)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

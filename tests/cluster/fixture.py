@@ -9,16 +9,20 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 from .controlplane import BUILD_SCRIPT, ClusterUnavailable, ControlPlane, locate_binaries
 from .prometheus import locate_prometheus
 
+T = TypeVar("T")
 
-def _in_ci() -> bool:
+
+def in_ci() -> bool:
+    """A CI run (CI set and not false): there a test that cannot run must fail, never skip."""
     return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
 
 
@@ -33,6 +37,20 @@ def _shout(config: pytest.Config, message: str) -> None:
         tr.write_line(f"!!! {message}", red=True, bold=True)
 
 
+def built_or_skip(locate: Callable[[], T], what: str, config: pytest.Config | None = None) -> T:
+    """`locate()`'s result. Where it raises ClusterUnavailable: a skip (loud, given `config`) if the
+    build is impossible on this machine and this is not CI, else a failure saying what to run, so a
+    missing build never passes for a skip."""
+    try:
+        return locate()
+    except ClusterUnavailable as e:
+        if e.impossible and not in_ci():
+            if config is not None:
+                _shout(config, f"{what} SKIPPED: {e}")
+            pytest.skip(str(e))
+        pytest.fail(str(e))
+
+
 @pytest.fixture(scope="session")
 def kube_cluster(request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
     """A running control plane: etcd, kube-apiserver, controller-manager, scheduler, node agent.
@@ -44,17 +62,11 @@ def kube_cluster(request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
     config = request.config
     if os.environ.get("PACKTRAIN_SKIP_CLUSTER") == "1":
         msg = "cluster tests skipped because PACKTRAIN_SKIP_CLUSTER=1"
-        if _in_ci():
+        if in_ci():
             pytest.fail(f"{msg}, but CI must run them: unset PACKTRAIN_SKIP_CLUSTER")
         _shout(config, msg.upper())
         pytest.skip(msg)
-    try:
-        bin_dir, crd_dir = locate_binaries()
-    except ClusterUnavailable as e:
-        if e.impossible and not _in_ci():
-            _shout(config, f"CLUSTER TESTS SKIPPED: {e}")
-            pytest.skip(str(e))
-        pytest.fail(str(e))
+    bin_dir, crd_dir = built_or_skip(locate_binaries, "CLUSTER TESTS", config)
 
     cp = ControlPlane(bin_dir, crd_dir)
     try:
@@ -72,12 +84,6 @@ def kube_cluster(request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
 @pytest.fixture(scope="session")
 def prometheus_tools(request: pytest.FixtureRequest) -> tuple[Path, Path]:
     """(prometheus, promtool): Debian's Prometheus from the build cache (``build.sh`` fetches it)."""
-    try:
-        bin_dir = Path(subprocess.run(["bash", str(BUILD_SCRIPT), "--print-bin-dir"], check=True,
-                                      capture_output=True, text=True).stdout.strip())
-        return locate_prometheus(bin_dir)
-    except ClusterUnavailable as e:
-        if e.impossible and not _in_ci():
-            _shout(request.config, f"PROMETHEUS TESTS SKIPPED: {e}")
-            pytest.skip(str(e))
-        pytest.fail(str(e))
+    bin_dir = Path(subprocess.run(["bash", str(BUILD_SCRIPT), "--print-bin-dir"], check=True,
+                                  capture_output=True, text=True).stdout.strip())
+    return built_or_skip(lambda: locate_prometheus(bin_dir), "PROMETHEUS TESTS", request.config)

@@ -29,13 +29,14 @@ from typing import Any, Self, TypeVar
 import pytest
 import yaml
 from cluster.controlplane import (
-    ClusterUnavailable,
     ControlPlane,
     _die_with_parent,
     free_port,
     locate_binaries,
     tail,
 )
+from cluster.fixture import built_or_skip
+from cluster.fixture import in_ci as in_ci  # re-exported: the e2e tests import it from here
 from cluster.waiting import wait_for
 from kubernetes import client, watch
 
@@ -50,10 +51,6 @@ RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted", "pod-security.
 
 def stamp() -> str:
     return datetime.now(UTC).strftime("%H:%M:%S")
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
 
 
 def quickstart_docs() -> list[dict[str, Any]]:
@@ -259,12 +256,7 @@ H = TypeVar("H", bound=Harness)
 
 def control_plane_binaries() -> tuple[Path, Path]:
     """(bin dir, CRD dir) of the built control plane; a skip outside CI where it cannot be built here."""
-    try:
-        return locate_binaries()
-    except ClusterUnavailable as e:
-        if e.impossible and not in_ci():
-            pytest.skip(str(e))
-        pytest.fail(str(e))
+    return built_or_skip(locate_binaries, "CLUSTER TESTS")
 
 
 def running(request: pytest.FixtureRequest, work: Path, cp: ControlPlane, harness: type[H],

@@ -12,21 +12,18 @@ from pathlib import Path
 
 import pytest
 from cluster import rootfs
+from cluster.fixture import in_ci
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
-
-
 @pytest.fixture(scope="session")
 def built_images() -> dict[str, rootfs.Image]:
-    if os.environ.get("PACKTRAIN_SKIP_IMAGES") == "1" and not _in_ci():
+    if os.environ.get("PACKTRAIN_SKIP_IMAGES") == "1" and not in_ci():
         pytest.skip("image tests skipped because PACKTRAIN_SKIP_IMAGES=1")
     try:
         return rootfs.ensure_built()
     except rootfs.ImagesUnavailable as e:
-        if _in_ci():
+        if in_ci():
             pytest.fail(f"CI must build the images, but: {e}")
         pytest.skip(f"SKIPPED LOUDLY: the images cannot be built on this machine: {e}")
