@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from packtrain.packer.contract import train_metric
+from packtrain.packer.contract import TRAIN_DATA_WAIT
 
-# The trainer's gauge of how long the last step waited for data (what a stuck data loader shows).
-DATA_WAIT = train_metric("data_wait_seconds")
+# The Degraded/Failed reasons of the training-stall deadline (conditions, Events, the stall delete).
+TRAINING_STALLED = "TrainingStalled"
+NO_LIVE_PROGRESS = "NoLiveProgress"
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ def scrape_error(previous: Mapping[str, Any] | None, message: str, now: str) -> 
 class Stall:
     """What a Running SFTJob's conditions say once its training-stall deadline passed.
 
-    reason: `TrainingStalled` (the step was seen standing still) or `NoLiveProgress` (it could not be seen).
+    reason: `TRAINING_STALLED` (a recent reading saw the step stand still) or `NO_LIVE_PROGRESS` (none could).
     fail: the fail deadline passed too: the SFTJob turns Failed and its training job is deleted.
     """
 
@@ -114,6 +115,7 @@ def training_stall(
     now: str,
     deadlines: Deadlines,
     *,
+    recent: float,
     namespace: str,
     selector: str,
     pod: str | None,
@@ -122,46 +124,59 @@ def training_stall(
     """The stall of a Running SFTJob from its status alone (restart-safe: every time it reads is in there).
 
     The clock runs from the later of the step's last advance and the job turning Running (a resumed
-    job starts afresh). A stall is called only when the last good scrape saw the step stand still, or
-    no scrape failed: where the metrics could not be read it says so (`NoLiveProgress`) and is never
-    failed for it, since the operator cannot tell a hang from a network it cannot cross.
+    job starts afresh), and stops at the last reading (`progress.updatedAt`): a stall is only what
+    readings saw, never time nobody observed. A reading older than `recent` seconds (the scrape
+    interval twice, plus slack) was not taken by a live scrape loop: after an operator outage, or while
+    the metrics cannot be read, it says so (`NO_LIVE_PROGRESS`) and fails nothing, since the operator
+    cannot tell a hang from a trainer it has not looked at. A step at `maxSteps` is not a stall: the
+    final checkpoint or evaluation keeps it still.
     `selector`: the training pods' label selector; `pod`: rank 0's pod; `child`: e.g. `PyTorchJob demo`.
     """
     progress = status.get("progress") or {}
     step = progress.get("step")
+    max_steps = progress.get("maxSteps")
+    if step is not None and max_steps is not None and step >= max_steps:
+        return None
     advanced = progress.get("lastAdvanceTime") if step is not None else None
     since = _later(advanced, running_since)
     if since is None or seconds_between(since, now) <= deadlines.training_stall:
         return None
-    limit = duration(deadlines.training_stall)
+    read_at = progress.get("updatedAt")
+    still_for = seconds_between(since, str(read_at)) if read_at else 0.0
+    seen_still = still_for > deadlines.training_stall
+    live = read_at is not None and seconds_between(str(read_at), now) <= recent
     error = status.get("scrapeError") or {}
-    seen_still = seconds_between(since, str(progress.get("updatedAt") or since)) > deadlines.training_stall
     logs = f"kubectl logs -n {namespace} {pod}" if pod else f"kubectl logs -n {namespace} -l {selector}"
-    if error and not seen_still:
-        last = f"the last reading was step {step}, unchanged since {since}" if step is not None else (
+    limit = duration(deadlines.training_stall)
+    if not live or (error and not seen_still):
+        last = f"the last reading ({read_at}) was step {step}, unchanged since {since}" if step is not None else (
             f"no step was read since it started running at {since}")
+        why = f"{error.get('message')} (since {error.get('since')})" if error else (
+            f"no reading in the last {duration(recent)} (the operator reads again within that time after a restart)")
         return Stall(
-            "NoLiveProgress",
-            f"no live progress: {error.get('message')} (since {error.get('since')}); {last}, so whether training "
-            f"moves within the {limit} training-stall deadline is unknown. Check that the operator can reach the "
-            f"trainer's metrics port (a NetworkPolicy), then the trainer's log ({logs})",
+            NO_LIVE_PROGRESS,
+            f"no live progress: {why}; {last}, so whether training moves within the {limit} training-stall "
+            f"deadline is unknown. Check that the operator can reach the trainer's metrics port (a "
+            f"NetworkPolicy), then the trainer's log ({logs})",
         )
+    if not seen_still:  # the readings so far are within the deadline; the next one decides
+        return None
     said = f"training step {step} has not advanced since {since}" if step is not None else (
         f"no training step since the job started running at {since}")
     message = (
-        f"{said}, longer than the {limit} training-stall deadline. Look at rank 0's log ({logs}) and every "
-        f"rank's (kubectl logs -n {namespace} -l {selector} --prefix) for a hung collective or a dead rank, "
-        f"and at {DATA_WAIT} (time the last steps waited for data) for a stuck data loader"
+        f"{said}, longer than the {limit} training-stall deadline (last read {read_at}). Look at rank 0's log "
+        f"({logs}) and every rank's (kubectl logs -n {namespace} -l {selector} --prefix) for a hung collective "
+        f"or a dead rank, and at {TRAIN_DATA_WAIT} (time the last steps waited for data) for a stuck data loader"
     )
     fail_after = deadlines.training_stall_fail
-    if fail_after is not None and seconds_between(since, now) > fail_after:
+    if fail_after is not None and still_for > fail_after:
         return Stall(
-            "TrainingStalled",
+            TRAINING_STALLED,
             f"{message}. Failed after {duration(fail_after)} without a step: {child} was deleted so its GPUs "
             "go back; fix the cause, then delete and re-create the SFTJob",
             fail=True,
         )
-    return Stall("TrainingStalled", message)
+    return Stall(TRAINING_STALLED, message)
 
 
 def _later(a: str | None, b: str | None) -> str | None:

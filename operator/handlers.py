@@ -505,7 +505,7 @@ def _training_stall(
     master = progress.master_pod(pods)
     return deadlines.training_stall(
         prev, running.get("lastTransitionTime") if running.get("status") == "True" else None, now(),
-        defaults.deadlines, namespace=meta["namespace"], selector=f"{builders.SFTJOB_LABEL}={meta['name']}",
+        defaults.deadlines, recent=progress.RECENT, namespace=meta["namespace"], selector=f"{builders.SFTJOB_LABEL}={meta['name']}",
         pod=master["metadata"]["name"] if master is not None else None, child=child,
     )
 
@@ -520,7 +520,7 @@ def _stop_stalled(kube: Any, body: Mapping[str, Any], status: Mapping[str, Any])
     would be created again.
     """
     failed = st.get_condition(status.get("conditions"), "Failed") or {}
-    if status.get("phase") != "Failed" or failed.get("reason") != "TrainingStalled":
+    if status.get("phase") != "Failed" or failed.get("reason") != deadlines.TRAINING_STALLED:
         return
     ref = status.get("trainingJob") or {}
     group, version, plural, kind = next(c for c in CHILD_KINDS.values() if c[3] == ref.get("kind"))
@@ -530,7 +530,7 @@ def _stop_stalled(kube: Any, body: Mapping[str, Any], status: Mapping[str, Any])
         return
     if ownership.claim(child, body) is not ownership.Claim.OURS:  # a same-named object that is not this job's
         return
-    kube.delete(group, version, plural, namespace, ref["name"])
+    kube.delete(group, version, plural, namespace, ref["name"], uid=child["metadata"]["uid"])  # that one only
     log.warning("deleted %s %s/%s: training stalled", kind, namespace, ref["name"],
                 extra=logs.ref("SFTJob", namespace, body["metadata"]["name"]))
 

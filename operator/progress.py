@@ -29,6 +29,9 @@ from .status import COMPLETION_INDEX
 log = logging.getLogger("packtrain.operator")
 
 INTERVAL = float(os.environ.get("PACKTRAIN_PROGRESS_INTERVAL", "30"))
+# A reading older than this was not taken by a live scrape loop (two rounds missed, plus a slow round's
+# time): the training-stall deadline then says it cannot see progress rather than calling a stall.
+RECENT = 2 * INTERVAL + 30
 
 # The rank-0 gauges the trainer serves on its metrics port -> `status.progress` keys.
 PROGRESS_GAUGES = {
@@ -111,8 +114,8 @@ def reading(target: Target, text: str | None, error: str | None, now: str) -> di
     """The status patch of one scrape: progress with the time its step last changed, or why there is none.
 
     A failed scrape is recorded (`scrapeError`, since its first failure in a row) so the training-stall
-    deadline says it could not see progress rather than calling a stall; a good one clears it.
-    None: nothing to write.
+    deadline says it could not see progress rather than calling a stall; a good one clears it and, step
+    or not, records when it read (`progress.updatedAt`). None: nothing to write.
     """
     prev = target.status
     if error is not None:
@@ -123,7 +126,21 @@ def reading(target: Target, text: str | None, error: str | None, now: str) -> di
     if progress is not None:
         progress["lastAdvanceTime"] = deadlines.last_advance(prev.get("progress"), progress["step"], now)
         patch["progress"] = progress
+    elif _is_metrics(text or ""):  # read, but no step yet: its time still counts (a hang before the first step)
+        patch["progress"] = {"updatedAt": now}
     return patch or None
+
+
+def _is_metrics(text: str) -> bool:
+    """Prometheus text, step or not (anything else shows nothing, so it is no reading)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        for _ in text_string_to_metric_families(text):
+            pass
+    except (ValueError, OverflowError):
+        return False
+    return True
 
 
 async def update_progress(
@@ -149,7 +166,8 @@ async def update_progress(
     patch = await loop.run_in_executor(None, reading, target, text, error, now())
     if patch is not None:
         await loop.run_in_executor(None, kube.merge_status, "sftjobs", namespace, name, patch)
-    return (patch or {}).get("progress")
+    read = (patch or {}).get("progress") or {}
+    return read if "step" in read else None
 
 
 async def progress_round(

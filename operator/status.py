@@ -18,7 +18,7 @@ from packtrain.packer.contract import TrainSummary, parse_summary
 from .api import PackJobSpec
 from .builders import PACKJOB_LABEL, pack_job_name, pack_output_dir
 from .commands import EXIT_CONFIG, PACK_STAGES, PackStage
-from .deadlines import Deadlines, Stall, blocked_since, seconds_between
+from .deadlines import NO_LIVE_PROGRESS, TRAINING_STALLED, Deadlines, Stall, blocked_since, seconds_between
 from .deadlines import duration as _duration
 
 STAGE_PHASE: dict[str, str] = {"convert": "Converting", "plan": "Planning", "materialize": "Materializing"}
@@ -766,7 +766,7 @@ def sft_status(
 # Reasons that deserve a Warning event although the phase is not Failed.
 WARNING_REASONS = frozenset(
     {"PackJobFailed", "PackJobNotFound", "PackJobDeleted", "Unschedulable", "StageStalled", "TrainerFailed",
-     "TrainingStalled", "NoLiveProgress"}
+     TRAINING_STALLED, NO_LIVE_PROGRESS}
 )
 
 

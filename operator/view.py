@@ -91,14 +91,17 @@ class Kube:
     def patch(self, group: str, version: str, plural: str, namespace: str, name: str, body: dict) -> None:
         self.custom.patch_namespaced_custom_object(group, version, namespace, plural, name, body)
 
-    def delete(self, group: str, version: str, plural: str, namespace: str, name: str) -> None:
-        """Delete with its pods (background garbage collection); already gone is fine."""
+    def delete(self, group: str, version: str, plural: str, namespace: str, name: str, *, uid: str) -> None:
+        """Delete the object of this `uid` with its pods (background garbage collection).
+
+        The uid precondition pins the delete to the object that was checked: one re-created under the
+        name since is refused (409), like one already gone (404); both are fine.
+        """
+        options = {"propagationPolicy": "Background", "preconditions": {"uid": uid}}
         try:
-            self.custom.delete_namespaced_custom_object(
-                group, version, namespace, plural, name, propagation_policy="Background"
-            )
+            self.custom.delete_namespaced_custom_object(group, version, namespace, plural, name, body=options)
         except ApiException as exc:
-            if exc.status != 404:
+            if exc.status not in (404, 409):
                 raise
 
     def patch_status(
@@ -239,8 +242,8 @@ class CachedKube:
     def patch(self, group: str, version: str, plural: str, namespace: str, name: str, body: dict) -> None:
         self.kube.patch(group, version, plural, namespace, name, body)
 
-    def delete(self, group: str, version: str, plural: str, namespace: str, name: str) -> None:
-        self.kube.delete(group, version, plural, namespace, name)
+    def delete(self, group: str, version: str, plural: str, namespace: str, name: str, *, uid: str) -> None:
+        self.kube.delete(group, version, plural, namespace, name, uid=uid)
 
     def patch_status(
         self, plural: str, namespace: str, name: str, status: dict[str, Any], resource_version: str

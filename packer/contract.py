@@ -176,6 +176,8 @@ def train_metric(name: str) -> str:
 
 
 TRAIN_STEP: Final = train_metric("step")
+# How long the last step waited for data: what a stuck data loader shows (named in stall messages too).
+TRAIN_DATA_WAIT: Final = train_metric("data_wait_seconds")
 TRAIN_LOSS: Final = train_metric("loss")
 TRAIN_EVAL_LOSS: Final = train_metric("eval_loss")
 TRAIN_TOKENS_PER_SECOND: Final = train_metric("tokens_per_second")

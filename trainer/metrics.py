@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from packtrain.packer.contract import train_metric
+from packtrain.packer.contract import TRAIN_DATA_WAIT, train_metric
 
 if TYPE_CHECKING:  # imported where used: the device benchmark reads the FLOPs model without it
     from prometheus_client import Gauge
@@ -210,7 +210,9 @@ class TrainMetrics:
             "loss": gauge("loss", "Loss of the last step (global token mean)."),
             "eval_loss": gauge("eval_loss", "Token-mean loss over the evaluation set at the last evaluation."),
             "learning_rate": gauge("learning_rate", "Current learning rate."),
-            "data_wait_seconds": gauge("data_wait_seconds", "Time the last step waited for data."),
+            "data_wait_seconds": Gauge(
+                TRAIN_DATA_WAIT, "Time the last step waited for data.", labels, registry=self.registry
+            ),
             "step": gauge("step", "Optimizer steps completed."),
             "attention_imbalance": gauge(
                 "attention_imbalance", "Max/mean attention cost across ranks (plan)."
