@@ -154,30 +154,25 @@ def _run(args: argparse.Namespace) -> int:
             return EXIT_CONFIG
         report(summary)
     elif args.cmd == "materialize":
-        done = stages.materialize(cfg, out, _index(args), args.count)
-        final = done["pack"]  # the manifest's counts, from the worker that wrote it
-        problem = None if final is None else pack_outcome_error(
-            final["samples"], final["packed"], final["rejected_by_reason"], cfg.packing.max_rejected_fraction
-        )
-        if problem is not None:  # materialize's rejects (videos that do not decode) left too little packed
-            print(f"packtrain pack materialize: {problem['error']}", file=sys.stderr)
-            report({**problem, **done})
+        try:
+            report(stages.materialize(cfg, out, _index(args), args.count))
+        except stages.PackRefused as exc:  # the final counts (materialize's rejects) left too little packed
+            print(f"packtrain pack materialize: {exc.report['error']}", file=sys.stderr)
+            report({**exc.report, **(exc.summary or {})})  # the counts too: the operator shows them
             return EXIT_CONFIG
-        report(done)
     elif args.cmd == "run":
         from .local import run_all
 
         timings: dict[str, Any] = {}
-        manifest = run_all(cfg, out, workers=args.workers, show_progress=not args.no_progress, timings=timings)
+        try:
+            manifest = run_all(cfg, out, workers=args.workers, show_progress=not args.no_progress, timings=timings)
+        except stages.PackRefused as exc:  # no manifest; the stats of what would have been packed
+            tools.print_stats(exc.manifest, out)
+            print(json.dumps(tools.summary_line(exc.manifest, out) | {"timings": timings}), flush=True)
+            print(f"packtrain pack run: {exc.report['error']}", file=sys.stderr)
+            return EXIT_CONFIG
         tools.print_stats(manifest, out)
         print(json.dumps(tools.summary_line(manifest, out) | {"timings": timings}), flush=True)
-        counts = manifest["counts"]
-        problem = pack_outcome_error(
-            counts["input"], counts["packed"], counts["rejected_by_reason"], cfg.packing.max_rejected_fraction
-        )
-        if problem is not None:
-            print(f"packtrain pack run: {problem['error']}", file=sys.stderr)
-            return EXIT_CONFIG
     return 0
 
 
@@ -186,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except ShardFormatError as exc:  # inspect/unpack pointed at something that is not a finished pack
-        print(f"packtrain pack {args.cmd}: {exc}", file=sys.stderr)
+        from .tools import refused_message
+
+        path = getattr(args, "path", None)
+        print(f"packtrain pack {args.cmd}: {path and refused_message(Path(path)) or exc}", file=sys.stderr)
         return EXIT_CONFIG
     except (ConfigError, ValidationError, FileNotFoundError) as exc:
         msg = str(exc)

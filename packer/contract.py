@@ -94,7 +94,8 @@ class MaterializeSummary(TypedDict):
     """One materialize worker's shards; the worker that completes the set writes the manifest.
 
     `rejected`: samples dropped from this worker's shards (media that does not decode); `pack`: the
-    final counts, from the worker that wrote the manifest (else None).
+    final counts, from the worker that completed the set: it wrote the manifest, or it refused the pack
+    (NoSamples, TooManyRejected) and its error report carries them; else None.
     """
 
     stage: str

@@ -164,7 +164,8 @@ def _run_stage(
 def run_all(
     cfg: PackConfig, out: Path, workers: int = 1, show_progress: bool = True, timings: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """convert (N processes) → plan → materialize (N processes); returns the manifest.
+    """convert (N processes) → plan → materialize (N processes); returns the manifest, or raises
+    `stages.PackRefused` when the final counts refuse the pack (no manifest is written then).
 
     `timings`, when given, receives each stage's wall and CPU seconds and, per process, its peak
     RSS and sampled peak anonymous RSS.

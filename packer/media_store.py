@@ -56,21 +56,22 @@ def check_frames(f: BinaryIO, indices: list[int], name: str = "video") -> None:
 
 def _sampled(f: BinaryIO, indices: list[int], name: str) -> Iterator[tuple[int, Any]]:
     """Each decoded frame at `indices`, through an allowed demuxer only; every wanted frame or a
-    MediaError (`corrupt_media`) naming the file.
+    MediaError (`corrupt_media`) naming the file, or a ConfigError when reading it fails
+    (`decode_failure`).
 
     A frame of another size than the stream header declared (what convert's decode cap measured
     and counted) is refused rather than decoded on.
     """
     import av
 
-    f.seek(0)
-    demuxer = sniff_container(f.read(SNIFF_BYTES))
-    if demuxer is None:
-        raise MediaError("corrupt_media", f"{name}: not a video in an allowed container")
-    f.seek(0)
     wanted = set(indices)
     got: set[int] = set()
     try:
+        f.seek(0)
+        demuxer = sniff_container(f.read(SNIFF_BYTES))
+        if demuxer is None:
+            raise MediaError("corrupt_media", f"{name}: not a video in an allowed container")
+        f.seek(0)
         with av.open(f, format=demuxer) as container:
             stream = container.streams.video[0]
             declared = (stream.codec_context.width, stream.codec_context.height)
@@ -86,16 +87,35 @@ def _sampled(f: BinaryIO, indices: list[int], name: str) -> Iterator[tuple[int, 
                     yield i, frame
                 if len(got) == len(wanted):
                     break
-    except MediaError:
+    except (MediaError, MemoryError):
         raise
     except Exception as exc:  # decoders raise anything on hostile input; one file must not stop a worker
-        raise MediaError("corrupt_media", f"{name}: video does not decode ({type(exc).__name__}: {exc})") from exc
+        raise decode_failure(exc, name) from exc
     missing = wanted - got
     if missing:
         raise MediaError(
             "corrupt_media",
             f"{name}: sampled frames {sorted(missing)[:5]} could not be decoded ({len(got)} of {len(wanted)} were)",
         )
+
+
+def decode_failure(exc: Exception, name: str) -> MediaError | ConfigError:
+    """What an exception out of decoding video `name` means (a MemoryError never gets here: it is
+    the worker's, not the file's, and stops the stage).
+
+    Reading the file failed (an OSError that is not PyAV's own, e.g. EIO or ESTALE from network
+    storage): the pack's inputs are unreadable now, a ConfigError like a file that vanished, never a
+    permanent reject. Anything else the decoder raised is the file's content: `corrupt_media`.
+    """
+    import av
+
+    if isinstance(exc, OSError) and not isinstance(exc, av.error.FFmpegError):
+        return ConfigError(
+            f"media file {name} could not be read while decoding it ({type(exc).__name__}: {exc}); it was "
+            "readable at convert time. Restore it (or the storage it is on) and re-run, or re-pack into a "
+            "new output folder"
+        )
+    return MediaError("corrupt_media", f"{name}: video does not decode ({type(exc).__name__}: {exc})")
 
 
 def _checked_open(

@@ -25,7 +25,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .config import PackConfig
-from .contract import ConvertSummary, MaterializeSummary, PackCounts, PlanSummary
+from .contract import (
+    ConvertSummary,
+    ErrorReport,
+    MaterializeSummary,
+    PackCounts,
+    PlanSummary,
+    pack_outcome_error,
+)
 from .media import EMBEDDED_DIR, MediaLimits, MediaRoots
 from .media_store import media_blob
 from .mixture import repeat, source_counts, weigher
@@ -52,6 +59,7 @@ from .vision import MediaError
 
 WORK = "work"
 CONFIG_CLAIM = "config.json"
+REFUSED = "refused.json"  # under work/: why a finished pack got no manifest, and its final counts
 DUPLICATE_IDS = "duplicate_ids"  # manifest counts key: samples whose id an earlier sample already used
 SHARD_REJECTS = "rejects"  # a shard's done record: the samples materialize dropped (media that does not decode)
 PART_BATCH_TOKENS = 1 << 20
@@ -90,6 +98,29 @@ PLAN_SCHEMA = pa.schema(
         ("rows", pa.list_(pa.int32())),
     ]
 )
+
+
+class PackRefused(ConfigError):
+    """Every shard is written, but the final counts make the pack useless (NoSamples,
+    TooManyRejected): finalize publishes no manifest, so nothing can train on it.
+
+    `report`: the ErrorReport (reason, error); `manifest`: what the manifest would have been (its
+    counts and stats, for the operator and `pack run`); `summary`: the materialize worker's summary,
+    with the final counts in `pack`, when materialize raised it.
+    """
+
+    def __init__(self, report: ErrorReport, manifest: dict[str, Any], summary: MaterializeSummary | None = None):
+        super().__init__(report["error"])
+        self.report, self.manifest, self.summary = report, manifest, summary
+
+    def __reduce__(self) -> tuple[Any, ...]:  # raised in a worker process, re-raised in `pack run`
+        return type(self), (self.report, self.manifest, self.summary)
+
+
+def refusal(out: Path) -> dict[str, Any] | None:
+    """The refusal finalize recorded in `out` (REFUSED: the report and the would-be manifest), or None."""
+    path = _work(out) / REFUSED
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _part_name(index: int, count: int) -> str:
@@ -660,18 +691,24 @@ def materialize(
             progress(1)
     rejected = sum(len(json.loads((work / "shards" / f"{s:05d}.json").read_text()).get(SHARD_REJECTS, []))
                    for s in mine)
-    manifest = finalize(cfg, out)
-    return {
+    summary: MaterializeSummary = {
         "stage": "materialize",
         "index": index,
         "count": count,
         "shards": len(mine),
         "written": written,
         "rejected": rejected,
-        "manifest": manifest is not None,
-        "manifest_sha256": sha256_file(out / MANIFEST) if manifest is not None else None,
-        "pack": pack_counts(manifest) if manifest is not None else None,
+        "manifest": False,
+        "manifest_sha256": None,
+        "pack": None,
     }
+    try:
+        manifest = finalize(cfg, out)
+    except PackRefused as exc:  # the final counts still go to the operator, beside the reason
+        raise PackRefused(exc.report, exc.manifest, {**summary, "pack": pack_counts(exc.manifest)}) from None
+    if manifest is not None:
+        summary.update(manifest=True, manifest_sha256=sha256_file(out / MANIFEST), pack=pack_counts(manifest))
+    return summary
 
 
 def _shard_intact(out: Path, entry: dict[str, Any]) -> bool:
@@ -689,6 +726,10 @@ def finalize(cfg: PackConfig, out: Path) -> dict[str, Any] | None:
     in input order); sequences, tokens, lower bound and fill are those of the shards written.
     Several workers may get here at once: the content is deterministic and the
     write atomic, so whichever rename lands last leaves the same bytes.
+
+    Counts that make the pack useless (`pack_outcome_error`: nothing packed, more rejected than
+    packing.maxRejectedFraction) publish no manifest: the refusal and the would-be manifest go to
+    work/REFUSED and PackRefused is raised, the same on every re-run (the counts are deterministic).
     """
     plan_info, _ = _load_plan(out)
     summary = plan_info["summary"]
@@ -749,6 +790,16 @@ def finalize(cfg: PackConfig, out: Path) -> dict[str, Any] | None:
         "rejects": {"file": REJECTS, "sha256": rejects_sha256},
         "shards": entries,
     }
+    counts = manifest["counts"]
+    problem = pack_outcome_error(
+        counts["input"], counts["packed"], counts["rejected_by_reason"], p.max_rejected_fraction
+    )
+    if problem is not None:
+        report: ErrorReport = {**problem, "stage": "materialize"}
+        atomic_write_json(_work(out) / REFUSED, {"report": report, "manifest": manifest})
+        (out / MANIFEST).unlink(missing_ok=True)
+        raise PackRefused(report, manifest)
+    (_work(out) / REFUSED).unlink(missing_ok=True)
     atomic_write_json(out / MANIFEST, manifest)
     return manifest
 

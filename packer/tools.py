@@ -121,6 +121,21 @@ def _rejects(path: Path, problems: list[str]) -> list[dict[str, Any]]:
     return out
 
 
+def refused_message(path: Path) -> str | None:
+    """Why `path` has no manifest when finalize refused the pack (its counts made it useless), else None."""
+    from .shards import MANIFEST
+    from .stages import refusal
+
+    refused = None if (path / MANIFEST).exists() else refusal(path)
+    if refused is None:
+        return None
+    r = refused["report"]
+    return (
+        f"{path} is a refused pack with no {MANIFEST} ({r.get('reason', 'refused')}: {r['error']}); nothing "
+        "may train on it. Fix the dataset or the config, then re-pack into a new (or emptied) output folder."
+    )
+
+
 def verify(path: Path, notes: list[str] | None = None) -> list[str]:
     """Every problem found, as messages; empty means the pack is sound. What could not be checked
     (a model folder that is not readable here) goes to `notes`."""
@@ -133,7 +148,7 @@ def verify(path: Path, notes: list[str] | None = None) -> list[str]:
     try:
         reader = ShardReader(path, verify_checksums=True)
     except ShardFormatError as exc:
-        return [str(exc)]
+        return [refused_message(path) or str(exc)]
     m = reader.manifest
     try:
         cfg = PackConfig.model_validate(m.get("config"))

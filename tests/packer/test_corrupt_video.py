@@ -11,11 +11,14 @@ demo videos.
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import av
 import media_factory as mf
@@ -24,8 +27,9 @@ import pytest
 from packtrain.packer import local, stages, tools
 from packtrain.packer.cli import main as pack_main
 from packtrain.packer.config import PackConfig
-from packtrain.packer.media_store import check_frames
-from packtrain.packer.shards import MANIFEST, REJECTS, ShardReader, read_table
+from packtrain.packer.media_store import check_frames, decode_failure, video_frames
+from packtrain.packer.records import ConfigError
+from packtrain.packer.shards import MANIFEST, REJECTS, ShardFormatError, ShardReader, read_table
 from packtrain.packer.vision import MediaError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -292,8 +296,9 @@ def test_the_operator_shows_the_counts_materialize_reported(
 def test_a_pack_left_without_samples_by_materialize_fails_no_samples(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Every sample's video does not decode: plan packed them all, materialize rejects them all. The
-    pack is written (empty, sound) and both `pack materialize` and `pack run` exit 2 with NoSamples."""
+    """Every sample's video does not decode: plan packed them all, materialize rejects them all. Both
+    `pack materialize` and `pack run` exit 2 with NoSamples and publish no manifest (nothing can train
+    on the pack; verify says why), the final counts still reach the operator, and a re-run refuses again."""
     from packtrain.operator.status import pack_stats
 
     data = _dataset(tmp_path, "noise_middle")
@@ -311,11 +316,102 @@ def test_a_pack_left_without_samples_by_materialize_fails_no_samples(
     assert "no sample was packed" in capsys.readouterr().err
     stats = pack_stats(None, {"materialize": [said]})
     assert (stats["samplesPacked"], stats["rejectedByReason"]) == (0, {"corrupt_media": 1})
-    assert tools.verify(staged) == []
+    assert not (staged / MANIFEST).exists()
+    (problem,) = tools.verify(staged)
+    assert "refused pack" in problem and "no sample was packed" in problem, problem
+    assert pack_main(["verify", str(staged)]) == 2
+    assert "refused pack" in capsys.readouterr().err
+    with pytest.raises(ShardFormatError):  # what a trainer opens
+        ShardReader(staged)
+    assert pack_main(["materialize", *flags]) == 2  # a re-run: the same refusal, still no manifest
+    assert json.loads(log.read_text()) == {**said, "written": 0} and not (staged / MANIFEST).exists()
     assert pack_main(["run", *flags[:2], "-o", str(tmp_path / "run"), "--workers", "1", "--no-progress"]) == 2
-    line = json.loads(capsys.readouterr().out.splitlines()[-1])  # the run's summary line
+    out, err = capsys.readouterr()
+    line = json.loads(out.splitlines()[-1])  # the run's summary line
     assert (line["samples"], line["packed"], line["rejected"], line["sequences"]) == (1, 0, 1, 0)
     assert line["sources"] == {str(data / "only.jsonl"): {"records": 1, "input": 1, "packed": 0, "rejected": 1}}
-    assert json.loads((tmp_path / "run" / MANIFEST).read_text())["counts"]["rejected_by_reason"] == {
-        "corrupt_media": 1
-    }
+    assert "no sample was packed" in err
+    assert not (tmp_path / "run" / MANIFEST).exists()
+    assert [json.loads(r)["reason"] for r in (tmp_path / "run" / REJECTS).read_text().splitlines()] == [
+        "corrupt_media"
+    ]
+
+
+def test_too_many_rejected_by_materialize_publishes_no_manifest(
+    materialize_reject: tuple[Path, dict], tmp_path: Path
+) -> None:
+    """1 of 19 rejected by materialize is over maxRejectedFraction 0.05 (plan saw none rejected): every
+    worker count and every re-run refuses, and none leaves a manifest."""
+    spec = _config(materialize_reject[0].parent / "data").dump()
+    spec["packing"]["maxRejectedFraction"] = 0.05
+    cfg = PackConfig.model_validate(spec)
+    out = tmp_path / "pack"
+    for _ in range(2):
+        with pytest.raises(stages.PackRefused) as refused:
+            stages.run_in_process(cfg, out, workers=2)
+        assert refused.value.report["reason"] == "TooManyRejected"
+        assert "1 of 19 samples rejected" in refused.value.report["error"]
+        assert refused.value.summary is not None and refused.value.summary["pack"]["rejected"] == 1
+        assert not (out / MANIFEST).exists()
+    forked = tmp_path / "forked"
+    with pytest.raises(stages.PackRefused, match="maxRejectedFraction"):
+        local.run_all(cfg, forked, workers=2, show_progress=False)
+    assert not (forked / MANIFEST).exists()
+    assert stages.refusal(forked) == stages.refusal(out) and stages.refusal(out) is not None
+
+
+class _FailingRead(io.RawIOBase):
+    """A real video file whose reads fail past `at` bytes, as network storage can (EIO, ESTALE) or
+    as memory runs out. Simulated: a real storage fault cannot be made in a test."""
+
+    def __init__(self, path: Path, at: int, error: BaseException) -> None:
+        self.f, self.at, self.error = path.open("rb"), at, error
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def readinto(self, b: Any) -> int:
+        if self.f.tell() + len(b) > self.at:
+            raise self.error
+        return self.f.readinto(b)
+
+    def close(self) -> None:
+        self.f.close()
+        super().close()
+
+
+@pytest.mark.parametrize("storage", ["original", "resized"])
+def test_a_read_error_while_decoding_is_a_config_error_not_a_reject(storage: str, tmp_path: Path) -> None:
+    """Real PyAV decoding a real demo video whose storage fails mid-file: EIO is a ConfigError (restore
+    the file, or re-pack), a MemoryError stops the stage; neither becomes a permanent reject."""
+    video = DEMO_MEDIA / "1.mp4"
+    at = video.stat().st_size // 2
+    decode = check_frames if storage == "original" else (lambda f, i, n: video_frames(f, i, 64, 64, n))
+    with _FailingRead(video, at, OSError(errno.EIO, "Input/output error")) as f, \
+            pytest.raises(ConfigError, match="could not be read while decoding") as err:
+        decode(f, list(range(0, 60, 10)), "1.mp4")
+    assert "Input/output error" in str(err.value) and "re-pack" in str(err.value)
+    with _FailingRead(video, at, MemoryError()) as f, pytest.raises(MemoryError):
+        decode(f, list(range(0, 60, 10)), "1.mp4")
+    with _FailingRead(video, 10**12, MemoryError()) as f:  # the same reads, nothing failing: it decodes
+        decode(f, list(range(0, 60, 10)), "1.mp4")
+
+
+def test_decode_failure_tells_storage_errors_from_corrupt_content(tmp_path: Path) -> None:
+    stale = decode_failure(OSError(errno.ESTALE, "Stale file handle"), "v.mp4")
+    assert isinstance(stale, ConfigError) and "v.mp4" in str(stale)
+    with pytest.raises(av.error.FFmpegError) as ffmpeg_os:  # PyAV's own OSError kind: the content's
+        av.open(str(tmp_path / "missing.mp4"))
+    assert isinstance(ffmpeg_os.value, OSError)
+    for exc in (ffmpeg_os.value, ValueError("bad"), RuntimeError("decoder")):
+        bad = decode_failure(exc, "v.mp4")
+        assert isinstance(bad, MediaError) and bad.reason == "corrupt_media" and "does not decode" in bad.detail

@@ -202,8 +202,9 @@ def test_embedded_media_meet_the_same_caps_as_files(tmp_path: Path) -> None:
     reasons = Counter(json.loads(line)["reason"] for line in (out / "rejects.jsonl").read_text().splitlines())
     small = sum(len(r["image"]["bytes"]) < sizes[1] for r in rows)
     assert reasons == {"media_too_large": len(rows) - small} and manifest["counts"]["packed"] == small
-    out, manifest = _pack(tmp_path, "pixel-cap", config([data], maxImageSourcePixels=1000))
-    assert manifest["counts"]["rejected_by_reason"] == {"media_too_large": len(rows)}
+    with pytest.raises(stages.PackRefused, match="no sample was packed") as refused:  # every image over the cap
+        _pack(tmp_path, "pixel-cap", config([data], maxImageSourcePixels=1000))
+    assert refused.value.manifest["counts"]["rejected_by_reason"] == {"media_too_large": len(rows)}
 
 
 def test_embedded_struct_in_typed_content_parts(tmp_path: Path) -> None:

@@ -100,7 +100,8 @@ def test_reject_details_are_bounded(tmp_path: Path) -> None:
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps(_chat("x" * 5000 + ".png")) + "\n")
     cfg, out = _cfg(data), tmp_path / "out"
-    stages.run_in_process(cfg, out)
+    with pytest.raises(stages.PackRefused, match="no sample was packed"):  # its only sample rejected
+        stages.run_in_process(cfg, out)
     (reject,) = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     assert reject["reason"] == "missing_media"
     assert len(reject["detail"]) <= stages.REJECT_DETAIL_CHARS
