@@ -16,6 +16,7 @@ import os
 import queue
 import resource
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -104,13 +105,22 @@ def _materialize_job(index: int, count: int) -> dict[str, Any]:
     return {**summary, **watch.report()}
 
 
+def fork_is_safe() -> bool:
+    """Fork only a process that holds nothing a fork breaks: on Linux (elsewhere system frameworks
+    are not fork-safe), with no other Python thread (a lock it holds would stay locked in the child)
+    and without torch loaded (its OpenMP pool does not survive a fork: a forked worker hangs on its
+    first parallel op). `pack run` qualifies; a host process such as a notebook or a test runner with
+    torch or threads gets spawned workers, which load the tokenizer themselves."""
+    return sys.platform.startswith("linux") and threading.active_count() == 1 and "torch" not in sys.modules
+
+
 def _ready() -> int:
     return os.getpid()
 
 
 def _pool(cfg: PackConfig, out: Path, workers: int, tokenizer: Any) -> tuple[ProcessPoolExecutor, Any]:
     """`workers` processes started now, forked from this process with the tokenizer already loaded."""
-    fork = sys.platform.startswith("linux")  # fork elsewhere (macOS) is unsafe with system frameworks
+    fork = fork_is_safe()
     ctx = mp.get_context("fork" if fork else "spawn")
     progress = ctx.Queue()
     if fork:

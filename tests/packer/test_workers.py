@@ -1,4 +1,4 @@
-"""`pack run --workers N`: workers forked once after the tokenizer is loaded, serving convert and
+"""`pack run --workers N`: workers forked once after the tokenizer is loaded (where a fork is safe), serving convert and
 materialize; small packs split into several shards so materialize spreads over the workers; the
 same pack whatever the worker count or start method."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -51,30 +52,65 @@ def test_small_packs_get_several_shards_independent_of_workers() -> None:
     assert stages.shard_size(200, 2) == 2 and stages.shard_size(0, 1024) >= 1
 
 
+_FORKED_RUN = """
+import json, os, sys
+from pathlib import Path
+from packtrain.packer import local, stages
+from packtrain.packer.config import PackConfig
+
+work = Path(sys.argv[1])
+cfg = PackConfig.model_validate(json.loads((work / "cfg.json").read_text()))
+real = stages.sample_tokenizer
+
+def counted(c, out):  # a file per call, in whichever process calls it
+    (work / "loads" / str(os.getpid())).touch()
+    return real(c, out)
+
+stages.sample_tokenizer = counted
+fork = local.fork_is_safe()
+timings = {}
+local.run_all(cfg, work / "pack", workers=2, show_progress=False, timings=timings)
+print(json.dumps({"fork": fork, "pid": os.getpid(), "timings": timings}))
+"""
+
+
 def test_two_forked_workers_load_the_tokenizer_once_and_write_the_same_pack(
-    one_worker: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    one_worker: tuple[Path, dict], tmp_path: Path
 ) -> None:
+    """In a fresh interpreter, as `pack run` is: this test runner may hold torch or threads, and
+    then `local.fork_is_safe` rightly spawns instead (the next test covers spawned workers)."""
     out1, info = one_worker
     manifest1 = info["manifest"]
     assert len(manifest1["shards"]) > 2  # a one-full-shard pack, split for the workers
-    loads = tmp_path / "loads"
-    loads.mkdir()
-    real = stages.sample_tokenizer
-
-    def counted(cfg: PackConfig, out: Path) -> object:  # a file per call, in whichever process calls it
-        (loads / str(os.getpid())).touch()
-        return real(cfg, out)
-
-    monkeypatch.setattr(stages, "sample_tokenizer", counted)
+    (tmp_path / "loads").mkdir()
+    (tmp_path / "cfg.json").write_text(json.dumps(_config().dump()))
+    proc = subprocess.run([sys.executable, "-c", _FORKED_RUN, str(tmp_path)], capture_output=True, text=True,
+                          timeout=600, env=os.environ | {"TOKENIZERS_PARALLELISM": "false"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["fork"] is True
+    assert [p.name for p in (tmp_path / "loads").iterdir()] == [str(result["pid"])]  # never in a worker
     out2 = tmp_path / "pack"
-    timings: dict = {}
-    manifest2 = local.run_all(_config(), out2, workers=2, show_progress=False, timings=timings)
-    assert [p.name for p in loads.iterdir()] == [str(os.getpid())]  # loaded here only, never in a worker
-    assert manifest2 == manifest1
+    assert json.loads((out2 / "manifest.json").read_text()) == manifest1
     assert _files(out2) == _files(out1)
+    timings = result["timings"]
     assert len(timings["stages"]["convert"]["worker_peak_rss_mib"]) == 2
     assert set(timings["stages"]) == {"load", "convert", "plan", "materialize"}
     assert set(info["stages"]) == set(timings["stages"]) and "worker_peak_rss_mib" not in info["stages"]["convert"]
+
+
+def test_fork_is_refused_where_torch_or_threads_are_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forked worker of a process with torch's OpenMP pool hangs on its first parallel op (seen in
+    this suite with resized media); another thread's lock would stay locked in the child."""
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    monkeypatch.setattr(local.threading, "active_count", lambda: 1)
+    assert local.fork_is_safe()
+    monkeypatch.setattr(local.threading, "active_count", lambda: 2)
+    assert not local.fork_is_safe()
+    monkeypatch.setattr(local.threading, "active_count", lambda: 1)
+    monkeypatch.setitem(sys.modules, "torch", object())
+    assert not local.fork_is_safe()
 
 
 def test_materialize_splits_a_small_pack_between_workers(one_worker: tuple[Path, dict], tmp_path: Path) -> None:
