@@ -451,8 +451,14 @@ def test_config_error_fails_fast_with_a_warning(
     failed = condition(pj, "Failed")
     assert failed["status"] == "True" and failed["reason"] == "InvalidConfiguration"
     assert "Fix the spec" in failed["message"]
-    job = client.BatchV1Api(api).read_namespaced_job("broken-convert", namespace)
-    assert any(c.reason == "PodFailurePolicy" for c in job.status.conditions or [] if c.type == "Failed")
+    batch = client.BatchV1Api(api)
+
+    def failed_by_policy() -> bool:  # the Job controller may record it after the operator has read the pod
+        job = batch.read_namespaced_job("broken-convert", namespace)
+        return any(c.reason == "PodFailurePolicy" for c in job.status.conditions or [] if c.type == "Failed")
+
+    wait_for("Job broken-convert to fail by its pod failure policy", failed_by_policy, timeout=60)
+    job = batch.read_namespaced_job("broken-convert", namespace)
     assert (job.status.failed or 0) <= 2, "a config error must not be retried"
     warnings = [e for e in events(api, namespace, "broken") if e.type == "Warning"]
     assert any(e.reason == "InvalidConfiguration" for e in warnings)
