@@ -169,7 +169,8 @@ def summary_table(packs: dict[str, tuple[Path, dict]], trains: dict[str, dict]) 
         for key, label in (("steps", "training steps"), ("effective_tokens_per_second", "effective tokens/s"),
                            ("final_loss", "final loss"), ("output", "model and checkpoints")):
             value = s.get(key, "")
-            t.add_row(label, f"{value:.4g}" if isinstance(value, float) else str(value))
+            text = "- (no step this run)" if value is None else str(value)
+            t.add_row(label, f"{value:.4g}" if isinstance(value, float) else text)
     return t
 
 

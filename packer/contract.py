@@ -125,7 +125,7 @@ class TrainSummary(TypedDict, total=False):
     """The keys of the trainer's summary the operator reads (it writes more)."""
 
     steps: int
-    final_loss: float
+    final_loss: float | None
     eval_loss: float | None
     tokens_per_second: float
 

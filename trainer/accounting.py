@@ -9,6 +9,7 @@ kernels, loader workers) and is left out of the totals, unless it is the only on
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -116,7 +117,9 @@ class RunAccounting:
             "effective_tokens_per_second": t["effective"] / seconds,
             "samples_per_second": t["samples"] / seconds,
             "padding_ratio": 1.0 - t["effective"] / t["tokens"] if t["tokens"] else 0.0,
-            "final_loss": final_loss,
+            # None when no step ran (a resumed run already at its last step) or the loss is not finite:
+            # NaN is not JSON, and the operator writes this value into the SFTJob's status.
+            "final_loss": final_loss if math.isfinite(final_loss) else None,
             "eval_loss": self.eval_loss,
             "eval_units": eval_units,
             "steps_per_epoch": steps_per_epoch,

@@ -45,6 +45,20 @@ def test_cli_trains_and_exports_a_loadable_hf_model(pack_dir, tmp_path, capsys):
     assert all(torch.equal(p, saved["hf." + n]) for n, p in reloaded.state_dict().items())
 
 
+def test_a_rerun_of_a_finished_run_reports_no_loss_as_valid_json(pack_dir, tmp_path, capsys):
+    """A rerun resumes from the last checkpoint and trains no step: its summary says so with null,
+    not NaN (not JSON; the operator writes the loss into the SFTJob's status)."""
+    job = write_job(tmp_path / "job.yaml", job_spec(pack_dir, tmp_path / "ignored", checkpointEvery=1))
+    out = tmp_path / "run"
+    assert main(["train", "-c", str(job), "--max-steps", "1", "--output", str(out)]) == 0
+    first = _summary(capsys)
+    assert first["final_loss"] is not None
+    assert main(["train", "-c", str(job), "--max-steps", "1", "--output", str(out)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    rerun = json.loads(lines[-1], parse_constant=lambda c: pytest.fail(f"{c} in the summary line"))
+    assert rerun["steps"] == 1 and rerun["steps_this_run"] == 0 and rerun["final_loss"] is None
+
+
 def test_2n_steps_equal_n_steps_resume_n_steps_bit_for_bit(pack_dir, tmp_path, capsys):
     spec = job_spec(pack_dir, tmp_path / "straight", maxSteps=4, checkpointEvery=2, warmup=1)
     # Interrupted after step 2: only the step-2 checkpoint exists; the rerun resumes from it.
