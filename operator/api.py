@@ -22,7 +22,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
-from packtrain.packer.config import CamelModel, ModelConfig, PackingConfig, SourceConfig
+from packtrain.packer.core.config import CamelModel, ModelConfig, PackingConfig, SourceConfig
 from packtrain.trainer.config import DataSpec, ModelSpec, TrainingSpec
 
 GROUP = "packtrain.dev"

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from .api import (
+from packtrain.operator.api import (
     API_VERSION,
     SFT_CHECKPOINT_MOUNT,
     SFT_EVAL_MOUNT,
@@ -29,9 +29,15 @@ from .api import (
     Runtime,
     SFTJobSpec,
 )
-from .commands import EXIT_CONFIG, INDEXED_STAGES, PackStage, pack_stage_command, train_command
-from .deadlines import Deadlines
-from .policy import Policy
+from packtrain.operator.commands import (
+    EXIT_CONFIG,
+    INDEXED_STAGES,
+    PackStage,
+    pack_stage_command,
+    train_command,
+)
+from packtrain.operator.deadlines import Deadlines
+from packtrain.operator.policy import Policy
 
 PACK_CONTAINER = "packer"
 TRAIN_CONTAINER = "pytorch"  # the name the Kubeflow training-operator requires

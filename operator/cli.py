@@ -88,7 +88,7 @@ def parser() -> argparse.ArgumentParser:
 def run_operator(args: argparse.Namespace) -> int:
     import kopf
 
-    from . import handlers, logs  # noqa: F401  (registers the handlers)
+    from packtrain.operator import logs
 
     logs.configure(args.log_format, args.verbose)
     kopf.run(
@@ -105,7 +105,7 @@ def run_operator(args: argparse.Namespace) -> int:
 def run_crds(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from . import crdgen
+    from packtrain.operator import crdgen
 
     if args.check:
         stale = crdgen.stale(Path(args.out))

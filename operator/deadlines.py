@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from packtrain.packer.contract import TRAIN_DATA_WAIT
+from packtrain.packer.core.contract import TRAIN_DATA_WAIT
 
 # The Degraded/Failed reasons of the training-stall deadline (conditions, Events, the stall delete).
 TRAINING_STALLED = "TrainingStalled"

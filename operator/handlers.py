@@ -32,11 +32,11 @@ import kubernetes
 from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
-from . import builders, deadlines, logs, metrics, ownership, policy, progress
-from . import status as st
-from .api import GROUP, VERSION, PackJobSpec, SFTJobSpec
-from .commands import PackStage
-from .view import CachedKube, Kube
+from packtrain.operator import builders, deadlines, logs, metrics, ownership, policy, progress
+from packtrain.operator import status as st
+from packtrain.operator.api import GROUP, VERSION, PackJobSpec, SFTJobSpec
+from packtrain.operator.commands import PackStage
+from packtrain.operator.view import CachedKube, Kube
 
 log = logging.getLogger("packtrain.operator")
 

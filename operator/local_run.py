@@ -22,12 +22,17 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from packtrain.operator.api import PackJobSpec, SFTJobSpec
+from packtrain.operator.builders import (
+    PACK_CONFIG_FILE,
+    TRAIN_CONFIG_FILE,
+    DataSource,
+    pack_config_map,
+    train_config_map,
+)
+from packtrain.operator.commands import EXIT_CONFIG, pack_stage_command, train_command
+from packtrain.operator.manifests import Named, load_manifests
 from packtrain.trainer.progress import ProgressBar, follow
-
-from .api import PackJobSpec, SFTJobSpec
-from .builders import PACK_CONFIG_FILE, TRAIN_CONFIG_FILE, DataSource, pack_config_map, train_config_map
-from .commands import EXIT_CONFIG, pack_stage_command, train_command
-from .manifests import Named, load_manifests
 
 console = Console(stderr=True)
 

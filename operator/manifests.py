@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from .api import GROUP, PackJob, SFTJob
+from packtrain.operator.api import GROUP, PackJob, SFTJob
 
 KINDS: dict[str, type[PackJob] | type[SFTJob]] = {"PackJob": PackJob, "SFTJob": SFTJob}
 

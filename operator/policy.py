@@ -19,12 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
-from packtrain.packer.config import CamelModel
-
-from .api import PackJobSpec, Runtime, SFTJobSpec
+from packtrain.operator.api import PackJobSpec, Runtime, SFTJobSpec
+from packtrain.packer.core.config import CamelModel
 
 if TYPE_CHECKING:
-    from .builders import OperatorDefaults
+    from packtrain.operator.builders import OperatorDefaults
 
 GPU_RESOURCE = "nvidia.com/gpu"
 VALUES_PREFIX = "policy"

@@ -19,12 +19,11 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from packtrain.packer.contract import TRAIN_EVAL_LOSS, TRAIN_LOSS, TRAIN_STEP, TRAIN_TOKENS_PER_SECOND
-
-from . import deadlines, scrape
-from .api import GROUP, VERSION, SFTJobSpec
-from .builders import SFTJOB_LABEL
-from .status import COMPLETION_INDEX
+from packtrain.operator import deadlines, scrape
+from packtrain.operator.api import GROUP, VERSION, SFTJobSpec
+from packtrain.operator.builders import SFTJOB_LABEL
+from packtrain.operator.status import COMPLETION_INDEX
+from packtrain.packer.core.contract import TRAIN_EVAL_LOSS, TRAIN_LOSS, TRAIN_STEP, TRAIN_TOKENS_PER_SECOND
 
 log = logging.getLogger("packtrain.operator")
 

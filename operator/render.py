@@ -23,10 +23,10 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from . import builders, policy
-from .api import PackJobSpec, PackOutput
-from .commands import EXIT_CONFIG, PACK_STAGES
-from .manifests import load_manifests
+from packtrain.operator import builders, policy
+from packtrain.operator.api import PackJobSpec, PackOutput
+from packtrain.operator.commands import EXIT_CONFIG, PACK_STAGES
+from packtrain.operator.manifests import load_manifests
 
 CHART = Path(__file__).resolve().parents[1] / "charts" / "packtrain"
 

@@ -13,13 +13,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from packtrain.packer.contract import TrainSummary, parse_summary
-
-from .api import PackJobSpec
-from .builders import PACKJOB_LABEL, pack_job_name, pack_output_dir
-from .commands import EXIT_CONFIG, PACK_STAGES, PackStage
-from .deadlines import NO_LIVE_PROGRESS, TRAINING_STALLED, Deadlines, Stall, blocked_since, seconds_between
-from .deadlines import duration as _duration
+from packtrain.operator.api import PackJobSpec
+from packtrain.operator.builders import PACKJOB_LABEL, pack_job_name, pack_output_dir
+from packtrain.operator.commands import EXIT_CONFIG, PACK_STAGES, PackStage
+from packtrain.operator.deadlines import (
+    NO_LIVE_PROGRESS,
+    TRAINING_STALLED,
+    Deadlines,
+    Stall,
+    blocked_since,
+    seconds_between,
+)
+from packtrain.operator.deadlines import duration as _duration
+from packtrain.packer.core.contract import TrainSummary, parse_summary
 
 STAGE_PHASE: dict[str, str] = {"convert": "Converting", "plan": "Planning", "materialize": "Materializing"}
 TERMINAL = frozenset({"Succeeded", "Failed"})

@@ -20,7 +20,7 @@ from typing import Any
 import kubernetes
 from kubernetes.client.rest import ApiException
 
-from .api import GROUP, VERSION
+from packtrain.operator.api import GROUP, VERSION
 
 PLURALS = {"Job": "jobs", "PyTorchJob": "pytorchjobs", "TrainJob": "trainjobs"}
 # plural -> the kopf index (a handler function's name in `handlers`) holding those objects by (namespace, name).

@@ -16,12 +16,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .config import PackConfig, load_pack_config
-from .contract import ErrorReport, pack_outcome_error
-from .family_registry import FAMILY_NAMES
-from .records import ConfigError
-from .report import report
-from .shards import ShardFormatError
+from packtrain.packer.core.config import PackConfig, load_pack_config
+from packtrain.packer.core.contract import ErrorReport, pack_outcome_error
+from packtrain.packer.core.errors import ConfigError, ShardFormatError
+from packtrain.packer.core.families import FAMILY_NAMES
+from packtrain.packer.core.report import report
 
 EXIT_CONFIG = 2
 STAGES = ("convert", "plan", "materialize")  # what pods run: their outcome goes to the termination log
@@ -124,7 +123,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from . import stages, tools
+    from packtrain.packer import tools
+    from packtrain.packer.stages import all_stages as stages
 
     if args.cmd == "inspect":
         return tools.inspect_cmd(Path(args.path), args.plot, args.json)
@@ -133,7 +133,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.cmd == "unpack":
         return tools.unpack_cmd(Path(args.path), args.sample)
     if args.cmd == "export":
-        from .export_energon import export_energon
+        from packtrain.packer.export_energon import export_energon
 
         layout = "samples" if args.samples else "packed"
         print(json.dumps(export_energon(Path(args.path), Path(args.output), layout)), flush=True)
@@ -161,7 +161,7 @@ def _run(args: argparse.Namespace) -> int:
             report({**exc.report, **(exc.summary or {})})  # the counts too: the operator shows them
             return EXIT_CONFIG
     elif args.cmd == "run":
-        from .local import run_all
+        from packtrain.packer.local import run_all
 
         timings: dict[str, Any] = {}
         try:
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except ShardFormatError as exc:  # inspect/unpack pointed at something that is not a finished pack
-        from .tools import refused_message
+        from packtrain.packer.tools import refused_message
 
         path = getattr(args, "path", None)
         print(f"packtrain pack {args.cmd}: {path and refused_message(Path(path)) or exc}", file=sys.stderr)

@@ -25,11 +25,12 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from . import stages
-from .config import PackConfig
-from .mixture import weigher
-from .records import ConfigError, iter_records
-from .shards import MANIFEST
+from packtrain.packer.core.config import PackConfig
+from packtrain.packer.core.errors import ConfigError
+from packtrain.packer.core.pack.shards import MANIFEST
+from packtrain.packer.sources.mixture import weigher
+from packtrain.packer.sources.records import iter_records
+from packtrain.packer.stages import all_stages as stages
 
 _WORKER: dict[str, Any] = {}
 """What a worker process holds: config, output folder, progress queue and (forked) the loaded tokenizer."""

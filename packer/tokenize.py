@@ -31,13 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import ModelConfig, PackingConfig, SourceConfig
-from .conversation import ConversationParser, MediaRef, SampleError, Turn
-from .families import LoadedModel, load_model
-from .media import MediaAccess, MediaItem
-from .records import MAX_NESTING_DEPTH, MAX_RECORD_BYTES, ConfigError, RawRecord
-from .shard_format import IGNORE_INDEX
-from .vision import MediaError, frame_timestamps
+from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
+from packtrain.packer.core.errors import ConfigError, MediaError
+from packtrain.packer.core.model_spec import LoadedModel, load_model
+from packtrain.packer.core.pack.schema import IGNORE_INDEX
+from packtrain.packer.core.vision import frame_timestamps
+from packtrain.packer.media.access import MediaAccess, MediaItem
+from packtrain.packer.sources.conversation import ConversationParser, MediaRef, SampleError, Turn
+from packtrain.packer.sources.records import MAX_NESTING_DEPTH, MAX_RECORD_BYTES, RawRecord
 
 # Normalizers that shrink text at most 3-fold (canonical or compatibility (de)composition: Hangul jamo
 # compose 9 bytes into 3); a margin of 4 keeps the cheap overlong bound sound under them.

@@ -14,11 +14,12 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from .records import ConfigError, iter_records
-from .shards import REJECTS, ShardFormatError, ShardReader, read_manifest
+from packtrain.packer.core.errors import ConfigError, ShardFormatError
+from packtrain.packer.core.pack.shards import REJECTS, ShardReader, read_manifest
+from packtrain.packer.sources.records import iter_records
 
 if TYPE_CHECKING:
-    from .config import PackConfig
+    from packtrain.packer.core.config import PackConfig
 
 EXIT_DATA = 2  # a damaged or edited pack is bad input, like a configuration error
 
@@ -123,8 +124,8 @@ def _rejects(path: Path, problems: list[str]) -> list[dict[str, Any]]:
 
 def refused_message(path: Path) -> str | None:
     """Why `path` has no manifest when finalize refused the pack (its counts made it useless), else None."""
-    from .shards import MANIFEST
-    from .stages import refusal
+    from packtrain.packer.core.pack.shards import MANIFEST
+    from packtrain.packer.stages.all_stages import refusal
 
     refused = None if (path / MANIFEST).exists() else refusal(path)
     if refused is None:
@@ -139,10 +140,10 @@ def refused_message(path: Path) -> str | None:
 def verify(path: Path, notes: list[str] | None = None) -> list[str]:
     """Every problem found, as messages; empty means the pack is sound. What could not be checked
     (a model folder that is not readable here) goes to `notes`."""
-    from .config import PackConfig
-    from .integrity import model_facts, scan_rows, stored_config_hash
-    from .shards import sha256_file
-    from .stages import DUPLICATE_IDS, count_duplicate_ids
+    from packtrain.packer.core.config import PackConfig
+    from packtrain.packer.core.pack.integrity import model_facts, scan_rows, stored_config_hash
+    from packtrain.packer.core.pack.shards import sha256_file
+    from packtrain.packer.stages.all_stages import DUPLICATE_IDS, count_duplicate_ids
 
     problems: list[str] = []
     try:
@@ -221,9 +222,9 @@ def _check_source_counts(counts: dict[str, Any]) -> list[str]:
 def _check_inputs(manifest: dict[str, Any], seen: Counter[tuple[str, int]], cfg: PackConfig) -> list[str]:
     """Re-read the inputs, when still reachable, to prove no sample went missing (and, with a
     mixture, that each record was taken as many times as the seeded draw says)."""
-    from .mixture import weigh_files
-    from .records import SourceFile
-    from .shards import sha256_file
+    from packtrain.packer.core.pack.shards import sha256_file
+    from packtrain.packer.sources.mixture import weigh_files
+    from packtrain.packer.sources.records import SourceFile
 
     paths = [Path(i["path"]) for i in manifest["inputs"]]
     if not all(p.is_file() for p in paths):

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from .distributed import all_reduce_max, all_reduce_sum
-from .metrics import ModelShape, TrainMetrics, step_flops
+from packtrain.trainer.distributed import all_reduce_max, all_reduce_sum
+from packtrain.trainer.metrics import ModelShape, TrainMetrics, step_flops
 
 TOTALS = ("tokens", "effective", "samples", "flops")
 

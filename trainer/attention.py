@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from .config import Attention
+    from packtrain.trainer.config import Attention
 
 FLEX_NAME = "packtrain_flex"
 VARLEN_NAME = "packtrain_varlen"

@@ -31,9 +31,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from . import lora
-from .config import ModelSpec
-from .distributed import DistEnv, barrier
+from packtrain.trainer import lora
+from packtrain.trainer.config import ModelSpec
+from packtrain.trainer.distributed import DistEnv, barrier
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 DONE = "trainer.pt"

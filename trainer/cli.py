@@ -16,12 +16,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from packtrain.packer.contract import ErrorReport
-from packtrain.packer.records import ConfigError
-from packtrain.packer.shards import ShardFormatError
-
-from .config import load_train_config
-from .progress import LOG_FORMATS, reporter_for
+from packtrain.packer.core.contract import ErrorReport
+from packtrain.packer.core.errors import ConfigError, ShardFormatError
+from packtrain.trainer.config import load_train_config
+from packtrain.trainer.progress import LOG_FORMATS, reporter_for
 
 EXIT_CONFIG = 2
 
@@ -67,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValidationError, FileNotFoundError) as exc:
         return _fail(f"configuration error: {exc}")
 
-    from . import distributed
-    from .loop import train
+    from packtrain.trainer import distributed
+    from packtrain.trainer.loop import train
 
     try:
         summary = train(cfg, reporter=reporter_for(opts.log_format, sys.stdout, cfg.training.log_every))
@@ -87,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _terminate(doc: Mapping[str, Any]) -> None:
     """On Kubernetes the operator reads the summary, or the error, from the pod's termination message."""
-    from packtrain.packer.report import compact, termination_log_path
+    from packtrain.packer.core.report import compact, termination_log_path
 
     term = termination_log_path()
     if term is not None:

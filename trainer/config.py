@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, model_validator
 
-from packtrain.packer.config import CamelModel, Family, load_spec_section
+from packtrain.packer.core.config import CamelModel, Family, load_spec_section
 
 Init = Literal["auto", "pretrained", "random"]
 Attention = Literal["auto", "varlen", "flash", "flex", "sdpa"]

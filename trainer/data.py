@@ -19,15 +19,15 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from packtrain.packer.families import ModelSpec
-from packtrain.packer.integrity import PackIntegrityError, row_problem
-from packtrain.packer.shard_format import IGNORE_INDEX
-from packtrain.packer.shards import ShardReader
-
-from .config import DataSpec
-from .media import PixelSpec, media_pixels
-from .rope import packed_positions, sample_positions
-from .sampler import (
+from packtrain.packer.core.errors import PackIntegrityError
+from packtrain.packer.core.model_spec import ModelSpec
+from packtrain.packer.core.pack.integrity import row_problem
+from packtrain.packer.core.pack.schema import IGNORE_INDEX
+from packtrain.packer.core.pack.shards import ShardReader
+from packtrain.trainer.config import DataSpec
+from packtrain.trainer.media import PixelSpec, media_pixels
+from packtrain.trainer.rope import packed_positions, sample_positions
+from packtrain.trainer.sampler import (
     Layout,
     Plan,
     Position,

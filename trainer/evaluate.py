@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from . import distributed
-from .data import EvalDataset, loader
-from .model import move_batch
+from packtrain.trainer import distributed
+from packtrain.trainer.data import EvalDataset, loader
+from packtrain.trainer.model import move_batch
 
 
 def due(step: int, max_steps: int, every: int) -> bool:

@@ -18,17 +18,17 @@ from typing import Any
 
 import torch
 
-from . import checkpoint, distributed, lora, param_groups
-from .accounting import RunAccounting
-from .attention import resolve_attention
-from .config import DEFAULT_MAX_STEPS, SFTSpecCore
-from .data import EvalDataset, PackedDataset, eval_dataset
-from .data import loader as data_loader
-from .evaluate import due, evaluate
-from .loss import global_label_tokens, micro_batch_objective
-from .media import PixelSpec
-from .metrics import ModelShape, Stopwatch, TrainMetrics, device_peak_tflops
-from .model import (
+from packtrain.trainer import checkpoint, distributed, lora, param_groups
+from packtrain.trainer.accounting import RunAccounting
+from packtrain.trainer.attention import resolve_attention
+from packtrain.trainer.config import DEFAULT_MAX_STEPS, SFTSpecCore
+from packtrain.trainer.data import EvalDataset, PackedDataset, eval_dataset
+from packtrain.trainer.data import loader as data_loader
+from packtrain.trainer.evaluate import due, evaluate
+from packtrain.trainer.loss import global_label_tokens, micro_batch_objective
+from packtrain.trainer.media import PixelSpec
+from packtrain.trainer.metrics import ModelShape, Stopwatch, TrainMetrics, device_peak_tflops
+from packtrain.trainer.model import (
     VLMForTraining,
     apply_layer_options,
     build_model,
@@ -37,8 +37,8 @@ from .model import (
     move_batch,
     parameter_groups,
 )
-from .progress import JsonLines, Reporter
-from .sampler import imbalance, plan_epoch, total_steps
+from packtrain.trainer.progress import JsonLines, Reporter
+from packtrain.trainer.sampler import imbalance, plan_epoch, total_steps
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

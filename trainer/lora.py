@@ -17,9 +17,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from transformers import PreTrainedModel
 
-from packtrain.packer.records import ConfigError
-
-from .config import LoraSpec
+from packtrain.packer.core.errors import ConfigError
+from packtrain.trainer.config import LoraSpec
 
 ADAPTER = "default"
 # Module-name prefixes of the parts adapters may go into: the language model's layers, and the

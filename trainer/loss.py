@@ -16,9 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from packtrain.packer.shard_format import IGNORE_INDEX
-
-from .config import LOSS_CHUNK_TOKENS
+from packtrain.packer.core.pack.schema import IGNORE_INDEX
+from packtrain.trainer.config import LOSS_CHUNK_TOKENS
 
 
 def token_losses(

@@ -4,7 +4,7 @@ The packer counted vision tokens from a resized size and, for video, a set of
 sampled frame indices; both are stored in each media ref. Here the trainer
 decodes to *that* size and *those* frames, so the token count always matches,
 then repeats the steps of the `transformers` Qwen2-VL / Qwen3-VL image and video
-processors. Decoding and resizing are `packtrain.packer.pixels`, the one pixel
+processors. Decoding and resizing are `packtrain.packer.core.pixels`, the one pixel
 pipeline the packer's `mediaStorage: resized` also uses (upright RGB with alpha
 dropped, torchvision's antialiased bicubic resize of uint8 pixels); then fused
 rescale+normalize in float32 and patchify grouped by the merge windows. Runs in
@@ -24,11 +24,10 @@ import numpy as np
 import torch
 from torchvision.transforms.v2 import functional as tvF
 
-from packtrain.packer.families import model_spec
-from packtrain.packer.family_registry import CLIP_MEAN, CLIP_STD
-from packtrain.packer.media import SNIFF_BYTES, sniff_container
-from packtrain.packer.pixels import decode_rgb, image_rgb, resize_uint8
-from packtrain.packer.vision import VisionSpec
+from packtrain.packer.core.families import CLIP_MEAN, CLIP_STD
+from packtrain.packer.core.model_spec import model_spec
+from packtrain.packer.core.pixels import SNIFF_BYTES, decode_rgb, image_rgb, resize_uint8, sniff_container
+from packtrain.packer.core.vision import VisionSpec
 
 
 @dataclass(frozen=True)

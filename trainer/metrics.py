@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from packtrain.packer.contract import TRAIN_DATA_WAIT, train_metric
+from packtrain.packer.core.contract import TRAIN_DATA_WAIT, train_metric
 
 if TYPE_CHECKING:  # imported where used: the device benchmark reads the FLOPs model without it
     from prometheus_client import Gauge

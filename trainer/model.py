@@ -20,12 +20,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig, PreTrainedModel
 
-from packtrain.packer.families import ModelSpec, family_for_model_type, model_spec
-from packtrain.packer.records import ConfigError
-
-from .attention import HF_IMPLEMENTATION, attention_kwargs, register_backend
-from .config import LOSS_CHUNK_TOKENS
-from .loss import token_losses
+from packtrain.packer.core.errors import ConfigError
+from packtrain.packer.core.model_spec import ModelSpec, family_for_model_type, model_spec
+from packtrain.trainer.attention import HF_IMPLEMENTATION, attention_kwargs, register_backend
+from packtrain.trainer.config import LOSS_CHUNK_TOKENS
+from packtrain.trainer.loss import token_losses
 
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 

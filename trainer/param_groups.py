@@ -16,9 +16,8 @@ from typing import Any, get_args
 import torch
 from torch import nn
 
-from packtrain.packer.records import ConfigError
-
-from .config import Module
+from packtrain.packer.core.errors import ConfigError
+from packtrain.trainer.config import Module
 
 MODULES: tuple[Module, ...] = get_args(Module)
 

@@ -1,6 +1,6 @@
 """Convert throughput per core: the packer's record -> sample path beside the bare tokenizer.
 
-For text-only, image and video samples (synthetic, from `packtrain.packer.synth`),
+For text-only, image and video samples (synthetic, from `support.synth`),
 it times `SampleTokenizer` (parse, render the chat template, tokenize, place
 labels, measure media from headers, hash media files) against the bare
 tokenizer call `tokenizer(text)` on the same rendered strings, one by one:
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,10 +28,13 @@ from typing import Any
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAYON_NUM_THREADS", "1")
 
-from packtrain.packer.config import ModelConfig, PackingConfig, SourceConfig  # noqa: E402
-from packtrain.packer.records import iter_records  # noqa: E402
-from packtrain.packer.synth import generate_dataset  # noqa: E402
-from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample  # noqa: E402
+from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
+from packtrain.packer.sources.records import iter_records
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling
+from support.synth import generate_dataset
+
+from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "qwen2-vl"

@@ -21,7 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from packtrain.packer.synth import generate_dataset
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling
+from support.synth import generate_dataset
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "qwen2-vl"

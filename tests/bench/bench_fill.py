@@ -37,8 +37,10 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from packtrain.packer.plan import ALGORITHMS, lower_bound, lower_bound_l2, plan_bins
-from packtrain.packer.synth import SYSTEM_TOKENS, TURN_OVERHEAD, image_tokens, synthetic_lengths
+from packtrain.packer.binpack import ALGORITHMS, lower_bound, lower_bound_l2, plan_bins
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling
+from support.synth import SYSTEM_TOKENS, TURN_OVERHEAD, image_tokens, synthetic_lengths
 
 HERE = Path(__file__).resolve().parent
 SHARED = HERE.parents[1].parent / "shared"

@@ -61,7 +61,7 @@ def _child(method: str, tokens: int, fraction: float, vocab: int, hidden: int, c
     import torch
     import torch.nn.functional as F
 
-    from packtrain.packer.shard_format import IGNORE_INDEX
+    from packtrain.packer.core.pack.schema import IGNORE_INDEX
     from packtrain.trainer.loss import token_losses
 
     torch.set_num_threads(threads)

@@ -1,6 +1,6 @@
 """Parquet input: convert rate beside the same samples as JSONL, and memory while reading a large file.
 
-1. Convert: synthetic samples (`packtrain.packer.synth`, 30% with images) as JSONL with
+1. Convert: synthetic samples (`support.synth`, 30% with images) as JSONL with
    image files (the baseline) and as a Parquet file with the images embedded as
    `{bytes, path}` structs, the layout `datasets` writes. One convert worker each, CPU
    time of this process, best of interleaved rounds; the tokenizer load is left out
@@ -31,9 +31,11 @@ os.environ.setdefault("RAYON_NUM_THREADS", "1")
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from packtrain.packer import stages  # noqa: E402
-from packtrain.packer.config import PackConfig  # noqa: E402
-from packtrain.packer.synth import generate_dataset  # noqa: E402
+from packtrain.packer.core.config import PackConfig
+from packtrain.packer.stages import all_stages as stages
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling
+from support.synth import generate_dataset
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "qwen2-vl"
@@ -51,7 +53,7 @@ import re, sys
 from pathlib import Path
 mode, path = sys.argv[1], sys.argv[2]
 if mode == "stream":
-    from packtrain.packer.records import iter_records
+    from packtrain.packer.sources.records import iter_records
     n = sum(1 for r in iter_records([path]) if r.record is not None)
 else:
     import pyarrow.parquet as pq

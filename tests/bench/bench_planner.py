@@ -35,8 +35,10 @@ import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from packtrain.packer.plan import ALGORITHMS, lower_bound, plan_bins  # noqa: E402
-from packtrain.packer.synth import synthetic_lengths  # noqa: E402
+from packtrain.packer.binpack import ALGORITHMS, lower_bound, plan_bins
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling
+from support.synth import synthetic_lengths
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_RATE = 1_000_000

@@ -68,7 +68,7 @@ def run_mode(mode: str, path: str) -> dict[str, float]:
                         depth -= 1
                         parsed += depth == 1
     else:
-        from packtrain.packer.records import iter_records
+        from packtrain.packer.sources.records import iter_records
 
         select = {"all": None, "1 of 4": lambda p: p % 4 == 0, "count": lambda p: False}[mode]
         parsed = sum(r.record is not None for r in iter_records([path], select=select))

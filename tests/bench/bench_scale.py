@@ -1,6 +1,6 @@
 """A million samples through `pack run`, with 1 and 2 workers, and the planner at 10^8 lengths.
 
-Generates a synthetic `messages` dataset with `packtrain.packer.synth` (its heavy-tailed text-length
+Generates a synthetic `messages` dataset with `support.synth` (its heavy-tailed text-length
 mix with long documents, 30% of samples with 1-3 images of varied sizes, 2% with a video; media
 drawn from a pool of files, so a million samples fit on a disk), then runs
 `packtrain pack run --workers W` for each W as its own process and reports per stage (load,
@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from packtrain.packer.synth import generate_dataset
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling
+from support.synth import generate_dataset
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"

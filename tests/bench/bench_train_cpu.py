@@ -1,6 +1,6 @@
 """CPU benchmark: packed vs padded training throughput on the same mixed data, one run.
 
-Generates a deterministic text/image/video dataset (`packtrain.packer.synth`),
+Generates a deterministic text/image/video dataset (`support.synth`),
 packs it with the real packer, then trains a tiny random-init Qwen2-VL built
 from the shared config twice on that pack: packed (one row per packed sequence,
 block-diagonal attention) and the padded baseline (one sample per row, padded to
@@ -21,15 +21,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from packtrain.packer import stages
-from packtrain.packer.config import PackConfig
-from packtrain.packer.synth import generate_dataset
+from packtrain.packer.core.config import PackConfig
+from packtrain.packer.stages import all_stages as stages
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling
+from support.synth import generate_dataset
+
 from packtrain.trainer.config import SFTSpecCore
 from packtrain.trainer.loop import train
 

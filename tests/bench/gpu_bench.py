@@ -3,7 +3,7 @@
 Self-contained, from a clean checkout, in <= 8 minutes on one H200: a random-init Qwen2.5-VL-3B
 (and a 7B, built from the same config with the 7B's sizes, when it fits) from the shared config,
 bf16 mixed precision (fp32 weights and AdamW state, bf16 autocast) as the trainer runs it, on a
-mixed text/image/video set drawn with `packtrain.packer.synth`'s length model and vision-token
+mixed text/image/video set drawn with `support.synth`'s length model and vision-token
 rules, packed at 8192 tokens with the packer's planner (`pack_lengths`). For each available
 backend (varlen, flash, flex, sdpa) the packed run, then the padded baseline (one sample per row,
 padded per micro-batch, accumulated so a step holds about a packed sequence's tokens): effective
@@ -134,7 +134,7 @@ def draw_samples(n: int, seed: int, max_length: int, fam: Any, vision_start: int
     """`n` samples of the synthetic mix: text lengths from `synthetic_lengths` (text-only draw:
     multi-turn, heavy-tailed, a few long documents), then images / videos in synth's proportions
     with synth's resize rule, at most `max_length` tokens each. Labels: the last 60% of the text."""
-    from packtrain.packer import synth
+    from support import synth
 
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -194,7 +194,7 @@ def draw_samples(n: int, seed: int, max_length: int, fam: Any, vision_start: int
 
 def pack(samples: list[dict[str, Any]], max_length: int) -> list[dict[str, Any]]:
     """Packed rows (the shard row layout plus decoded `pixels`), planned by the packer's planner."""
-    from packtrain.packer.plan import pack_lengths
+    from packtrain.packer.binpack import pack_lengths
 
     rows = []
     for bin_ in pack_lengths([len(s["input_ids"]) for s in samples], max_length):

@@ -95,7 +95,7 @@ def test_pack_config_map_holds_only_the_packer_sections(packjob: dict[str, Any])
     assert cm["metadata"]["name"] == "demo-pack-config" and list(cm["data"]) == ["packjob.yaml"]
     doc = yaml.safe_load(cm["data"]["packjob.yaml"])
     assert doc["kind"] == "PackJob" and set(doc["spec"]) == {"source", "model", "packing"}
-    from packtrain.packer.config import PackConfig
+    from packtrain.packer.core.config import PackConfig
 
     PackConfig.model_validate(doc["spec"])  # what `packtrain pack -c` will load
 

@@ -27,7 +27,7 @@ from packtrain.operator.api import (
     PackJobSpec,
     SFTJobSpec,
 )
-from packtrain.packer.config import (
+from packtrain.packer.core.config import (
     MAX_FRAMES_CEILING,
     MAX_LENGTH_CEILING,
     MAX_PIXELS_CEILING,

@@ -16,7 +16,7 @@ from packtrain.operator import status as st
 from packtrain.operator.api import PackJobSpec, PackJobStatus, SFTJobSpec, SFTJobStatus
 from packtrain.operator.deadlines import Deadlines
 from packtrain.operator.view import CachedKube
-from packtrain.packer.contract import NO_SAMPLES, TOO_MANY_REJECTED, pack_outcome_error
+from packtrain.packer.core.contract import NO_SAMPLES, TOO_MANY_REJECTED, pack_outcome_error
 
 SPEC = PackJobSpec.model_validate(PACKJOB["spec"])
 DEFAULTS = builders.OperatorDefaults(packer_image="packer:test", trainer_image="trainer:test")

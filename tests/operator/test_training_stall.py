@@ -21,7 +21,7 @@ from packtrain.operator.deadlines import (
     scrape_error,
     training_stall,
 )
-from packtrain.packer.contract import TRAIN_DATA_WAIT
+from packtrain.packer.core.contract import TRAIN_DATA_WAIT
 
 RUNNING = "2026-01-01T00:00:00Z"
 ADVANCED = "2026-01-01T01:00:00Z"

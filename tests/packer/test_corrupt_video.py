@@ -23,14 +23,15 @@ from typing import Any
 import av
 import media_factory as mf
 import pytest
+from support.pack_runner import run_in_process
 
-from packtrain.packer import local, stages, tools
+from packtrain.packer import local, tools
 from packtrain.packer.cli import main as pack_main
-from packtrain.packer.config import PackConfig
-from packtrain.packer.media_store import check_frames, decode_failure, video_frames
-from packtrain.packer.records import ConfigError
-from packtrain.packer.shards import MANIFEST, REJECTS, ShardFormatError, ShardReader, read_table
-from packtrain.packer.vision import MediaError
+from packtrain.packer.core.config import PackConfig
+from packtrain.packer.core.errors import ConfigError, MediaError, ShardFormatError
+from packtrain.packer.core.pack.shards import MANIFEST, REJECTS, ShardReader, read_table
+from packtrain.packer.media.store import check_frames, decode_failure, video_frames
+from packtrain.packer.stages import all_stages as stages
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
@@ -189,7 +190,7 @@ def test_the_same_pack_and_counts_for_one_two_and_three_workers(
     assert _files(forked) == _files(out1)
     for workers in (2, 3):  # the stages' own slicing, as pods run them
         out = tmp_path / f"sliced-{workers}"
-        assert stages.run_in_process(cfg, out, workers=workers) == manifest1
+        assert run_in_process(cfg, out, workers=workers) == manifest1
         assert _files(out) == _files(out1)
 
 
@@ -348,7 +349,7 @@ def test_too_many_rejected_by_materialize_publishes_no_manifest(
     out = tmp_path / "pack"
     for _ in range(2):
         with pytest.raises(stages.PackRefused) as refused:
-            stages.run_in_process(cfg, out, workers=2)
+            run_in_process(cfg, out, workers=2)
         assert refused.value.report["reason"] == "TooManyRejected"
         assert "1 of 19 samples rejected" in refused.value.report["error"]
         assert refused.value.summary is not None and refused.value.summary["pack"]["rejected"] == 1

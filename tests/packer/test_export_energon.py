@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import pytest
 from PIL import Image
+from support.pack_runner import run_in_process
 
-from packtrain.packer import stages
 from packtrain.packer.cli import main as pack_main
-from packtrain.packer.config import PackConfig
+from packtrain.packer.core.config import PackConfig
+from packtrain.packer.core.pack.shards import ShardReader
 from packtrain.packer.export_energon import export_energon
-from packtrain.packer.shards import ShardReader
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
@@ -41,7 +41,7 @@ def pack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         "packing": {"maxLength": 2048, "sequencesPerShard": 8, "mediaStorage": request.param},
     })
     out = tmp / "pack"
-    manifest = stages.run_in_process(cfg, out, workers=1)
+    manifest = run_in_process(cfg, out, workers=1)
     assert len(manifest["shards"]) > 2 and manifest["counts"]["packed"] > 100
     return out
 

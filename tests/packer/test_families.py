@@ -11,17 +11,13 @@ import media_factory as mf
 import numpy as np
 import pytest
 
-from packtrain.packer.config import ModelConfig, PackingConfig, SourceConfig
-from packtrain.packer.families import (
-    FAMILIES,
-    detect_family,
-    family_for_model_type,
-    get_family,
-    model_spec,
-)
-from packtrain.packer.integrity import grid_problem, model_facts
-from packtrain.packer.records import ConfigError, RawRecord
-from packtrain.packer.shard_format import IGNORE_INDEX
+from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
+from packtrain.packer.core.errors import ConfigError
+from packtrain.packer.core.families import FAMILIES
+from packtrain.packer.core.model_spec import detect_family, family_for_model_type, get_family, model_spec
+from packtrain.packer.core.pack.integrity import grid_problem, model_facts
+from packtrain.packer.core.pack.schema import IGNORE_INDEX
+from packtrain.packer.sources.records import RawRecord
 from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
@@ -168,8 +164,8 @@ def test_odd_video_pads_its_last_group(shared_dir: Path, tmp_path: Path) -> None
 def test_qwen3_example_packs_and_verifies(shared_dir: Path, tmp_path: Path) -> None:
     """examples/qwen3-vl.yaml's model settings pack the demo images and videos into a pack that
     `pack verify` finds sound (one pad run per temporal group), in both media storage modes."""
-    from packtrain.packer import stages
-    from packtrain.packer.config import PackConfig, load_pack_config
+    from packtrain.packer.core.config import PackConfig, load_pack_config
+    from packtrain.packer.stages import all_stages as stages
     from packtrain.packer.tools import verify
 
     example = load_pack_config(Path(__file__).resolve().parents[2] / "examples" / "qwen3-vl.yaml")

@@ -17,12 +17,12 @@ from pathlib import Path
 import media_factory as mf
 import pytest
 
-from packtrain.packer import stages
-from packtrain.packer.config import ModelConfig, PackConfig, PackingConfig, SourceConfig
-from packtrain.packer.media import open_regular
-from packtrain.packer.records import RawRecord, iter_records
+from packtrain.packer.core.config import ModelConfig, PackConfig, PackingConfig, SourceConfig
+from packtrain.packer.core.errors import MediaError
+from packtrain.packer.media.access import open_regular
+from packtrain.packer.sources.records import RawRecord, iter_records
+from packtrain.packer.stages import all_stages as stages
 from packtrain.packer.tokenize import REJECT_REASONS, Reject, SampleTokenizer, TokenizedSample
-from packtrain.packer.vision import MediaError
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN2 = REPO.parent / "shared" / "models" / "qwen2-vl"
@@ -254,8 +254,8 @@ _RSS_PROBE = textwrap.dedent(
     """
     import json, resource, sys, time
     from pathlib import Path
-    from packtrain.packer.config import ModelConfig, PackingConfig, SourceConfig
-    from packtrain.packer.records import iter_records
+    from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
+    from packtrain.packer.sources.records import iter_records
     from packtrain.packer.tokenize import SampleTokenizer
     path, model = sys.argv[1], sys.argv[2]
     tok = SampleTokenizer(SourceConfig(paths=[path]), ModelConfig(path=model), PackingConfig(maxLength=4096))

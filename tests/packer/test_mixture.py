@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 from parquet_layouts import DEMO, LLAVA_OV_SCHEMA, SHARED, config, llava_ov_rows, write
 from pydantic import ValidationError
+from support.pack_runner import run_in_process
 
-from packtrain.packer import stages
 from packtrain.packer.cli import main as pack_main
-from packtrain.packer.config import MixtureEntry, PackConfig
-from packtrain.packer.mixture import draw, take
-from packtrain.packer.records import count_records
-from packtrain.packer.shards import MANIFEST
+from packtrain.packer.core.config import MixtureEntry, PackConfig
+from packtrain.packer.core.pack.shards import MANIFEST
+from packtrain.packer.sources.mixture import draw, take
+from packtrain.packer.sources.records import count_records
 from packtrain.packer.tools import summary_line, unpack, verify
 
 GLAIVE = SHARED / "datasets" / "text-sft" / "glaive-toolcall" / "glaive_toolcall_en_demo.json"
@@ -65,7 +65,7 @@ def mixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any
     tmp = tmp_path_factory.mktemp("mix")
     cfg, entries = _mix(tmp)
     out = tmp / "out"
-    manifest = stages.run_in_process(PackConfig.model_validate(cfg), out, workers=2)
+    manifest = run_in_process(PackConfig.model_validate(cfg), out, workers=2)
     return out, manifest, entries, tmp
 
 
@@ -108,10 +108,10 @@ def test_repeats_are_the_drawn_records_with_their_own_ids(mixed: tuple) -> None:
 def test_the_draw_depends_on_the_seed_not_the_worker_count(mixed: tuple) -> None:
     out, manifest, _, tmp = mixed
     cfg, _ = _mix(tmp)
-    one = stages.run_in_process(PackConfig.model_validate(cfg), tmp / "one-worker", workers=1)
+    one = run_in_process(PackConfig.model_validate(cfg), tmp / "one-worker", workers=1)
     assert [s["sha256"] for s in one["shards"]] == [s["sha256"] for s in manifest["shards"]]
     other, _ = _mix(tmp, seed=1)
-    reseeded = stages.run_in_process(PackConfig.model_validate(other), tmp / "seed-1", workers=2)
+    reseeded = run_in_process(PackConfig.model_validate(other), tmp / "seed-1", workers=2)
     assert reseeded["counts"]["sources"].keys() == manifest["counts"]["sources"].keys()
     assert {k: v["input"] for k, v in reseeded["counts"]["sources"].items()} == {
         k: v["input"] for k, v in manifest["counts"]["sources"].items()

@@ -14,10 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+from support.pack_runner import run_in_process
 
-from packtrain.packer import stages
-from packtrain.packer.config import PackConfig
-from packtrain.packer.shards import MANIFEST, remove_stale_temps
+from packtrain.packer.core.config import PackConfig
+from packtrain.packer.core.pack.shards import MANIFEST, remove_stale_temps
+from packtrain.packer.stages import all_stages as stages
 from packtrain.packer.tools import verify
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,7 +92,7 @@ def test_output_files_are_created_0666_less_the_umask(umask: int, tmp_path: Path
     data = _chats(tmp_path / "chats.jsonl", 5)
     previous = os.umask(umask)
     try:
-        stages.run_in_process(_cfg([data]), tmp_path / "out")
+        run_in_process(_cfg([data]), tmp_path / "out")
     finally:
         os.umask(previous)
     modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "out").rglob("*")
@@ -102,7 +103,7 @@ def test_output_files_are_created_0666_less_the_umask(umask: int, tmp_path: Path
 
 def test_duplicate_sample_ids_are_counted_and_warned_about(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = _chats(tmp_path / "chats.jsonl", 5, ids=["a", "b", "a", "c", "a"])
-    manifest = stages.run_in_process(_cfg([data]), tmp_path / "out")
+    manifest = run_in_process(_cfg([data]), tmp_path / "out")
     assert manifest["counts"][stages.DUPLICATE_IDS] == 2
     err = capsys.readouterr().err
     assert "warning: 2 samples reuse an earlier sample's id" in err and "'a'" in err

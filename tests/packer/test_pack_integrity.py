@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 from pack_tamper import ROW_EDITS, copy_pack, edit_manifest, first_row, tamper_row
+from support.pack_runner import run_in_process
 
-from packtrain.packer import stages
 from packtrain.packer.cli import main as pack_main
-from packtrain.packer.config import PackConfig
-from packtrain.packer.integrity import model_facts, stored_config_hash
-from packtrain.packer.shards import MANIFEST, REJECTS
+from packtrain.packer.core.config import PackConfig
+from packtrain.packer.core.pack.integrity import model_facts, stored_config_hash
+from packtrain.packer.core.pack.shards import MANIFEST, REJECTS
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
@@ -43,7 +43,7 @@ def _config(tmp: Path) -> PackConfig:
 def pack(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("integrity")
     out = tmp / "out"
-    manifest = stages.run_in_process(_config(tmp), out)
+    manifest = run_in_process(_config(tmp), out)
     assert manifest["counts"]["rejected"] == 1
     return out
 
@@ -202,7 +202,7 @@ def test_stored_config_hash_is_the_packers_config_hash(tmp_path: Path) -> None:
 def test_a_shard_with_other_columns_exits_2(pack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import pyarrow as pa
 
-    from packtrain.packer.shards import read_table, write_table
+    from packtrain.packer.core.pack.shards import read_table, write_table
 
     bad = copy_pack(pack, tmp_path / "bad")
     manifest = json.loads((bad / MANIFEST).read_text())

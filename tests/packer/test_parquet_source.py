@@ -24,17 +24,18 @@ from parquet_layouts import (
     llava_ov_rows,
     write,
 )
+from support.pack_runner import run_in_process
 
-from packtrain.packer import stages
-from packtrain.packer.config import PackConfig
-from packtrain.packer.records import SKIPPED, iter_records
-from packtrain.packer.shards import ShardReader, read_table
+from packtrain.packer.core.config import PackConfig
+from packtrain.packer.core.pack.shards import ShardReader, read_table
+from packtrain.packer.sources.records import SKIPPED, iter_records
+from packtrain.packer.stages import all_stages as stages
 from packtrain.packer.tools import unpack, verify
 
 
 def _pack(tmp: Path, name: str, cfg: dict[str, Any], workers: int = 2) -> tuple[Path, dict[str, Any]]:
     out = tmp / name
-    return out, stages.run_in_process(PackConfig.model_validate(cfg), out, workers=workers)
+    return out, run_in_process(PackConfig.model_validate(cfg), out, workers=workers)
 
 
 def _samples(out: Path) -> dict[int, dict[str, Any]]:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 from parquet_layouts import LLAVA_OV_SCHEMA, QWEN2, config, llava_ov_rows, write
+from support.pack_runner import run_in_process
 
-from packtrain.packer import stages
-from packtrain.packer.config import PackConfig
-from packtrain.packer.families import model_spec
+from packtrain.packer.core.config import PackConfig
+from packtrain.packer.core.model_spec import model_spec
 
 torch = pytest.importorskip("torch")
 
@@ -23,7 +23,7 @@ def test_trainer_reads_every_sequence_of_a_parquet_pack(tmp_path: Path, storage:
     cfg = config([data])
     cfg["packing"]["mediaStorage"] = storage
     out = tmp_path / "pack"
-    manifest = stages.run_in_process(PackConfig.model_validate(cfg), out, workers=2)
+    manifest = run_in_process(PackConfig.model_validate(cfg), out, workers=2)
     ds = PackedDataset(out, model_spec(QWEN2), PixelSpec.from_folder(QWEN2), units_per_micro_batch=1)
     images = tokens = 0
     for k in range(len(ds)):

@@ -8,9 +8,10 @@ from functools import cache
 import binpacking
 import numpy as np
 import pytest
+from support.synth import synthetic_lengths
 
-from packtrain.packer import plan
-from packtrain.packer.plan import (
+from packtrain.packer import binpack as plan
+from packtrain.packer.binpack import (
     ALGORITHMS,
     KNAPSACK_CHUNK,
     SWIFT_CHUNK,
@@ -20,7 +21,6 @@ from packtrain.packer.plan import (
     pack_lengths,
     plan_bins,
 )
-from packtrain.packer.synth import synthetic_lengths
 
 
 def assert_valid(bins: list[list[int]], lengths: np.ndarray, max_length: int) -> None:

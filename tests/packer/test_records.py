@@ -12,9 +12,10 @@ from typing import Any
 import media_factory as mf
 import pytest
 
-from packtrain.packer.config import FieldMap, ModelConfig, PackingConfig, SourceConfig
-from packtrain.packer.records import ConfigError, RawRecord, expand_paths, iter_records
-from packtrain.packer.shard_format import IGNORE_INDEX
+from packtrain.packer.core.config import FieldMap, ModelConfig, PackingConfig, SourceConfig
+from packtrain.packer.core.errors import ConfigError
+from packtrain.packer.core.pack.schema import IGNORE_INDEX
+from packtrain.packer.sources.records import RawRecord, expand_paths, iter_records
 from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
@@ -219,8 +220,8 @@ def test_packer_imports_carry_no_torch() -> None:
     """Loading the tokenizer and converting a record must not pull torch into a packer worker."""
     code = (
         "import sys\n"
-        "from packtrain.packer.config import ModelConfig, PackingConfig, SourceConfig\n"
-        "from packtrain.packer.records import iter_records\n"
+        "from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig\n"
+        "from packtrain.packer.sources.records import iter_records\n"
         "from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample\n"
         f"tok = SampleTokenizer(SourceConfig(paths=['x']), ModelConfig(path={str(MODEL)!r}), PackingConfig())\n"
         f"raw = next(iter_records([{str(SHARED / 'datasets' / 'llamafactory-mllm-demo' / 'mllm_video_demo.json')!r}]))\n"

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from packtrain.packer import records
-from packtrain.packer.records import SKIPPED, RawRecord, iter_records
+from packtrain.packer.sources import records
+from packtrain.packer.sources.records import SKIPPED, RawRecord, iter_records
 
 MIXED: list[Any] = [
     {"messages": [{"role": "user", "content": 'quote " bracket ] brace } comma , colon :'}]},
@@ -266,7 +266,7 @@ def test_a_record_over_the_size_cap_is_rejected_unread(
 _CHILD = """
 import json, re, sys
 from pathlib import Path
-from packtrain.packer.records import iter_records
+from packtrain.packer.sources.records import iter_records
 def hwm():
     return int(re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1)) / 1024
 path, modulo = sys.argv[1], int(sys.argv[2])

@@ -6,11 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+from support.pack_runner import run_in_process
 
-from packtrain.packer import stages
 from packtrain.packer.cli import main as pack_main
-from packtrain.packer.config import PackConfig
-from packtrain.packer.shards import MANIFEST
+from packtrain.packer.core.config import PackConfig
+from packtrain.packer.core.pack.shards import MANIFEST
+from packtrain.packer.stages import all_stages as stages
 from packtrain.packer.tools import unpack, verify
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,7 +44,7 @@ def _cfg(paths: list[Path], **packing: object) -> PackConfig:
     )
 
 
-_run = stages.run_in_process
+_run = run_in_process
 
 
 def test_same_file_name_in_two_folders_is_accounted_for(tmp_path: Path) -> None:
@@ -121,7 +122,7 @@ def test_convert_streams_rows_in_batches_with_identical_results(
 ) -> None:
     """Convert must not keep a worker's whole output as Python lists (~80 bytes a token, and one
     Arrow batch holds 2^31 tokens at most): rows go to record batches as they come."""
-    from packtrain.packer.shards import read_table, sha256_file
+    from packtrain.packer.core.pack.shards import read_table, sha256_file
 
     src = _write_jsonl(tmp_path / "d.jsonl", [_chat(i) for i in range(40)])
     single = tmp_path / "single"
@@ -150,7 +151,7 @@ def test_write_table_streams_the_same_bytes_as_table_bytes(tmp_path: Path) -> No
 
     import pyarrow as pa
 
-    from packtrain.packer.shards import table_bytes, write_table
+    from packtrain.packer.core.pack.shards import table_bytes, write_table
 
     table = pa.table({"a": pa.array([[1, 2], [3]], pa.list_(pa.int32())), "b": ["x", "y"]})
     digest = write_table(tmp_path / "t.arrow", table)
@@ -161,7 +162,7 @@ def test_write_table_streams_the_same_bytes_as_table_bytes(tmp_path: Path) -> No
 
 def test_convert_workers_parse_only_their_own_share(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each of N convert workers used to json-parse every record of every file (N times the work)."""
-    from packtrain.packer import records
+    from packtrain.packer.sources import records
 
     lines = [json.dumps(_chat(i)) for i in range(12)]
     lines[5] = "not json"
@@ -245,7 +246,7 @@ def test_bad_config_files_exit_2_with_a_message(
 
 @pytest.mark.parametrize("error", ["é" * 3000, "x\n" * 1500, "a" * 3000])
 def test_termination_message_stays_valid_json_under_the_limit(error: str) -> None:
-    from packtrain.packer.report import LIMIT, compact
+    from packtrain.packer.core.report import LIMIT, compact
 
     text = compact({"stage": "convert", "error": error, "detail": {"k": list(range(2000))}})
     assert len(text.encode()) <= LIMIT
@@ -329,8 +330,8 @@ def test_media_lookup_by_shard_is_not_quadratic(tmp_path: Path) -> None:
     whole key column to Python and scan it on every call: O(media^2) per shard and epoch."""
     import time
 
-    from packtrain.packer.shard_format import FORMAT_VERSION
-    from packtrain.packer.shards import ShardReader, write_shard
+    from packtrain.packer.core.pack.schema import FORMAT_VERSION
+    from packtrain.packer.core.pack.shards import ShardReader, write_shard
 
     n = 20_000
     keys = [f"{i:064x}" for i in range(n)]

@@ -14,13 +14,14 @@ import pyarrow as pa
 import pytest
 from pack_tamper import copy_pack, edit_manifest
 from PIL import Image
+from support.pack_runner import run_in_process
 
-from packtrain.packer import stages
 from packtrain.packer.cli import main as pack_main
-from packtrain.packer.config import PackConfig
-from packtrain.packer.records import ConfigError
-from packtrain.packer.shard_format import MEDIA_SCHEMA
-from packtrain.packer.shards import MANIFEST, read_table, write_table
+from packtrain.packer.core.config import PackConfig
+from packtrain.packer.core.errors import ConfigError
+from packtrain.packer.core.pack.schema import MEDIA_SCHEMA
+from packtrain.packer.core.pack.shards import MANIFEST, read_table, write_table
+from packtrain.packer.stages import all_stages as stages
 from packtrain.trainer.cli import main as train_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -101,7 +102,7 @@ def test_reject_details_are_bounded(tmp_path: Path) -> None:
     data.write_text(json.dumps(_chat("x" * 5000 + ".png")) + "\n")
     cfg, out = _cfg(data), tmp_path / "out"
     with pytest.raises(stages.PackRefused, match="no sample was packed"):  # its only sample rejected
-        stages.run_in_process(cfg, out)
+        run_in_process(cfg, out)
     (reject,) = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     assert reject["reason"] == "missing_media"
     assert len(reject["detail"]) <= stages.REJECT_DETAIL_CHARS
@@ -116,7 +117,7 @@ def _media_pack(tmp_path: Path, storage: str) -> Path:
     cfg = _cfg(data)
     cfg.packing.media_storage = storage
     out = tmp_path / "out"
-    stages.run_in_process(cfg, out)
+    run_in_process(cfg, out)
     return out
 
 

@@ -7,12 +7,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+from support.pack_runner import run_in_process
 
-from packtrain.packer import stages
 from packtrain.packer.cli import main as pack_main
-from packtrain.packer.config import PackConfig
-from packtrain.packer.records import iter_records
-from packtrain.packer.shards import MANIFEST, ShardFormatError, ShardReader
+from packtrain.packer.core.config import PackConfig
+from packtrain.packer.core.errors import ShardFormatError
+from packtrain.packer.core.pack.shards import MANIFEST, ShardReader
+from packtrain.packer.sources.records import iter_records
+from packtrain.packer.stages import all_stages as stages
 from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
 from packtrain.packer.tools import unpack, verify
 
@@ -45,7 +47,7 @@ def _config(tmp_path: Path, **packing: object) -> PackConfig:
     )
 
 
-_run = stages.run_in_process
+_run = run_in_process
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,7 @@ import av
 import numpy as np
 import pytest
 from PIL import Image
-
-from packtrain.packer.synth import generate_dataset, image_tokens, main, synthetic_lengths
+from support.synth import generate_dataset, image_tokens, main, synthetic_lengths
 
 
 def test_synthetic_lengths_are_reproducible_and_in_range() -> None:

@@ -18,8 +18,8 @@ from typing import Any
 import media_factory as mf
 import pytest
 
-from packtrain.packer.config import ModelConfig, PackingConfig, SourceConfig
-from packtrain.packer.records import RawRecord, iter_records
+from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
+from packtrain.packer.sources.records import RawRecord, iter_records
 from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"

@@ -9,9 +9,10 @@ from pathlib import Path
 import media_factory as mf
 import pytest
 from PIL import Image, ImageOps
+from support.pack_runner import run_in_process
 
-from packtrain.packer.vision import (
-    MediaError,
+from packtrain.packer.core.errors import MediaError
+from packtrain.packer.core.vision import (
     VisionSpec,
     probe_image,
     probe_video,
@@ -179,7 +180,7 @@ def test_header_only_probe_equals_what_read_video_pyav_decodes(tmp_path: Path) -
     applied), for every container, with and without FFmpeg's decoding probe."""
     import av
 
-    from packtrain.packer.media import sniff_container
+    from packtrain.packer.core.pixels import sniff_container
 
     videos = [DEMO_MEDIA / n for n in ("1.mp4", "2.avi", "3.mp4", "4.mp4")]
     videos += [mf.video(tmp_path / f"v{ext}", frames=7, fps=6, width=100, height=58) for ext in (".mp4", ".mkv", ".avi")]
@@ -221,9 +222,8 @@ def test_undecodable_video_is_counted_by_convert_and_rejected_by_materialize(tmp
     training by materialize (with shards keeping the original bytes too): one reject naming the file."""
     import json
 
-    from packtrain.packer import stages
-    from packtrain.packer.config import PackConfig
-    from packtrain.packer.records import iter_records
+    from packtrain.packer.core.config import PackConfig
+    from packtrain.packer.sources.records import iter_records
     from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
 
     _undecodable(mf.video(tmp_path / "data" / "bad.mp4", frames=8))
@@ -244,7 +244,7 @@ def test_undecodable_video_is_counted_by_convert_and_rejected_by_materialize(tmp
         tok = SampleTokenizer(cfg.source, cfg.model, cfg.packing)
         assert all(isinstance(tok(r), TokenizedSample) for r in iter_records(cfg.source.paths))
         out = tmp_path / f"out-{storage}"
-        counts = stages.run_in_process(cfg, out, workers=1)["counts"]
+        counts = run_in_process(cfg, out, workers=1)["counts"]
         assert (counts["packed"], counts["rejected_by_reason"]) == (1, {"corrupt_media": 1})
         (reject,) = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
         assert reject["index"] == 1 and re.search(r"bad\.mp4.*does not decode", reject["detail"])
@@ -259,8 +259,8 @@ def test_decompression_bomb_is_refused_not_raised(tmp_path: Path, monkeypatch: p
 
 
 def test_vision_spec_reads_the_folder_and_config_overrides() -> None:
-    from packtrain.packer.config import ModelConfig
-    from packtrain.packer.families import vision_spec
+    from packtrain.packer.core.config import ModelConfig
+    from packtrain.packer.core.model_spec import vision_spec
 
     models = DEMO_MEDIA.parents[2] / "models"
     spec = vision_spec(
@@ -284,7 +284,7 @@ def test_qwen3_sampling_video_size_and_timestamps_equal_transformers() -> None:
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
     from transformers.video_utils import VideoMetadata
 
-    from packtrain.packer.vision import VideoInfo, frame_timestamps, video_grid
+    from packtrain.packer.core.vision import VideoInfo, frame_timestamps, video_grid
 
     base = VisionSpec(
         patch_size=16, frame_sampling="linspace", video_resize="volume", video_min_pixels=4096,

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from packtrain.packer import local, stages
+from packtrain.packer import local
 from packtrain.packer.cli import main as pack_main
-from packtrain.packer.config import PackConfig
-from packtrain.packer.records import ConfigError
+from packtrain.packer.core.config import PackConfig
+from packtrain.packer.core.errors import ConfigError
+from packtrain.packer.stages import all_stages as stages
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
@@ -56,7 +57,7 @@ _FORKED_RUN = """
 import json, os, sys
 from pathlib import Path
 from packtrain.packer import local, stages
-from packtrain.packer.config import PackConfig
+from packtrain.packer.core.config import PackConfig
 
 work = Path(sys.argv[1])
 cfg = PackConfig.model_validate(json.loads((work / "cfg.json").read_text()))

@@ -23,7 +23,7 @@ import vlm_fixtures as fx
 from pydantic import ValidationError
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from packtrain.packer.shard_format import IGNORE_INDEX
+from packtrain.packer.core.pack.schema import IGNORE_INDEX
 from packtrain.trainer.config import LOSS_CHUNK_TOKENS, TrainingSpec
 from packtrain.trainer.data import collate_packed
 from packtrain.trainer.loss import per_sample_sums, token_losses

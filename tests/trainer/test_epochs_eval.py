@@ -13,8 +13,8 @@ from conftest import job_spec, write_job
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from packtrain.packer import stages
-from packtrain.packer.config import PackConfig
+from packtrain.packer.core.config import PackConfig
+from packtrain.packer.stages import all_stages as stages
 from packtrain.trainer.config import DEFAULT_MAX_STEPS, SFTSpecCore, TrainingSpec, load_train_config
 from packtrain.trainer.data import EvalDataset, PackedDataset, collate_packed, eval_dataset
 from packtrain.trainer.evaluate import due, evaluate

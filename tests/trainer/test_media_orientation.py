@@ -10,8 +10,8 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor
 
-from packtrain.packer.config import ModelConfig, PackingConfig, SourceConfig
-from packtrain.packer.records import RawRecord
+from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
+from packtrain.packer.sources.records import RawRecord
 from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
 from packtrain.trainer.media import PixelSpec, image_pixels
 

@@ -15,8 +15,8 @@ from conftest import job_spec, make_pack, write_job
 from transformers import AutoModelForImageTextToText
 from vlm_fixtures import FOLDER, TINY, spec
 
-from packtrain.packer.records import ConfigError
-from packtrain.packer.shards import ShardReader
+from packtrain.packer.core.errors import ConfigError
+from packtrain.packer.core.pack.shards import ShardReader
 from packtrain.trainer.config import load_train_config
 from packtrain.trainer.data import collate_packed, collate_padded, split_row
 from packtrain.trainer.loop import train

@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor
 
-from packtrain.packer.families import ModelSpec, model_spec
+from packtrain.packer.core.model_spec import ModelSpec, model_spec
 from packtrain.trainer.media import PixelSpec, decode_video_frames, media_pixels
 
 REPO = Path(__file__).resolve().parents[2]

@@ -36,13 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from .config import SourceConfig
-from .conversation import MediaRef
-from .parquet_source import EmbeddedMedia
-from .records import ConfigError, expand_paths
-from .shards import atomic_write
-from .vision import (
-    MediaError,
+from packtrain.packer.core.config import SourceConfig
+from packtrain.packer.core.errors import ConfigError, MediaError
+from packtrain.packer.core.pack.shards import atomic_write
+from packtrain.packer.core.pixels import SNIFF_BYTES, looks_like_image, sniff_container
+from packtrain.packer.core.vision import (
     VisionSpec,
     image_grid,
     probe_image,
@@ -51,13 +49,15 @@ from .vision import (
     second_per_grid,
     video_grid,
 )
+from packtrain.packer.sources.conversation import MediaRef
+from packtrain.packer.sources.parquet import EmbeddedMedia
+from packtrain.packer.sources.records import expand_paths
 
 IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")  # PIL plugin names; JPEG includes MPO
 # Container magic -> the FFmpeg demuxer forced for it (the only demuxers ever used).
 VIDEO_DEMUXERS = ("mp4", "matroska", "avi", "ogg", "flv", "mpegts")
 _VIDEO_NAMES = "mp4/mov, Matroska/WebM, AVI, Ogg, FLV, MPEG-TS"
 _MEDIA_CACHE_SIZE = 65536
-SNIFF_BYTES = 512
 _CHUNK = 1 << 20
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
@@ -431,22 +431,5 @@ def _video_item(path: Path, f: BinaryIO, cap: int, spec: VisionSpec, limits: Med
     )
 
 
-def sniff_container(head: bytes) -> str | None:
-    """The allowed FFmpeg demuxer for a file's first bytes, or None: FFmpeg is never left to guess."""
-    if head[4:8] == b"ftyp" or head[4:8] in (b"moov", b"mdat", b"wide", b"free"):
-        return "mp4"
-    if head.startswith(b"\x1aE\xdf\xa3"):
-        return "matroska"
-    if head[:4] == b"RIFF" and head[8:12] == b"AVI ":
-        return "avi"
-    if head.startswith(b"OggS"):
-        return "ogg"
-    if head.startswith(b"FLV\x01"):
-        return "flv"
-    if len(head) > 376 and head[0] == head[188] == head[376] == 0x47:
-        return "mpegts"
-    return None
 
 
-def looks_like_image(head: bytes) -> bool:
-    return head.startswith((b"\xff\xd8\xff", b"\x89PNG", b"GIF8", b"BM")) or head[8:12] == b"WEBP"

@@ -24,7 +24,7 @@ import sys
 import numpy as np
 from PIL import Image
 
-from .vision import upright
+from packtrain.packer.core.vision import upright
 
 
 def rgb_of(img: Image.Image) -> np.ndarray:
@@ -123,3 +123,27 @@ def _resample_axis(pixels: np.ndarray, n_out: int, axis: int) -> np.ndarray:
         np.multiply(src[index[:, j]], fixed[:, j].reshape(shape), out=term)
         acc += term
     return np.moveaxis(np.clip(acc >> precision, 0, 255).astype(np.uint8), 0, axis)
+
+
+SNIFF_BYTES = 512
+
+
+def sniff_container(head: bytes) -> str | None:
+    """The allowed FFmpeg demuxer for a file's first bytes, or None: FFmpeg is never left to guess."""
+    if head[4:8] == b"ftyp" or head[4:8] in (b"moov", b"mdat", b"wide", b"free"):
+        return "mp4"
+    if head.startswith(b"\x1aE\xdf\xa3"):
+        return "matroska"
+    if head[:4] == b"RIFF" and head[8:12] == b"AVI ":
+        return "avi"
+    if head.startswith(b"OggS"):
+        return "ogg"
+    if head.startswith(b"FLV\x01"):
+        return "flv"
+    if len(head) > 376 and head[0] == head[188] == head[376] == 0x47:
+        return "mpegts"
+    return None
+
+
+def looks_like_image(head: bytes) -> bool:
+    return head.startswith((b"\xff\xd8\xff", b"\x89PNG", b"GIF8", b"BM")) or head[8:12] == b"WEBP"

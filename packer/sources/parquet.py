@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .records import MAX_NESTING_DEPTH, SKIPPED, RawRecord, Want
+from packtrain.packer.sources.records import MAX_NESTING_DEPTH, SKIPPED, RawRecord, Want
 
 BATCH_ROWS = 64
 """Rows decoded at a time: a batch of images is what memory holds, whatever the row group size."""

@@ -24,13 +24,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .family_registry import FAMILIES
-from .shard_format import IGNORE_INDEX
-from .shards import ShardFormatError, ShardReader
-
-
-class PackIntegrityError(ShardFormatError):
-    """A row breaks an invariant the packer guarantees: the pack was damaged or edited."""
+from packtrain.packer.core.families import FAMILIES
+from packtrain.packer.core.pack.schema import IGNORE_INDEX
+from packtrain.packer.core.pack.shards import ShardReader
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .config import MAX_FRAMES_CEILING, ModelConfig
-from .family_registry import FAMILIES, Family
-from .records import ConfigError
-from .vision import VisionSpec
+from packtrain.packer.core.config import MAX_FRAMES_CEILING, ModelConfig
+from packtrain.packer.core.errors import ConfigError
+from packtrain.packer.core.families import FAMILIES, Family
+from packtrain.packer.core.vision import VisionSpec
 
 __all__ = [
     "FAMILIES",

@@ -15,8 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import FieldMap
-from .family_registry import Family
+from packtrain.packer.core.config import FieldMap
+from packtrain.packer.core.families import Family
 
 
 class SampleError(Exception):

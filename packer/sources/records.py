@@ -21,9 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-
-class ConfigError(ValueError):
-    """A configuration error that stops the job; the message says what to fix."""
+from packtrain.packer.core.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -161,7 +159,7 @@ def _times(times: Sequence[int], index: int) -> int:
 
 def _read_source(path: Path, unit_wanted: Want, times: Copies, everything: bool) -> Iterator[RawRecord]:
     if is_parquet(path):
-        from .parquet_source import read_parquet  # pyarrow's Parquet reader, only for Parquet jobs
+        from packtrain.packer.sources.parquet import read_parquet
 
         yield from read_parquet(path, unit_wanted, times)
         return
@@ -177,7 +175,7 @@ def _read_source(path: Path, unit_wanted: Want, times: Copies, everything: bool)
 def count_records(path: Path) -> int:
     """How many records `iter_records` yields for a file (a Parquet file's footer; a JSON file is scanned)."""
     if is_parquet(path):
-        from .parquet_source import parquet_rows
+        from packtrain.packer.sources.parquet import parquet_rows
 
         rows = parquet_rows(path)
         return 1 if rows is None else sum(rows)  # an unreadable file is one reject

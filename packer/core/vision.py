@@ -25,18 +25,13 @@ import av
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from packtrain.packer.core.errors import MediaError
+
 MAX_ASPECT_RATIO = 200
 _ORIENTATION_TAG = 0x0112
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-class MediaError(Exception):
-    """A media file that cannot be used; `reason` is a stable reject code."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ Two generators, both seeded and reproducible:
 * `generate_dataset` writes a real `messages`-format JSONL with real image files
   (JPEG and PNG of varied sizes) and short MP4 videos (few frames, so small).
 
-Run `python -m packtrain.packer.synth OUT_DIR --samples 100` for a dataset.
+Run `python -m support.synth OUT_DIR --samples 100` for a dataset.
 """
 
 from __future__ import annotations

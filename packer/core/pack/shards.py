@@ -28,7 +28,8 @@ from typing import Any, BinaryIO
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .shard_format import FORMAT_VERSION, MEDIA_SCHEMA, SEQUENCE_SCHEMA
+from packtrain.packer.core.errors import ShardFormatError
+from packtrain.packer.core.pack.schema import FORMAT_VERSION, MEDIA_SCHEMA, SEQUENCE_SCHEMA
 
 MANIFEST = "manifest.json"
 REJECTS = "rejects.jsonl"
@@ -42,8 +43,6 @@ _WRITER = re.compile(r"^[0-9a-f]+-(?P<pid>\d+)@(?P<host>[A-Za-z0-9.-]+)$")
 SHARD_KEYS = ("file", "sha256", "rows", "media_file", "media_sha256")
 
 
-class ShardFormatError(RuntimeError):
-    """The folder is not a complete pack this version can read."""
 
 
 def temp_path(path: Path, kind: str = "tmp") -> Path:

@@ -24,8 +24,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .config import PackConfig
-from .contract import (
+from packtrain.packer.binpack import lower_bound, plan_bins
+from packtrain.packer.core.config import PackConfig
+from packtrain.packer.core.contract import (
     ConvertSummary,
     ErrorReport,
     MaterializeSummary,
@@ -33,13 +34,9 @@ from .contract import (
     PlanSummary,
     pack_outcome_error,
 )
-from .media import EMBEDDED_DIR, MediaLimits, MediaRoots
-from .media_store import media_blob
-from .mixture import repeat, source_counts, weigher
-from .plan import lower_bound, plan_bins
-from .records import SKIPPED, ConfigError, iter_records, source_files
-from .shard_format import FORMAT_VERSION, IGNORE_INDEX, MEDIA_REF, SEQUENCE_SCHEMA
-from .shards import (
+from packtrain.packer.core.errors import ConfigError, MediaError
+from packtrain.packer.core.pack.schema import FORMAT_VERSION, IGNORE_INDEX, MEDIA_REF, SEQUENCE_SCHEMA
+from packtrain.packer.core.pack.shards import (
     MANIFEST,
     REJECTS,
     atomic_write,
@@ -54,8 +51,11 @@ from .shards import (
     write_shard,
     write_table,
 )
-from .tokenize import Reject, SampleTokenizer, TokenizedSample
-from .vision import MediaError
+from packtrain.packer.media.access import EMBEDDED_DIR, MediaLimits, MediaRoots
+from packtrain.packer.media.store import media_blob
+from packtrain.packer.sources.mixture import repeat, source_counts, weigher
+from packtrain.packer.sources.records import SKIPPED, iter_records, source_files
+from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample
 
 WORK = "work"
 CONFIG_CLAIM = "config.json"
@@ -828,14 +828,3 @@ def _shard_totals(out: Path, entry: dict[str, Any]) -> tuple[int, int]:
     return tokens, int(pc.sum(pc.not_equal(labels, IGNORE_INDEX).cast(pa.int64())).as_py() or 0)
 
 
-def run_in_process(cfg: PackConfig, out: Path, workers: int = 1) -> dict[str, Any]:
-    """Every stage in this process, worker slice by worker slice; returns the manifest.
-
-    The same slicing as parallel pods, without processes: for tests and debugging.
-    """
-    for i in range(workers):
-        convert(cfg, out, i, workers)
-    plan(cfg, out)
-    for i in range(workers):
-        materialize(cfg, out, i, workers)
-    return json.loads((out / MANIFEST).read_text())

@@ -19,9 +19,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .config import MixtureEntry, SourceConfig
-from .contract import SourceCounts
-from .records import Copies, SourceFile, Weigh, count_records
+from packtrain.packer.core.config import MixtureEntry, SourceConfig
+from packtrain.packer.core.contract import SourceCounts
+from packtrain.packer.sources.records import Copies, SourceFile, Weigh, count_records
 
 R = TypeVar("R", bound=Any)  # a tokenized sample or a reject: dataclasses with a `sample_id`
 

@@ -17,10 +17,9 @@ from typing import Any, BinaryIO
 import numpy as np
 from PIL import Image
 
-from .media import SNIFF_BYTES, MediaLimits, hash_capped, open_regular, read_capped, sniff_container
-from .pixels import decode_rgb, resize_uint8
-from .records import ConfigError
-from .vision import MediaError
+from packtrain.packer.core.errors import ConfigError, MediaError
+from packtrain.packer.core.pixels import SNIFF_BYTES, decode_rgb, resize_uint8, sniff_container
+from packtrain.packer.media.access import MediaLimits, hash_capped, open_regular, read_capped
 
 
 def _png(pixels: np.ndarray) -> bytes:

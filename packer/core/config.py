@@ -16,8 +16,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from .family_registry import FAMILY_NAMES
-from .records import ConfigError
+from packtrain.packer.core.errors import ConfigError
+from packtrain.packer.core.families import FAMILY_NAMES
 
 
 class CamelModel(BaseModel):

@@ -1,0 +1,24 @@
+"""Test tooling: run every stage of a pack in this process (the tests' and benches' shortcut)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from packtrain.packer.core.config import PackConfig
+from packtrain.packer.core.pack.shards import MANIFEST
+from packtrain.packer.stages.all_stages import convert, materialize, plan
+
+
+def run_in_process(cfg: PackConfig, out: Path, workers: int = 1) -> dict[str, Any]:
+    """Every stage in this process, worker slice by worker slice; returns the manifest.
+
+    The same slicing as parallel pods, without processes: for tests and debugging.
+    """
+    for i in range(workers):
+        convert(cfg, out, i, workers)
+    plan(cfg, out)
+    for i in range(workers):
+        materialize(cfg, out, i, workers)
+    return json.loads((out / MANIFEST).read_text())
