@@ -166,20 +166,28 @@ def immutable_rules(kind: str, fields: list[str], required: frozenset[str]) -> l
 class ResourceRequirements(CamelModel):
     """Container requests/limits, as in a Pod spec (quantities: `2`, `500m`, `8Gi`)."""
 
-    requests: dict[str, Quantity] | None = Field(None, max_length=16, description="What the scheduler reserves.")
-    limits: dict[str, Quantity] | None = Field(None, max_length=16, description="What the container may use at most.")
+    requests: dict[str, Quantity] | None = Field(
+        None, max_length=16, description="What the scheduler reserves."
+    )
+    limits: dict[str, Quantity] | None = Field(
+        None, max_length=16, description="What the container may use at most."
+    )
 
 
 class Toleration(CamelModel):
     """A Pod toleration (see the Kubernetes Pod API)."""
 
     key: str | None = Field(None, description="The taint key tolerated; empty with Exists: every taint.")
-    operator: Literal["Exists", "Equal"] | None = Field(None, description="Exists, or Equal (the default) to value.")
+    operator: Literal["Exists", "Equal"] | None = Field(
+        None, description="Exists, or Equal (the default) to value."
+    )
     value: str | None = Field(None, description="The taint value, with Equal.")
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         None, description="The taint effect tolerated; empty: all."
     )
-    toleration_seconds: int | None = Field(None, description="With NoExecute: how long the pod stays once tainted.")
+    toleration_seconds: int | None = Field(
+        None, description="With NoExecute: how long the pod stays once tainted."
+    )
 
 
 class Scheduling(CamelModel):
@@ -252,7 +260,9 @@ class PackOutput(CamelModel):
     claim_name: str = Field(
         ..., min_length=1, description="PersistentVolumeClaim (ReadWriteMany for >1 worker)."
     )
-    sub_path: SubPath | None = Field(None, description="Folder inside the claim; default: the PackJob's name.")
+    sub_path: SubPath | None = Field(
+        None, description="Folder inside the claim; default: the PackJob's name."
+    )
     mount_path: MountPath = Field("/data", description="Where the claim is mounted in the pods.")
 
     @model_validator(mode="after")
@@ -270,7 +280,9 @@ class PackWorkers(Scheduling):
     )
     resources: ResourceRequirements | None = None
     image: str | None = Field(None, description="Default: the operator's packer image.")
-    service_account_name: str | None = Field(None, description="Default: the namespace's default (the policy may refuse it).")
+    service_account_name: str | None = Field(
+        None, description="Default: the namespace's default (the policy may refuse it)."
+    )
     backoff_limit_per_index: int = Field(1, ge=0, le=100, description="Retries of a failed index.")
 
 
@@ -324,7 +336,9 @@ class PackJobSpec(CamelModel):
 class Condition(CamelModel):
     """metav1.Condition."""
 
-    type: str = Field(..., description="Created, Running, Suspended, Succeeded, Failed, Degraded, Ready, DataReady.")
+    type: str = Field(
+        ..., description="Created, Running, Suspended, Succeeded, Failed, Degraded, Ready, DataReady."
+    )
     status: Literal["True", "False", "Unknown"] = Field(..., description="Whether the condition holds.")
     reason: str = Field(
         ..., pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", description="Why, as one CamelCase word."
@@ -346,7 +360,9 @@ class PackStats(CamelModel):
 
     samples_in: int | None = Field(None, description="Input records read by convert.")
     samples_packed: int | None = Field(None, description="Samples placed in a packed sequence.")
-    samples_rejected: int | None = Field(None, description="Samples rejected (see rejects.jsonl in the pack).")
+    samples_rejected: int | None = Field(
+        None, description="Samples rejected (see rejects.jsonl in the pack)."
+    )
     rejected_by_reason: dict[str, int] | None = Field(None, description="Rejected samples per reason.")
     tokens: int | None = Field(None, description="Tokens of the packed samples.")
     sequences: int | None = Field(None, description="Packed sequences.")
@@ -358,8 +374,9 @@ class PackStats(CamelModel):
 class PackJobStatus(CamelModel):
     """Written by the operator only."""
 
-    phase: PackPhase | None = Field(None, description="Pending, a stage (Converting, Planning, Materializing), "
-                                                     "Succeeded or Failed.")
+    phase: PackPhase | None = Field(
+        None, description="Pending, a stage (Converting, Planning, Materializing), Succeeded or Failed."
+    )
     stage: str | None = Field(None, description="Human-readable progress, e.g. `convert 3/4`.")
     percent_done: int | None = Field(None, description="Share of all stage indexes finished, in percent.")
     observed_generation: int | None = Field(None, description="The generation this status was computed for.")
@@ -373,7 +390,8 @@ class PackJobStatus(CamelModel):
         None, description="Finished stages and how long each ran (kept after their Jobs are deleted)."
     )
     conditions: list[Condition] = Field(
-        default_factory=list, description="Created, Running, Suspended, Succeeded, Failed, Degraded and Ready."
+        default_factory=list,
+        description="Created, Running, Suspended, Succeeded, Failed, Degraded and Ready.",
     )
     stats: PackStats | None = Field(None, description="Counts the packer reported.")
     output_path: str | None = Field(None, description="The pack folder inside the output claim's mount.")
@@ -528,7 +546,9 @@ class SFTJobSpec(CamelModel):
     clean_pod_policy: Literal["None", "Running", "All"] = Field(
         "None", description="Pods kept after the end."
     )
-    service_account_name: str | None = Field(None, description="Default: the namespace's default (the policy may refuse it).")
+    service_account_name: str | None = Field(
+        None, description="Default: the namespace's default (the policy may refuse it)."
+    )
 
     @model_validator(mode="after")
     def _exactly_one_data(self) -> SFTJobSpec:
@@ -544,7 +564,9 @@ class SFTJobSpec(CamelModel):
             )
         return self
 
-    def train_config(self, data_path: str, metrics: bool = True, eval_path: str | None = None) -> dict[str, Any]:
+    def train_config(
+        self, data_path: str, metrics: bool = True, eval_path: str | None = None
+    ) -> dict[str, Any]:
         """What `packtrain train -c` reads: the trainer sections, data (and evaluation data) resolved to folders."""
         data = self.data.model_copy(
             update={
@@ -572,7 +594,9 @@ class TrainProgress(CamelModel):
     step: int | None = Field(None, description="Optimizer steps done.")
     max_steps: int | None = Field(None, description="Steps of the whole run, when known up front.")
     loss: float | None = Field(None, description="Loss of the last step.")
-    eval_loss: float | None = Field(None, description="Token-mean loss over the evaluation set, last evaluated.")
+    eval_loss: float | None = Field(
+        None, description="Token-mean loss over the evaluation set, last evaluated."
+    )
     tokens_per_second: float | None = Field(None, description="Token slots processed per second.")
     updated_at: str | None = Field(None, description="When this was read.")
     last_advance_time: str | None = Field(
@@ -583,7 +607,9 @@ class TrainProgress(CamelModel):
 class ScrapeError(CamelModel):
     """Why the operator could not read live progress from the trainer's metrics."""
 
-    message: str = Field(..., description="What failed: no running rank-0 pod, or the endpoint and its error.")
+    message: str = Field(
+        ..., description="What failed: no running rank-0 pod, or the endpoint and its error."
+    )
     since: str = Field(..., description="Since when scrapes have failed in a row.")
 
 
@@ -600,7 +626,9 @@ class TrainFailure(CamelModel):
 class SFTJobStatus(CamelModel):
     """Written by the operator only."""
 
-    phase: SFTPhase | None = Field(None, description="Pending, WaitingForData, Running, Suspended, Succeeded or Failed.")
+    phase: SFTPhase | None = Field(
+        None, description="Pending, WaitingForData, Running, Suspended, Succeeded or Failed."
+    )
     observed_generation: int | None = Field(None, description="The generation this status was computed for.")
     start_time: str | None = Field(None, description="When the operator first saw the SFTJob.")
     completion_time: str | None = Field(None, description="When it succeeded or failed.")
@@ -613,9 +641,12 @@ class SFTJobStatus(CamelModel):
     replica_statuses: dict[str, dict[str, Any]] | None = Field(
         None, description="Mirrored from the child job."
     )
-    progress: TrainProgress | None = Field(None, description="Live progress while running, the summary at the end.")
+    progress: TrainProgress | None = Field(
+        None, description="Live progress while running, the summary at the end."
+    )
     scrape_error: ScrapeError | None = Field(
-        None, description="Set while the trainer's metrics cannot be read (then a stall cannot be told apart)."
+        None,
+        description="Set while the trainer's metrics cannot be read (then a stall cannot be told apart).",
     )
     last_failure: TrainFailure | None = Field(None, description="The last trainer pod that exited non-zero.")
     blocked: Blocked | None = Field(None, description="Since when the SFTJob is blocked, and why.")
@@ -630,7 +661,12 @@ class SFTJob(CamelModel):
     PRINTER_COLUMNS: ClassVar[list[dict[str, str]]] = [
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step", "description": "Steps done"},
-        {"name": "Max", "type": "integer", "jsonPath": ".status.progress.maxSteps", "description": "Steps in all"},
+        {
+            "name": "Max",
+            "type": "integer",
+            "jsonPath": ".status.progress.maxSteps",
+            "description": "Steps in all",
+        },
         {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss", "description": "Last loss"},
         {"name": "Backend", "type": "string", "jsonPath": ".spec.backend"},
         {"name": "Nodes", "type": "integer", "jsonPath": ".spec.resources.nodes"},

@@ -83,16 +83,22 @@ def _policy(raw: Any) -> Policy:
     try:
         return Policy.model_validate(raw)
     except ValidationError as exc:
-        raise ValueError(f"environment variable PACKTRAIN_POLICY (the chart's `policy` values) is invalid: {exc}") from exc
+        raise ValueError(
+            f"environment variable PACKTRAIN_POLICY (the chart's `policy` values) is invalid: {exc}"
+        ) from exc
 
 
 def _deadlines(raw: Any) -> Deadlines:
     if not isinstance(raw, dict):
-        raise ValueError(f"environment variable PACKTRAIN_DEADLINES (the chart's `deadlines`) must be a mapping, got {raw!r}")
+        raise ValueError(
+            f"environment variable PACKTRAIN_DEADLINES (the chart's `deadlines`) must be a mapping, got {raw!r}"
+        )
     try:
         return Deadlines.from_dict(raw)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"environment variable PACKTRAIN_DEADLINES (the chart's `deadlines`) is invalid: {exc}") from exc
+        raise ValueError(
+            f"environment variable PACKTRAIN_DEADLINES (the chart's `deadlines`) is invalid: {exc}"
+        ) from exc
 
 
 @dataclass(frozen=True)
@@ -109,7 +115,9 @@ class OperatorDefaults:
     )
     # Requests of the pods whose spec sets none (a quota or a scheduler needs them on every pod).
     cpu_resources: dict[str, Any] = field(default_factory=lambda: {"requests": {"cpu": "1", "memory": "2Gi"}})
-    gpu_resources: dict[str, Any] = field(default_factory=lambda: {"requests": {"cpu": "4", "memory": "16Gi"}})
+    gpu_resources: dict[str, Any] = field(
+        default_factory=lambda: {"requests": {"cpu": "4", "memory": "16Gi"}}
+    )
     # The identity every workload pod runs as (the images' own non-root user by default).
     run_as_user: int = WORKLOAD_ID
     run_as_group: int = WORKLOAD_ID
@@ -127,14 +135,20 @@ class OperatorDefaults:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer (a non-root id), got {value!r}")
         if self.job_ttl_seconds is not None and (
-            isinstance(self.job_ttl_seconds, bool) or not isinstance(self.job_ttl_seconds, int) or self.job_ttl_seconds < 0
+            isinstance(self.job_ttl_seconds, bool)
+            or not isinstance(self.job_ttl_seconds, int)
+            or self.job_ttl_seconds < 0
         ):
-            raise ValueError(f"job_ttl_seconds must be a non-negative integer or null, got {self.job_ttl_seconds!r}")
+            raise ValueError(
+                f"job_ttl_seconds must be a non-negative integer or null, got {self.job_ttl_seconds!r}"
+            )
         for name in ("cpu_resources", "gpu_resources"):
             try:
                 ResourceRequirements.model_validate(getattr(self, name))
             except ValidationError as exc:
-                raise ValueError(f"{name} must be a container `resources` with Kubernetes quantities: {exc}") from exc
+                raise ValueError(
+                    f"{name} must be a container `resources` with Kubernetes quantities: {exc}"
+                ) from exc
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorDefaults:

@@ -53,8 +53,10 @@ class Deadlines:
             raise ValueError(f"deadlines must be positive seconds, got {dict(raw)}")
         out = cls(**values)
         if out.training_stall_fail is not None and out.training_stall_fail <= out.training_stall:
-            raise ValueError("trainingStallFailSeconds must be longer than trainingStallSeconds (or 0: never fail), "
-                             f"got {out.training_stall_fail:g} <= {out.training_stall:g}")
+            raise ValueError(
+                "trainingStallFailSeconds must be longer than trainingStallSeconds (or 0: never fail), "
+                f"got {out.training_stall_fail:g} <= {out.training_stall:g}"
+            )
         return out
 
 
@@ -149,10 +151,18 @@ def training_stall(
     logs = f"kubectl logs -n {namespace} {pod}" if pod else f"kubectl logs -n {namespace} -l {selector}"
     limit = duration(deadlines.training_stall)
     if not live or (error and not seen_still):
-        last = f"the last reading ({read_at}) was step {step}, unchanged since {since}" if step is not None else (
-            f"no step was read since it started running at {since}")
-        why = f"{error.get('message')} (since {error.get('since')})" if error else (
-            f"no reading in the last {duration(recent)} (the operator reads again within that time after a restart)")
+        last = (
+            f"the last reading ({read_at}) was step {step}, unchanged since {since}"
+            if step is not None
+            else (f"no step was read since it started running at {since}")
+        )
+        why = (
+            f"{error.get('message')} (since {error.get('since')})"
+            if error
+            else (
+                f"no reading in the last {duration(recent)} (the operator reads again within that time after a restart)"
+            )
+        )
         return Stall(
             NO_LIVE_PROGRESS,
             f"no live progress: {why}; {last}, so whether training moves within the {limit} training-stall "
@@ -161,8 +171,11 @@ def training_stall(
         )
     if not seen_still:  # the readings so far are within the deadline; the next one decides
         return None
-    said = f"training step {step} has not advanced since {since}" if step is not None else (
-        f"no training step since the job started running at {since}")
+    said = (
+        f"training step {step} has not advanced since {since}"
+        if step is not None
+        else (f"no training step since the job started running at {since}")
+    )
     message = (
         f"{said}, longer than the {limit} training-stall deadline (last read {read_at}). Look at rank 0's log "
         f"({logs}) and every rank's (kubectl logs -n {namespace} -l {selector} --prefix) for a hung collective "

@@ -80,13 +80,22 @@ def _create_owned(kube: Any, owner: Mapping[str, Any], child: dict[str, Any]) ->
             ) from exc
         raise
     if created:
-        log.info("created %s %s/%s", child["kind"], meta["namespace"], meta["name"],
-                 extra=logs.ref(owner["kind"], meta["namespace"], owner["metadata"]["name"]))
+        log.info(
+            "created %s %s/%s",
+            child["kind"],
+            meta["namespace"],
+            meta["name"],
+            extra=logs.ref(owner["kind"], meta["namespace"], owner["metadata"]["name"]),
+        )
         return
     existing = kube.read(child)
     if existing is None:  # deleted (by the garbage collector) between the create and the read
-        raise Blocked(ownership.Blocker(ownership.LEFTOVER, f"{child['kind']} {meta['namespace']}/{meta['name']} "
-                                                            "was being deleted; creating it again"))
+        raise Blocked(
+            ownership.Blocker(
+                ownership.LEFTOVER,
+                f"{child['kind']} {meta['namespace']}/{meta['name']} was being deleted; creating it again",
+            )
+        )
     if (blocker := ownership.blocker(owner, [existing])) is not None:
         raise Blocked(blocker)
 
@@ -122,8 +131,11 @@ def _invalid(kind: str, body: Mapping[str, Any], exc: ValidationError) -> dict[s
 
 def _refused(kind: str, body: Mapping[str, Any], violations: list[policy.Violation]) -> dict[str, Any]:
     """Status for a spec the cluster policy refuses (created while the admission policy was absent)."""
-    return _failed(body, "PolicyViolation", f"{policy.summary(kind, violations)}. Fix it, then delete "
-                                            f"and re-create the {kind}.")
+    return _failed(
+        body,
+        "PolicyViolation",
+        f"{policy.summary(kind, violations)}. Fix it, then delete and re-create the {kind}.",
+    )
 
 
 def _failed(body: Mapping[str, Any], reason: str, message: str) -> dict[str, Any]:
@@ -185,9 +197,7 @@ def reconcile_packjob(
         for stage, job in jobs.items()
         if job is not None
     }
-    decision = st.pack_status(
-        name, meta.get("generation"), spec, jobs, pods, prev, now(), defaults.deadlines
-    )
+    decision = st.pack_status(name, meta.get("generation"), spec, jobs, pods, prev, now(), defaults.deadlines)
     if decision.create is not None:
         if violations := policy.check(spec, defaults):
             return _refused("PackJob", body, violations)
@@ -270,7 +280,9 @@ def _write_status(memo: kopf.Memo, kube: Any, plural: str, body: Mapping[str, An
     raise kopf.TemporaryError(f"{kind} {meta['name']} kept changing while its status was written", delay=5)
 
 
-def _track_leftovers(memo: kopf.Memo, plural: str, meta: Mapping[str, Any], status: Mapping[str, Any]) -> None:
+def _track_leftovers(
+    memo: kopf.Memo, plural: str, meta: Mapping[str, Any], status: Mapping[str, Any]
+) -> None:
     """Remember the parents waiting for a predecessor's children, for the short recheck of the sweep loop."""
     leftovers = memo.get("leftovers")
     if leftovers is None:
@@ -350,8 +362,11 @@ def sftjob_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[A
 @kopf.on.create(GROUP, VERSION, "packjobs")
 def packjob_start(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
     _sync(memo, kwargs)
-    write_status(memo, "packjobs", memo.view.get(GROUP, VERSION, "packjobs", body.metadata.namespace,
-                                                 body.metadata.name) or dict(body))
+    write_status(
+        memo,
+        "packjobs",
+        memo.view.get(GROUP, VERSION, "packjobs", body.metadata.namespace, body.metadata.name) or dict(body),
+    )
 
 
 @kopf.on.event("batch", "v1", "jobs", labels={builders.PACKJOB_LABEL: kopf.PRESENT})
@@ -369,9 +384,7 @@ def packjob_pod_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo
 
 
 @kopf.on.event(GROUP, VERSION, "packjobs")
-def packjob_event(
-    type: str | None, namespace: str, name: str, memo: kopf.Memo, **kwargs: Any
-) -> None:
+def packjob_event(type: str | None, namespace: str, name: str, memo: kopf.Memo, **kwargs: Any) -> None:
     """A PackJob changed or went: its gauge, and the SFTJobs that wait for (or train on) its pack."""
     _sync(memo, kwargs)
     if type == "DELETED":
@@ -465,9 +478,7 @@ def reconcile_sftjob(
     if pod is not None:
         pods = [p for p in pods if p["metadata"]["name"] != pod["metadata"]["name"]] + [dict(pod)]
     pods = ownership.pods_of(child, pods)
-    failure = next(
-        (f for f in (st.pod_failure(p, container, now()) for p in pods) if f is not None), None
-    )
+    failure = next((f for f in (st.pod_failure(p, container, now()) for p in pods) if f is not None), None)
     known = prev.get("lastFailure") or {}
     if failure and (failure["pod"], failure["exitCode"]) == (known.get("pod"), known.get("exitCode")):
         failure = None  # already recorded (keep its first time)
@@ -480,16 +491,34 @@ def reconcile_sftjob(
             train_progress["maxSteps"] = max_steps
     data_gone = None
     ref = spec.data.pack_job_ref
-    if ref is not None and phase not in st.TERMINAL and kube.get(GROUP, VERSION, "packjobs", namespace, ref) is None:
+    if (
+        ref is not None
+        and phase not in st.TERMINAL
+        and kube.get(GROUP, VERSION, "packjobs", namespace, ref) is None
+    ):
         data_gone = (
             f"PackJob {ref} was deleted while this SFTJob trains on its pack; the files stay on the claim "
             f"until removed, but re-creating PackJob {ref} now would rewrite them under a running job"
         )
-    stall = _training_stall(body, pods, f"{kind} {child['metadata']['name']}", defaults) if phase == "Running" else None
+    stall = (
+        _training_stall(body, pods, f"{kind} {child['metadata']['name']}", defaults)
+        if phase == "Running"
+        else None
+    )
     status = st.sft_status(
-        generation, kind, child, data_path or spec.data.path or "", prev, now(), train_progress, pods=pods,
-        deadlines=defaults.deadlines, failure_seen=failure, data_gone=data_gone,
-        queued=spec.queue_name if phase == "Suspended" and not spec.suspend else None, stall=stall,
+        generation,
+        kind,
+        child,
+        data_path or spec.data.path or "",
+        prev,
+        now(),
+        train_progress,
+        pods=pods,
+        deadlines=defaults.deadlines,
+        failure_seen=failure,
+        data_gone=data_gone,
+        queued=spec.queue_name if phase == "Suspended" and not spec.suspend else None,
+        stall=stall,
     )
     if prev.get("scrapeError"):  # kept while it says something about a running trainer
         status["scrapeError"] = prev["scrapeError"] if status["phase"] == "Running" else None
@@ -504,9 +533,15 @@ def _training_stall(
     running = st.get_condition(prev.get("conditions"), "Running") or {}
     master = progress.master_pod(pods)
     return deadlines.training_stall(
-        prev, running.get("lastTransitionTime") if running.get("status") == "True" else None, now(),
-        defaults.deadlines, recent=progress.RECENT, namespace=meta["namespace"], selector=f"{builders.SFTJOB_LABEL}={meta['name']}",
-        pod=master["metadata"]["name"] if master is not None else None, child=child,
+        prev,
+        running.get("lastTransitionTime") if running.get("status") == "True" else None,
+        now(),
+        defaults.deadlines,
+        recent=progress.RECENT,
+        namespace=meta["namespace"],
+        selector=f"{builders.SFTJOB_LABEL}={meta['name']}",
+        pod=master["metadata"]["name"] if master is not None else None,
+        child=child,
     )
 
 
@@ -531,20 +566,30 @@ def _stop_stalled(kube: Any, body: Mapping[str, Any], status: Mapping[str, Any])
     if ownership.claim(child, body) is not ownership.Claim.OURS:  # a same-named object that is not this job's
         return
     kube.delete(group, version, plural, namespace, ref["name"], uid=child["metadata"]["uid"])  # that one only
-    log.warning("deleted %s %s/%s: training stalled", kind, namespace, ref["name"],
-                extra=logs.ref("SFTJob", namespace, body["metadata"]["name"]))
+    log.warning(
+        "deleted %s %s/%s: training stalled",
+        kind,
+        namespace,
+        ref["name"],
+        extra=logs.ref("SFTJob", namespace, body["metadata"]["name"]),
+    )
 
 
 @kopf.on.resume(GROUP, VERSION, "sftjobs")
 @kopf.on.create(GROUP, VERSION, "sftjobs")
 def sftjob_start(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
     _sync(memo, kwargs)
-    write_status(memo, "sftjobs", memo.view.get(GROUP, VERSION, "sftjobs", body.metadata.namespace,
-                                                body.metadata.name) or dict(body))
+    write_status(
+        memo,
+        "sftjobs",
+        memo.view.get(GROUP, VERSION, "sftjobs", body.metadata.namespace, body.metadata.name) or dict(body),
+    )
 
 
 @kopf.on.event("kubeflow.org", "v1", "pytorchjobs", labels={builders.SFTJOB_LABEL: kopf.PRESENT})
-def sftjob_pytorchjob_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **kwargs: Any) -> None:
+def sftjob_pytorchjob_event(
+    namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **kwargs: Any
+) -> None:
     _sync(memo, kwargs)
     _parent_event(memo, "sftjobs", namespace, labels[builders.SFTJOB_LABEL])
 
@@ -565,8 +610,9 @@ def sftjob_pod_event(
 
 
 @kopf.on.event(GROUP, VERSION, "sftjobs")
-def sftjob_event(type: str | None, namespace: str, name: str, body: kopf.Body, memo: kopf.Memo,
-                 **kwargs: Any) -> None:
+def sftjob_event(
+    type: str | None, namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **kwargs: Any
+) -> None:
     """Track running SFTJobs for the progress scrape; forget deleted ones."""
     _sync(memo, kwargs)
     if type == "DELETED":
@@ -623,8 +669,13 @@ def sweep(memo: kopf.Memo, only: frozenset[tuple[str, str, str]] | None = None) 
                     write_status(memo, plural, body)
                 except Exception:  # one broken object must not stop the sweep of the others
                     kind = RECONCILERS[plural][0]
-                    log.exception("%s %s/%s: reconcile in the sweep failed", kind, meta["namespace"],
-                                  meta["name"], extra=logs.ref(kind, meta["namespace"], meta["name"]))
+                    log.exception(
+                        "%s %s/%s: reconcile in the sweep failed",
+                        kind,
+                        meta["namespace"],
+                        meta["name"],
+                        extra=logs.ref(kind, meta["namespace"], meta["name"]),
+                    )
     if "leftovers" in memo:  # parents deleted while they waited
         memo.leftovers.difference_update(set(memo.leftovers) - seen)
 

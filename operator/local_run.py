@@ -80,8 +80,13 @@ def _run_stage(
         term.unlink(missing_ok=True)
         worker_env = env | {"PACKTRAIN_TERMINATION_LOG": str(term), "JOB_COMPLETION_INDEX": str(i)}
         with open(log, "w") as f:
-            procs.append((subprocess.Popen(_resolve(argv), stdout=f, stderr=subprocess.STDOUT, env=worker_env),
-                          log, term))
+            procs.append(
+                (
+                    subprocess.Popen(_resolve(argv), stdout=f, stderr=subprocess.STDOUT, env=worker_env),
+                    log,
+                    term,
+                )
+            )
     pending = set(range(len(procs)))
     while pending:
         for i in list(pending):
@@ -94,27 +99,43 @@ def _run_stage(
         if proc.returncode != 0:
             tail = "\n".join(log.read_text().splitlines()[-15:])
             hint = "fix the configuration" if proc.returncode == EXIT_CONFIG else "see the log"
-            raise PipelineError(f"{label} failed (exit {proc.returncode}; {hint}): {log}\n{tail}",
-                                EXIT_CONFIG if proc.returncode == EXIT_CONFIG else 1)
+            raise PipelineError(
+                f"{label} failed (exit {proc.returncode}; {hint}): {log}\n{tail}",
+                EXIT_CONFIG if proc.returncode == EXIT_CONFIG else 1,
+            )
         results.append(json.loads(term.read_text()) if term.is_file() else {})
     return results
 
 
-def run_pack(job: Named, out: Path, workers: int, progress: Progress, env: dict[str, str]) -> tuple[Path, dict]:
+def run_pack(
+    job: Named, out: Path, workers: int, progress: Progress, env: dict[str, str]
+) -> tuple[Path, dict]:
     spec: PackJobSpec = job.spec
-    config = _write_config(out / "config" / f"{job.name}-{PACK_CONFIG_FILE}",
-                           pack_config_map(job.name, job.namespace, spec), PACK_CONFIG_FILE)
+    config = _write_config(
+        out / "config" / f"{job.name}-{PACK_CONFIG_FILE}",
+        pack_config_map(job.name, job.namespace, spec),
+        PACK_CONFIG_FILE,
+    )
     pack_dir = out / "pack" / job.name
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    _run_stage(progress, f"{job.name} convert",
-               [pack_stage_command("convert", str(config), str(pack_dir), i, workers) for i in range(workers)],
-               logs, env)
-    (plan,) = _run_stage(progress, f"{job.name} plan",
-                         [pack_stage_command("plan", str(config), str(pack_dir))], logs, env)
-    _run_stage(progress, f"{job.name} materialize",
-               [pack_stage_command("materialize", str(config), str(pack_dir), i, workers) for i in range(workers)],
-               logs, env)
+    _run_stage(
+        progress,
+        f"{job.name} convert",
+        [pack_stage_command("convert", str(config), str(pack_dir), i, workers) for i in range(workers)],
+        logs,
+        env,
+    )
+    (plan,) = _run_stage(
+        progress, f"{job.name} plan", [pack_stage_command("plan", str(config), str(pack_dir))], logs, env
+    )
+    _run_stage(
+        progress,
+        f"{job.name} materialize",
+        [pack_stage_command("materialize", str(config), str(pack_dir), i, workers) for i in range(workers)],
+        logs,
+        env,
+    )
     manifest = json.loads((pack_dir / "manifest.json").read_text())
     return pack_dir, manifest | {"plan": plan}
 
@@ -124,20 +145,28 @@ def run_train(
 ) -> dict[str, Any]:
     spec: SFTJobSpec = job.spec
     data = DataSource(claim_name="local", mount_path=str(data_dir.parent), path=str(data_dir))
-    config = _write_config(out / "config" / f"{job.name}-{TRAIN_CONFIG_FILE}",
-                           train_config_map(job.name, job.namespace, spec, data), TRAIN_CONFIG_FILE)
+    config = _write_config(
+        out / "config" / f"{job.name}-{TRAIN_CONFIG_FILE}",
+        train_config_map(job.name, job.namespace, spec, data),
+        TRAIN_CONFIG_FILE,
+    )
     train_dir = out / "train" / job.name
-    argv = train_command(str(config), str(data_dir), str(train_dir), nproc_per_node=nproc, nnodes=1,
-                         max_steps=max_steps)
+    argv = train_command(
+        str(config), str(data_dir), str(train_dir), nproc_per_node=nproc, nnodes=1, max_steps=max_steps
+    )
     log = out / "logs" / f"{job.name}-train.log"
     console.print(f"[bold]train[/] {job.name}: {' '.join(argv)}")
     with open(log, "w") as f:
-        proc = subprocess.Popen(_resolve(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=env)
+        proc = subprocess.Popen(
+            _resolve(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
         assert proc.stdout is not None
         # The pod's JSON lines go to the log as they are and are drawn as the trainer's own progress bar.
-        summary = follow(_tee(proc.stdout, f), ProgressBar(console),
-                         lambda text: console.print(text, markup=False, highlight=False))
+        summary = follow(
+            _tee(proc.stdout, f),
+            ProgressBar(console),
+            lambda text: console.print(text, markup=False, highlight=False),
+        )
         proc.wait()
     if proc.returncode != 0:
         raise PipelineError(f"training {job.name} failed (exit {proc.returncode}): {log}")
@@ -158,10 +187,13 @@ def summary_table(packs: dict[str, tuple[Path, dict]], trains: dict[str, dict]) 
     for name, (pack_dir, m) in packs.items():
         c = m["counts"]
         rows = [
-            ("samples read", c["input"]), ("packed", c["packed"]), ("rejected", c["rejected"]),
+            ("samples read", c["input"]),
+            ("packed", c["packed"]),
+            ("rejected", c["rejected"]),
             *((f"  rejected: {k}", v) for k, v in c["rejected_by_reason"].items()),
             ("sequences", f"{m['sequences']} (lower bound {m['lower_bound']})"),
-            ("fill ratio", f"{m['fill_ratio']:.4f}"), ("padding saved", f"{m['padding_saved']:.2%}"),
+            ("fill ratio", f"{m['fill_ratio']:.4f}"),
+            ("padding saved", f"{m['padding_saved']:.2%}"),
             ("pack", str(pack_dir)),
         ]
         t.add_section()
@@ -171,8 +203,12 @@ def summary_table(packs: dict[str, tuple[Path, dict]], trains: dict[str, dict]) 
     for name, s in trains.items():
         t.add_section()
         t.add_row(f"[bold]SFTJob {name}[/]", "")
-        for key, label in (("steps", "training steps"), ("effective_tokens_per_second", "effective tokens/s"),
-                           ("final_loss", "final loss"), ("output", "model and checkpoints")):
+        for key, label in (
+            ("steps", "training steps"),
+            ("effective_tokens_per_second", "effective tokens/s"),
+            ("final_loss", "final loss"),
+            ("output", "model and checkpoints"),
+        ):
             value = s.get(key, "")
             text = "- (no step this run)" if value is None else str(value)
             t.add_row(label, f"{value:.4g}" if isinstance(value, float) else text)
@@ -182,14 +218,18 @@ def summary_table(packs: dict[str, tuple[Path, dict]], trains: dict[str, dict]) 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="packtrain run", description=__doc__)
     ap.add_argument("file", help="YAML with a PackJob and/or an SFTJob (multi-document)")
-    ap.add_argument("--workers", type=int, default=max(1, os.cpu_count() or 1), help="packer processes per stage")
+    ap.add_argument(
+        "--workers", type=int, default=max(1, os.cpu_count() or 1), help="packer processes per stage"
+    )
     ap.add_argument("--nproc", type=int, default=1, help="trainer processes (torchrun --nproc-per-node)")
     ap.add_argument("--output", help="where packs, checkpoints and logs go (default: runs/<file stem>)")
     ap.add_argument("--max-steps", type=int, help="override training.maxSteps")
     args = ap.parse_args(argv)
     path = Path(args.file)
     if args.workers < 1 or args.nproc < 1:
-        console.print(f"[red]error:[/] --workers ({args.workers}) and --nproc ({args.nproc}) must be at least 1")
+        console.print(
+            f"[red]error:[/] --workers ({args.workers}) and --nproc ({args.nproc}) must be at least 1"
+        )
         return EXIT_CONFIG
     try:
         packs, sfts = load_documents(path)

@@ -25,7 +25,11 @@ class _Prefixing(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         target = getattr(record, "k8s_ref", None)
         if target:
-            where = f"{target.get('namespace')}/{target.get('name')}" if target.get("namespace") else target.get("name")
+            where = (
+                f"{target.get('namespace')}/{target.get('name')}"
+                if target.get("namespace")
+                else target.get("name")
+            )
             record = copy.copy(record)
             record.msg = f"[{target.get('kind')} {where}] {record.msg}"
         return super().format(record)
@@ -37,7 +41,9 @@ class TextFormatter(_Prefixing, ObjectTextFormatter):
 
 def configure(log_format: str, verbose: bool) -> None:
     """kopf's logging with our formatter: plain/full text prefixed `[Kind ns/name]`, or JSON with `object`."""
-    kopf.configure(verbose=verbose, log_format=kopf.LogFormat.JSON if log_format == "json" else kopf.LogFormat.FULL)
+    kopf.configure(
+        verbose=verbose, log_format=kopf.LogFormat.JSON if log_format == "json" else kopf.LogFormat.FULL
+    )
     formatter: logging.Formatter
     if log_format == "json":
         formatter = ObjectJsonFormatter(refkey="object")

@@ -66,7 +66,9 @@ def load_manifests(path: Path, keep_others: bool = False) -> Manifests:
             spec = KINDS[kind].model_validate({"spec": doc.get("spec") or {}}).spec
         except ValidationError as exc:
             raise ValueError(f"{path}: {kind} {name} is invalid:\n{exc}") from exc
-        (found.packs if kind == "PackJob" else found.sfts).append(Named(name, meta.get("namespace", "default"), spec))
+        (found.packs if kind == "PackJob" else found.sfts).append(
+            Named(name, meta.get("namespace", "default"), spec)
+        )
     if not found.packs and not found.sfts:
         raise ValueError(f"{path} holds no PackJob or SFTJob")
     return found

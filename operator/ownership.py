@@ -22,7 +22,9 @@ NAME_CONFLICT = "NameConflict"
 
 class Claim(enum.Enum):
     OURS = "ours"
-    LEFTOVER = "leftover"  # owned by an earlier parent of the same kind and name: the garbage collector deletes it
+    LEFTOVER = (
+        "leftover"  # owned by an earlier parent of the same kind and name: the garbage collector deletes it
+    )
     FOREIGN = "foreign"  # someone else's (a user's object, another parent's): never adopted or overwritten
 
 
@@ -119,10 +121,13 @@ def leftover_pod(parent: Mapping[str, Any], child: str, pods: Sequence[Mapping[s
     for pod in pods:
         owner = _controller(pod)
         if owner is not None:
-            return Blocker(LEFTOVER, (
-                f"waiting for pod {_where(pod)} of the previous {owner.get('kind')} {owner.get('name')} "
-                f"(uid {owner.get('uid')}) to be deleted; this {parent.get('kind')} then creates its own {child}"
-            ))
+            return Blocker(
+                LEFTOVER,
+                (
+                    f"waiting for pod {_where(pod)} of the previous {owner.get('kind')} {owner.get('name')} "
+                    f"(uid {owner.get('uid')}) to be deleted; this {parent.get('kind')} then creates its own {child}"
+                ),
+            )
     return None
 
 
@@ -133,6 +138,9 @@ def pods_of(child: Mapping[str, Any], pods: Sequence[Pod]) -> list[Pod]:
     """
     uid = _meta(child).get("uid")
     return [
-        p for p in pods
-        if (owner := _controller(p)) is None or owner.get("kind") != child.get("kind") or owner.get("uid") == uid
+        p
+        for p in pods
+        if (owner := _controller(p)) is None
+        or owner.get("kind") != child.get("kind")
+        or owner.get("uid") == uid
     ]

@@ -126,16 +126,28 @@ def _image(field: str, image: str | None, policy: Policy, own: Iterable[str]) ->
     if image is None or image_allowed(image, policy, own):
         return []
     key = _key("allowed_images")
-    return [Violation(field, key, f'{field} "{image}" is not an allowed image: add a matching pattern to '
-                                  f"the chart value {key}, or leave {field} unset for the chart's image")]
+    return [
+        Violation(
+            field,
+            key,
+            f'{field} "{image}" is not an allowed image: add a matching pattern to '
+            f"the chart value {key}, or leave {field} unset for the chart's image",
+        )
+    ]
 
 
 def _account(field: str, account: str | None, policy: Policy) -> list[Violation]:
     if account is None or account in policy.allowed_service_accounts:
         return []
     key = _key("allowed_service_accounts")
-    return [Violation(field, key, f'{field} "{account}" is not an allowed ServiceAccount: add it to the '
-                                  f"chart value {key}, or leave {field} unset")]
+    return [
+        Violation(
+            field,
+            key,
+            f'{field} "{account}" is not an allowed ServiceAccount: add it to the '
+            f"chart value {key}, or leave {field} unset",
+        )
+    ]
 
 
 def _placement(path: str, pod: Any, policy: Policy) -> list[Violation]:
@@ -147,8 +159,14 @@ def _placement(path: str, pod: Any, policy: Policy) -> list[Violation]:
     ):
         if getattr(pod, attr) is not None and not getattr(policy, allow):
             field, key = f"{path}.{name}", _key(allow)
-            out.append(Violation(field, key, f"{field} may not be set while the chart value {key} is false: "
-                                             "leave it unset to use the chart's pools"))
+            out.append(
+                Violation(
+                    field,
+                    key,
+                    f"{field} may not be set while the chart value {key} is false: "
+                    "leave it unset to use the chart's pools",
+                )
+            )
     return out
 
 
@@ -158,8 +176,14 @@ def _annotations(path: str, annotations: Mapping[str, str] | None, policy: Polic
     if not bad:
         return []
     field, key = f"{path}.podAnnotations", _key("allowed_pod_annotation_prefixes")
-    return [Violation(field, key, f"{field} has keys no prefix in the chart value {key} allows: "
-                                  f"{', '.join(bad)}; remove them, or add their prefix to {key}")]
+    return [
+        Violation(
+            field,
+            key,
+            f"{field} has keys no prefix in the chart value {key} allows: "
+            f"{', '.join(bad)}; remove them, or add their prefix to {key}",
+        )
+    ]
 
 
 def _ceiling(field: str, value: float, name: str, policy: Policy, unit: str = "") -> list[Violation]:
@@ -167,8 +191,14 @@ def _ceiling(field: str, value: float, name: str, policy: Policy, unit: str = ""
     if value <= limit:
         return []
     key = _key(name)
-    return [Violation(field, key, f"{field} is {int(value)}{unit}, above the chart value {key} ({limit}): "
-                                  f"lower it, or have the cluster admin raise {key}")]
+    return [
+        Violation(
+            field,
+            key,
+            f"{field} is {int(value)}{unit}, above the chart value {key} ({limit}): "
+            f"lower it, or have the cluster admin raise {key}",
+        )
+    ]
 
 
 def _runtime(spec: SFTJobSpec, policy: Policy) -> list[Violation]:
@@ -179,21 +209,36 @@ def _runtime(spec: SFTJobSpec, policy: Policy) -> list[Violation]:
     if ref in policy.allowed_runtimes:
         return []
     field, key = "spec.runtime", _key("allowed_runtimes")
-    return [Violation(field, key, f'{field} "{ref}" is not an allowed training runtime: add "{ref}" to the '
-                                  f"chart value {key}, or pick a runtime it lists")]
+    return [
+        Violation(
+            field,
+            key,
+            f'{field} "{ref}" is not an allowed training runtime: add "{ref}" to the '
+            f"chart value {key}, or pick a runtime it lists",
+        )
+    ]
 
 
 def _pack_resources(path: str, spec: PackJobSpec, policy: Policy) -> list[Violation]:
     res = spec.workers.resources
     names = {*(res.requests or {}), *(res.limits or {})} if res is not None else set()
-    bad = sorted(n for n in names if n not in PACKER_RESOURCES and n not in policy.gpu_resources
-                 and not n.startswith(HUGEPAGES_PREFIX))
+    bad = sorted(
+        n
+        for n in names
+        if n not in PACKER_RESOURCES and n not in policy.gpu_resources and not n.startswith(HUGEPAGES_PREFIX)
+    )
     if not bad:
         return []
     field, key = f"{path}.resources", _key("gpu_resources")
-    return [Violation(field, key, f"{field} names resources a packer pod may not request: {', '.join(bad)}; "
-                                  f"use {', '.join(PACKER_RESOURCES)} or {HUGEPAGES_PREFIX}*, or, for a GPU, "
-                                  f"have the cluster admin add it to {key}")]
+    return [
+        Violation(
+            field,
+            key,
+            f"{field} names resources a packer pod may not request: {', '.join(bad)}; "
+            f"use {', '.join(PACKER_RESOURCES)} or {HUGEPAGES_PREFIX}*, or, for a GPU, "
+            f"have the cluster admin add it to {key}",
+        )
+    ]
 
 
 def _pack_gpus(spec: PackJobSpec, policy: Policy) -> float:

@@ -44,7 +44,9 @@ PROGRESS_GAUGES = {
 class ProgressKube(Protocol):
     """What a scrape reads and writes (the operator's cached view, or a test's)."""
 
-    def get(self, group: str, version: str, plural: str, namespace: str, name: str) -> dict[str, Any] | None: ...
+    def get(
+        self, group: str, version: str, plural: str, namespace: str, name: str
+    ) -> dict[str, Any] | None: ...
 
     def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]: ...
 
@@ -125,7 +127,9 @@ def reading(target: Target, text: str | None, error: str | None, now: str) -> di
     if progress is not None:
         progress["lastAdvanceTime"] = deadlines.last_advance(prev.get("progress"), progress["step"], now)
         patch["progress"] = progress
-    elif _is_metrics(text or ""):  # read, but no step yet: its time still counts (a hang before the first step)
+    elif _is_metrics(
+        text or ""
+    ):  # read, but no step yet: its time still counts (a hang before the first step)
         patch["progress"] = {"updatedAt": now}
     return patch or None
 

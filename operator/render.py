@@ -61,8 +61,10 @@ def _yaml_map(path: Path) -> dict[str, Any]:
 def chart_values(chart: Path, overrides: Sequence[Path] = ()) -> tuple[dict[str, Any], str]:
     """The chart's values with each override merged over them in order, and the chart's appVersion."""
     if not (chart / "values.yaml").is_file():
-        raise ValueError(f"no chart at {chart} (values.yaml missing): pass --chart, the charts/packtrain "
-                         "folder of a packtrain checkout")
+        raise ValueError(
+            f"no chart at {chart} (values.yaml missing): pass --chart, the charts/packtrain "
+            "folder of a packtrain checkout"
+        )
     values = _yaml_map(chart / "values.yaml")
     for path in overrides:
         values = deep_merge(values, _yaml_map(path))
@@ -81,7 +83,9 @@ def check_schema(chart: Path, values: Mapping[str, Any]) -> None:
     validator = jsonschema.validators.validator_for(schema)(schema)
     errors = sorted(validator.iter_errors(values), key=lambda e: [str(p) for p in e.absolute_path])
     if errors:
-        lines = [f"  at {'.'.join(str(p) for p in e.absolute_path) or '(top level)'}: {e.message}" for e in errors]
+        lines = [
+            f"  at {'.'.join(str(p) for p in e.absolute_path) or '(top level)'}: {e.message}" for e in errors
+        ]
         raise ValueError(f"the values do not match {schema_path}:\n" + "\n".join(lines))
 
 
@@ -132,10 +136,14 @@ def render(
     naming what to fix. An SFTJob whose PackJob is not in `path` reads `pack_output`'s claim."""
     found = load_manifests(path, keep_others=True)
     packs, sfts = found.packs, found.sfts
-    missing = sorted({ref for s in sfts if (ref := s.spec.data.pack_job_ref) and ref not in {p.name for p in packs}})
+    missing = sorted(
+        {ref for s in sfts if (ref := s.spec.data.pack_job_ref) and ref not in {p.name for p in packs}}
+    )
     if missing and pack_output is None:
-        raise ValueError(f"an SFTJob refers to PackJob {', '.join(missing)}, which {path} does not define: add it "
-                         "to the file, or pass --pack-claim CLAIM[:SUBPATH] to render as if it wrote there")
+        raise ValueError(
+            f"an SFTJob refers to PackJob {', '.join(missing)}, which {path} does not define: add it "
+            "to the file, or pass --pack-claim CLAIM[:SUBPATH] to render as if it wrote there"
+        )
     refused = [
         policy.summary(f"{kind} {doc.name}", violations)
         for kind, docs in (("PackJob", packs), ("SFTJob", sfts))
@@ -191,7 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="chart values merged over the chart's values.yaml, as `helm -f` does (repeatable)",
     )  # fmt: skip
     ap.add_argument("--chart", type=Path, default=CHART, help="the chart folder (default: %(default)s)")
-    ap.add_argument("-n", "--namespace", help="namespace of the objects (default: each manifest's, else default)")
+    ap.add_argument(
+        "-n", "--namespace", help="namespace of the objects (default: each manifest's, else default)"
+    )
     ap.add_argument(
         "--pack-claim", type=pack_claim, metavar="CLAIM[:SUBPATH]",
         help="for an SFTJob whose PackJob is not in FILE: render it as if that PackJob had written its pack "
@@ -203,8 +213,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         defaults = builders.OperatorDefaults.from_env(operator_env(values, app_version))
         objects = render(args.file, defaults, args.namespace, args.pack_claim)
     except (KeyError, TypeError) as exc:
-        print(f"packtrain render: the values lack the chart's key {exc}: check them against "
-              f"{args.chart / 'values.yaml'}", file=sys.stderr)
+        print(
+            f"packtrain render: the values lack the chart's key {exc}: check them against "
+            f"{args.chart / 'values.yaml'}",
+            file=sys.stderr,
+        )
         return EXIT_CONFIG
     except OSError as exc:
         print(f"packtrain render: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)

@@ -51,7 +51,9 @@ async def fetch(
                 if response.status != 200:
                     raise ScrapeError(f"HTTP {response.status}")
                 if response.content_length is not None and response.content_length > max_bytes:
-                    raise ScrapeError(f"a {response.content_length}-byte body is over the {max_bytes}-byte cap")
+                    raise ScrapeError(
+                        f"a {response.content_length}-byte body is over the {max_bytes}-byte cap"
+                    )
                 async for chunk in response.content.iter_chunked(_CHUNK):
                     body += chunk
                     if len(body) > max_bytes:

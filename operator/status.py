@@ -112,7 +112,12 @@ def lifecycle_conditions(
     running = o.phase in RUNNING_PHASES and o.suspended is None and not stuck
     why_not = o.suspended[0] if o.suspended and not done else (o.reason if stuck else o.phase)
     conds = set_condition(
-        conds, "Running", running, o.reason if running else why_not, o.message if running or stuck else "", now,
+        conds,
+        "Running",
+        running,
+        o.reason if running else why_not,
+        o.message if running or stuck else "",
+        now,
         generation,
     )
     conds = set_condition(
@@ -291,7 +296,9 @@ def failure(
         t = config[0]
         said = t.summary or {}
         reason = str(said.get("reason") or "")
-        if _REASON.fullmatch(reason):  # a stage that knows why the pack is useless (NoSamples, TooManyRejected)
+        if _REASON.fullmatch(
+            reason
+        ):  # a stage that knows why the pack is useless (NoSamples, TooManyRejected)
             return reason, f"the {stage} stage failed: {_detail(t)}"
         detail = _detail(t) or "no message"
         return (
@@ -346,7 +353,9 @@ def pack_stats(
     # samples materialize rejected (a video whose frames do not decode), and the sequences written.
     final = [s["pack"] for s in summaries.get("materialize", ()) if isinstance(s.get("pack"), Mapping)]
     if final:
-        stats.update({dst: final[-1][src] for src, dst in _PLAN_STATS.items() if final[-1].get(src) is not None})
+        stats.update(
+            {dst: final[-1][src] for src, dst in _PLAN_STATS.items() if final[-1].get(src) is not None}
+        )
     return stats
 
 
@@ -458,8 +467,10 @@ def pack_status(
             message = f"Job {pack_job_name(name, stage)}: {state.succeeded}/{state.total} done"
             if state.suspended:
                 queue = spec.queue_name or "none"
-                suspended = ("Queued", f"Job {pack_job_name(name, stage)} is suspended until its queue "
-                                       f"({queue}) admits it")
+                suspended = (
+                    "Queued",
+                    f"Job {pack_job_name(name, stage)} is suspended until its queue ({queue}) admits it",
+                )
                 reason, message = suspended
             stuck = unschedulable(pods.get(stage, ()))
             if stuck:
@@ -477,7 +488,9 @@ def pack_status(
     status["percentDone"] = 100 if phase == "Succeeded" else percent_done(spec, done_units)
     # Progress: the stage line or the share done moved. A stalled stage is one where neither did.
     moved = (status.get("stage"), status["percentDone"]) != (prev.get("stage"), prev.get("percentDone"))
-    status["lastProgressTime"] = now if moved or not prev.get("lastProgressTime") else prev["lastProgressTime"]
+    status["lastProgressTime"] = (
+        now if moved or not prev.get("lastProgressTime") else prev["lastProgressTime"]
+    )
     if stage_seconds:
         status["stageSeconds"] = stage_seconds
     degraded = None
@@ -485,14 +498,20 @@ def pack_status(
         status["blocked"] = blocked_since(prev, blocked, now)
         waited = seconds_between(status["blocked"]["since"], now)
         if waited > deadlines.unschedulable:
-            degraded = ("Unschedulable", f"pods unschedulable for longer than the "
-                                         f"{_duration(deadlines.unschedulable)} deadline: {stuck_message}")
+            degraded = (
+                "Unschedulable",
+                f"pods unschedulable for longer than the "
+                f"{_duration(deadlines.unschedulable)} deadline: {stuck_message}",
+            )
     elif phase in RUNNING_PHASES and suspended is None and create is None:
         idle = seconds_between(status["lastProgressTime"], now)
         if idle > deadlines.stall:
-            degraded = ("StageStalled", f"no progress in {status.get('stage')} for longer than the "
-                                        f"{_duration(deadlines.stall)} deadline: look at the pods' logs "
-                                        f"(kubectl logs -l {PACKJOB_LABEL}={name})")
+            degraded = (
+                "StageStalled",
+                f"no progress in {status.get('stage')} for longer than the "
+                f"{_duration(deadlines.stall)} deadline: look at the pods' logs "
+                f"(kubectl logs -l {PACKJOB_LABEL}={name})",
+            )
     status["phase"] = phase
     if phase in TERMINAL:
         status["completionTime"] = prev.get("completionTime") or now
@@ -723,8 +742,11 @@ def sft_status(
         status["blocked"] = blocked_since(prev, "Unschedulable", now)
         waited = seconds_between(status["blocked"]["since"], now)
         if waited > deadlines.unschedulable:
-            degraded = ("Unschedulable", f"pods unschedulable for longer than the "
-                                         f"{_duration(deadlines.unschedulable)} deadline: {message}")
+            degraded = (
+                "Unschedulable",
+                f"pods unschedulable for longer than the "
+                f"{_duration(deadlines.unschedulable)} deadline: {message}",
+            )
     child_status = child.get("status") or {}
     replicas = child_status.get("replicaStatuses")
     if replicas is None and child_status.get("jobsStatus"):
@@ -752,11 +774,17 @@ def sft_status(
         else:
             degraded = (stall.reason, stall.message)
     if data_gone:
-        conds = set_condition(prev.get("conditions") or [], "DataReady", False, "PackJobDeleted", data_gone, now,
-                              generation)
+        conds = set_condition(
+            prev.get("conditions") or [], "DataReady", False, "PackJobDeleted", data_gone, now, generation
+        )
     else:
         conds = set_condition(
-            prev.get("conditions") or [], "DataReady", True, "DataAvailable", f"training on {data_path}", now,
+            prev.get("conditions") or [],
+            "DataReady",
+            True,
+            "DataAvailable",
+            f"training on {data_path}",
+            now,
             generation,
         )
     created = (f"{kind}Created", f"{kind} {meta.get('name', '')} created")
@@ -771,8 +799,16 @@ def sft_status(
 
 # Reasons that deserve a Warning event although the phase is not Failed.
 WARNING_REASONS = frozenset(
-    {"PackJobFailed", "PackJobNotFound", "PackJobDeleted", "Unschedulable", "StageStalled", "TrainerFailed",
-     TRAINING_STALLED, NO_LIVE_PROGRESS}
+    {
+        "PackJobFailed",
+        "PackJobNotFound",
+        "PackJobDeleted",
+        "Unschedulable",
+        "StageStalled",
+        "TrainerFailed",
+        TRAINING_STALLED,
+        NO_LIVE_PROGRESS,
+    }
 )
 
 

@@ -31,7 +31,12 @@ INDEX_OF = {
     "packjobs": "packjob_index",
     "sftjobs": "sftjob_index",
 }
-PLURAL_OF_KIND = {"Job": "jobs", "PyTorchJob": "pytorchjobs", "TrainJob": "trainjobs", "ConfigMap": "configmaps"}
+PLURAL_OF_KIND = {
+    "Job": "jobs",
+    "PyTorchJob": "pytorchjobs",
+    "TrainJob": "trainjobs",
+    "ConfigMap": "configmaps",
+}
 # How long a child this process created counts as existing while its watch event is on the way.
 CREATED_GRACE = 30.0
 # pod label -> the index holding the pods by (label, namespace, value).
@@ -109,7 +114,9 @@ class Kube:
     ) -> dict[str, Any]:
         """Merge-patch the status, refused (409) if the object changed since `resource_version` was read."""
         body = {"metadata": {"resourceVersion": resource_version}, "status": status}
-        return self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, plural, name, body)
+        return self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, plural, name, body
+        )
 
     def merge_status(self, plural: str, namespace: str, name: str, status: dict[str, Any]) -> None:
         """Merge-patch part of the status unconditionally (fields no reconcile derives, like progress)."""
@@ -172,7 +179,11 @@ class CachedKube:
         with self._lock:
             self._created.pop((plural, namespace, name), None)
         mine = self.latest.get((plural, namespace, name))
-        if found is not None and mine is not None and found["metadata"].get("uid") == mine["metadata"].get("uid"):
+        if (
+            found is not None
+            and mine is not None
+            and found["metadata"].get("uid") == mine["metadata"].get("uid")
+        ):
             return mine if _version(mine) > _version(found) else found
         return found
 
@@ -184,8 +195,10 @@ class CachedKube:
         if index is None:
             return []
         bodies = [next(iter(store)) for store in index.values() if store]
-        return [self.get(GROUP, VERSION, plural, b["metadata"]["namespace"], b["metadata"]["name"]) or b
-                for b in bodies]
+        return [
+            self.get(GROUP, VERSION, plural, b["metadata"]["namespace"], b["metadata"]["name"]) or b
+            for b in bodies
+        ]
 
     def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         label, _, value = selector.partition("=")
@@ -229,7 +242,9 @@ class CachedKube:
         with self._lock:
             return self._locks.setdefault((plural, namespace, name), threading.Lock())
 
-    def wait_newer(self, plural: str, namespace: str, name: str, than: str, timeout: float = 2.0) -> dict | None:
+    def wait_newer(
+        self, plural: str, namespace: str, name: str, than: str, timeout: float = 2.0
+    ) -> dict | None:
         """The cached object once its resourceVersion differs from `than` (a write we lost to), else None."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

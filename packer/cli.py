@@ -110,13 +110,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="JSON lines (the only output format)")
     p = sub.add_parser("export", help="write a pack in another trainer's dataset format")
     formats = p.add_subparsers(dest="format", required=True)
-    p = formats.add_parser(
-        "energon", help="a Megatron-Energon dataset (WebDataset tar shards and .nv-meta/)"
-    )
+    p = formats.add_parser("energon", help="a Megatron-Energon dataset (WebDataset tar shards and .nv-meta/)")
     p.add_argument("path", help="the pack folder")
     p.add_argument("-o", "--output", required=True, help="a new (or empty) folder for the dataset")
     p.add_argument(
-        "--samples", action="store_true",
+        "--samples",
+        action="store_true",
         help="one WebDataset sample per original sample (default: one per packed sequence)",
     )
     return ap
@@ -146,7 +145,10 @@ def _run(args: argparse.Namespace) -> int:
     elif args.cmd == "plan":
         summary = stages.plan(cfg, out)
         problem = pack_outcome_error(
-            summary["samples"], summary["packed"], summary["rejected_by_reason"], cfg.packing.max_rejected_fraction
+            summary["samples"],
+            summary["packed"],
+            summary["rejected_by_reason"],
+            cfg.packing.max_rejected_fraction,
         )
         if problem is not None:
             print(f"packtrain pack plan: {problem['error']}", file=sys.stderr)
@@ -165,7 +167,9 @@ def _run(args: argparse.Namespace) -> int:
 
         timings: dict[str, Any] = {}
         try:
-            manifest = run_all(cfg, out, workers=args.workers, show_progress=not args.no_progress, timings=timings)
+            manifest = run_all(
+                cfg, out, workers=args.workers, show_progress=not args.no_progress, timings=timings
+            )
         except stages.PackRefused as exc:  # no manifest; the stats of what would have been packed
             tools.print_stats(exc.manifest, out)
             print(json.dumps(tools.summary_line(exc.manifest, out) | {"timings": timings}), flush=True)

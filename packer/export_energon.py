@@ -37,8 +37,12 @@ from packtrain.packer.core.pixels import SNIFF_BYTES, sniff_container
 META = ".nv-meta"
 LAYOUTS = ("packed", "samples")
 _IMAGE_EXT = (
-    (b"\xff\xd8\xff", "jpg"), (b"\x89PNG\r\n\x1a\n", "png"), (b"GIF8", "gif"), (b"BM", "bmp"),
-    (b"II*\x00", "tiff"), (b"MM\x00*", "tiff"),
+    (b"\xff\xd8\xff", "jpg"),
+    (b"\x89PNG\r\n\x1a\n", "png"),
+    (b"GIF8", "gif"),
+    (b"BM", "bmp"),
+    (b"II*\x00", "tiff"),
+    (b"MM\x00*", "tiff"),
 )
 _VIDEO_EXT = {"mp4": "mp4", "matroska": "mkv", "avi": "avi", "ogg": "ogv", "flv": "flv", "mpegts": "ts"}
 
@@ -84,7 +88,12 @@ class _Media:
 
 
 def _sample_parts(
-    key: str, meta: dict[str, Any], ids: np.ndarray, labels: np.ndarray, media: list[dict[str, Any]], store: _Media
+    key: str,
+    meta: dict[str, Any],
+    ids: np.ndarray,
+    labels: np.ndarray,
+    media: list[dict[str, Any]],
+    store: _Media,
 ) -> Iterator[tuple[str, bytes]]:
     """The tar members of one WebDataset sample; media deduplicated within it."""
     parts: dict[str, list[str]] = {}
@@ -145,14 +154,24 @@ def _split(
     lens = row["seq_lens"]
     base = f"s{shard:05d}r{row_index:05d}"
     if layout == "packed":
-        meta = {"layout": "packed", "seq_lens": lens, "sample_ids": row["sample_ids"], "sources": row["sources"],
-                "indices": row["indices"]}
+        meta = {
+            "layout": "packed",
+            "seq_lens": lens,
+            "sample_ids": row["sample_ids"],
+            "sources": row["sources"],
+            "indices": row["indices"],
+        }
         yield base, meta, 0, sum(lens), row["media"]
         return
     start = 0
     for sub, n in enumerate(lens):
-        meta = {"layout": "samples", "sample_id": row["sample_ids"][sub], "source": row["sources"][sub],
-                "index": row["indices"][sub], "length": n}
+        meta = {
+            "layout": "samples",
+            "sample_id": row["sample_ids"][sub],
+            "source": row["sources"][sub],
+            "index": row["indices"][sub],
+            "length": n,
+        }
         yield f"{base}n{sub:03d}", meta, start, start + n, [m for m in row["media"] if m["sample"] == sub]
         start += n
 
@@ -183,15 +202,29 @@ def export_energon(pack: Path, out: Path, layout: str = "packed") -> dict[str, A
         atomic_write(meta / ".info.json", json.dumps({"shard_counts": counts}, indent=2).encode())
         atomic_write(meta / "split.yaml", _yaml({"split_parts": {"train": list(counts)}}))
         # Written last: its presence says the dataset is whole.
-        atomic_write(meta / "dataset.yaml", _yaml({
-            "__module__": "megatron.energon",
-            "__class__": "CrudeWebdataset",
-            "subflavors": {"packtrain_layout": layout, "max_length": reader.manifest["max_length"],
-                           "family": reader.manifest.get("family")},
-        }))
+        atomic_write(
+            meta / "dataset.yaml",
+            _yaml(
+                {
+                    "__module__": "megatron.energon",
+                    "__class__": "CrudeWebdataset",
+                    "subflavors": {
+                        "packtrain_layout": layout,
+                        "max_length": reader.manifest["max_length"],
+                        "family": reader.manifest.get("family"),
+                    },
+                }
+            ),
+        )
     except BaseException:
         shutil.rmtree(out / "shards", ignore_errors=True)
         shutil.rmtree(out / META, ignore_errors=True)
         raise
-    return {"output": str(out), "layout": layout, "shards": len(counts), "samples": sum(counts.values()),
-            "sequences": reader.num_sequences, "packed": reader.manifest["counts"]["packed"]}
+    return {
+        "output": str(out),
+        "layout": layout,
+        "shards": len(counts),
+        "samples": sum(counts.values()),
+        "sequences": reader.num_sequences,
+        "packed": reader.manifest["counts"]["packed"],
+    }

@@ -88,8 +88,11 @@ class _Watch:
 
     def report(self) -> dict[str, Any]:
         self.sample()
-        return {"peak_rss_mib": peak_rss_mib(), "peak_anon_rss_mib": self.peak,
-                "cpu_s": round(cpu_seconds() - self.cpu, 2)}
+        return {
+            "peak_rss_mib": peak_rss_mib(),
+            "peak_anon_rss_mib": self.peak,
+            "cpu_s": round(cpu_seconds() - self.cpu, 2),
+        }
 
 
 def _convert_job(index: int, count: int) -> dict[str, Any]:
@@ -126,8 +129,9 @@ def _pool(cfg: PackConfig, out: Path, workers: int, tokenizer: Any) -> tuple[Pro
     progress = ctx.Queue()
     if fork:
         _WORKER.update(cfg=cfg, tokenizer=tokenizer)
-    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                               initargs=(cfg.dump(), str(out), progress))
+    pool = ProcessPoolExecutor(
+        workers, mp_context=ctx, initializer=_init_worker, initargs=(cfg.dump(), str(out), progress)
+    )
     try:
         # Start every worker before any thread of ours (progress bars) runs: a fork copies only the
         # calling thread, and a lock another thread held would stay locked in the child.
@@ -173,7 +177,11 @@ def _run_stage(
 
 
 def run_all(
-    cfg: PackConfig, out: Path, workers: int = 1, show_progress: bool = True, timings: dict[str, Any] | None = None
+    cfg: PackConfig,
+    out: Path,
+    workers: int = 1,
+    show_progress: bool = True,
+    timings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """convert (N processes) → plan → materialize (N processes); returns the manifest, or raises
     `stages.PackRefused` when the final counts refuse the pack (no manifest is written then).
@@ -205,8 +213,16 @@ def run_all(
     out.mkdir(parents=True, exist_ok=True)
     stages.check_output_config(cfg, out)
     # The bar's total: records counted, not parsed (one more read of the input, so only for a bar).
-    total = sum(1 for _ in iter_records(cfg.source.paths, select=lambda _: False,
-                                        weigh=weigher(cfg.source, cfg.packing.seed))) if show_progress else None
+    total = (
+        sum(
+            1
+            for _ in iter_records(
+                cfg.source.paths, select=lambda _: False, weigh=weigher(cfg.source, cfg.packing.seed)
+            )
+        )
+        if show_progress
+        else None
+    )
     # One tokenizer thread per worker process: the workers are the parallelism.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     pool: ProcessPoolExecutor | None = None
@@ -217,7 +233,13 @@ def run_all(
     try:
         with Progress(*columns, disable=not show_progress, transient=False) as progress:
             converted = _run_stage(
-                pool, progress_queue, _convert_job, workers, progress, "convert", total,
+                pool,
+                progress_queue,
+                _convert_job,
+                workers,
+                progress,
+                "convert",
+                total,
                 lambda advance: dict(stages.convert(cfg, out, 0, 1, progress=advance, tokenizer=tokenizer)),
             )
             lap("convert", converted)
@@ -226,7 +248,12 @@ def run_all(
             progress.advance(task)
             lap("plan")
             materialized = _run_stage(
-                pool, progress_queue, _materialize_job, workers, progress, "materialize",
+                pool,
+                progress_queue,
+                _materialize_job,
+                workers,
+                progress,
+                "materialize",
                 plan_summary["shards"],
                 lambda advance: dict(stages.materialize(cfg, out, 0, 1, progress=advance)),
             )
@@ -241,7 +268,9 @@ def run_all(
     else:
         manifest = stages.finalize(cfg, out)
     if manifest is None:
-        raise RuntimeError(f"materialize finished but {out} lacks shards; re-run `packtrain pack materialize`")
+        raise RuntimeError(
+            f"materialize finished but {out} lacks shards; re-run `packtrain pack materialize`"
+        )
     seen = sum(c["samples"] for c in converted)
     if seen != manifest["counts"]["input"]:
         raise RuntimeError(

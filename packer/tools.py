@@ -50,7 +50,10 @@ def print_stats(manifest: dict[str, Any], out: Path, console: Console | None = N
         ("rejected", c["rejected"]),
         *((f"  rejected: {k}", v) for k, v in c["rejected_by_reason"].items()),
         *(
-            (f"  source {k}", f"{v['input']} taken of {v['records']}: {v['packed']} packed, {v['rejected']} rejected")
+            (
+                f"  source {k}",
+                f"{v['input']} taken of {v['records']}: {v['packed']} packed, {v['rejected']} rejected",
+            )
             for k, v in c.get("sources", {}).items()
         ),
         ("tokens", manifest["tokens"]),
@@ -114,8 +117,11 @@ def _rejects(path: Path, problems: list[str]) -> list[dict[str, Any]]:
             r = json.loads(line) if line else None
         except ValueError:
             r = None
-        if line and (not isinstance(r, dict) or not isinstance(r.get("source"), str)
-                     or not isinstance(r.get("index"), int)):
+        if line and (
+            not isinstance(r, dict)
+            or not isinstance(r.get("source"), str)
+            or not isinstance(r.get("index"), int)
+        ):
             problems.append(f"{REJECTS} line {n}: not a reject record (JSON with source, index, reason)")
         elif r is not None:
             out.append(r)
@@ -180,8 +186,10 @@ def verify(path: Path, notes: list[str] | None = None) -> list[str]:
     if dupes and not any((e.weight or 0) > 1 for e in cfg.source.mixture):  # else: repeats, checked below
         problems.append(f"{len(dupes)} samples appear more than once, e.g. {dupes[:3]}")
     c = m.get("counts") or {}
-    if found.packed != c.get("packed") or len(rejects) != c.get("rejected") or (
-        found.packed + len(rejects) != c.get("input")
+    if (
+        found.packed != c.get("packed")
+        or len(rejects) != c.get("rejected")
+        or (found.packed + len(rejects) != c.get("input"))
     ):
         problems.append(
             f"counts do not add up: manifest {c}, found packed={found.packed} rejected={len(rejects)}"
@@ -191,7 +199,9 @@ def verify(path: Path, notes: list[str] | None = None) -> list[str]:
     if found.tokens != m.get("tokens"):
         problems.append(f"manifest says {m.get('tokens')} tokens, shards hold {found.tokens}")
     if found.label_tokens != m.get("label_tokens"):
-        problems.append(f"manifest says {m.get('label_tokens')} label tokens, shards hold {found.label_tokens}")
+        problems.append(
+            f"manifest says {m.get('label_tokens')} label tokens, shards hold {found.label_tokens}"
+        )
     if DUPLICATE_IDS in c:
         ids = [*(found.sample_ids or []), *(r["id"] for r in rejects if isinstance(r.get("id"), str))]
         duplicates, _ = count_duplicate_ids([pa.array(ids, pa.string())])
@@ -235,7 +245,9 @@ def _check_inputs(manifest: dict[str, Any], seen: Counter[tuple[str, int]], cfg:
         if sha256_file(p) != i["sha256"]
     ]
     # Escaped: these are file names, not patterns. Only (source, index) is needed, so nothing is parsed.
-    files = [SourceFile(p, i["name"], i.get("entry", "")) for p, i in zip(paths, manifest["inputs"], strict=True)]
+    files = [
+        SourceFile(p, i["name"], i.get("entry", "")) for p, i in zip(paths, manifest["inputs"], strict=True)
+    ]
     copies = weigh_files(files, cfg.source.mixture, cfg.packing.seed)
     records = iter_records(
         [glob.escape(str(p)) for p in paths], select=lambda _: False, weigh=lambda _: copies
@@ -244,7 +256,9 @@ def _check_inputs(manifest: dict[str, Any], seen: Counter[tuple[str, int]], cfg:
     missing = expected - seen
     extra = seen - expected
     if missing:
-        problems.append(f"{len(missing)} input samples neither packed nor rejected, e.g. {sorted(missing)[:3]}")
+        problems.append(
+            f"{len(missing)} input samples neither packed nor rejected, e.g. {sorted(missing)[:3]}"
+        )
     if extra:
         problems.append(f"{len(extra)} packed/rejected samples not in the inputs, e.g. {sorted(extra)[:3]}")
     return problems
@@ -262,7 +276,9 @@ def verify_cmd(path: Path) -> int:
         return EXIT_DATA
     m = read_manifest(path)
     c = m["counts"]
-    print(f"OK {path}: {m['sequences']} sequences, {c['packed']} packed + {c['rejected']} rejected = {c['input']}")
+    print(
+        f"OK {path}: {m['sequences']} sequences, {c['packed']} packed + {c['rejected']} rejected = {c['input']}"
+    )
     return 0
 
 
@@ -300,4 +316,3 @@ def unpack_cmd(path: Path, only: list[str] | None) -> int:
     for s in unpack(path, set(only) if only else None):
         print(json.dumps(s, separators=(",", ":")))
     return 0
-

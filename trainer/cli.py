@@ -25,7 +25,9 @@ EXIT_CONFIG = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="packtrain train", description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = argparse.ArgumentParser(
+        prog="packtrain train", description=" ".join(__doc__.split("\n\n")[0].split())
+    )
     p.add_argument("-c", "--config", required=True, help="SFTJob manifest or spec (YAML)")
     p.add_argument("--data", help="override data.path: a pack output folder")
     p.add_argument("--output", help="override training.outputDir")

@@ -52,10 +52,15 @@ class DataSpec(CamelModel):
     prefetch_factor: int = Field(
         2, ge=1, le=64, description="Micro-batches each worker decodes ahead (each holds decoded media)."
     )
-    verify_checksums: bool = Field(True, description="Check shard sha256 against the manifest on open (local rank 0 of each node).")
-    eval_path: str | None = Field(None, description="Evaluation pack folder (same model family), never trained on.")
+    verify_checksums: bool = Field(
+        True, description="Check shard sha256 against the manifest on open (local rank 0 of each node)."
+    )
+    eval_path: str | None = Field(
+        None, description="Evaluation pack folder (same model family), never trained on."
+    )
     eval_pack_job_ref: str | None = Field(
-        None, description="Name of a PackJob whose pack is the evaluation set; the operator mounts it as `evalPath`."
+        None,
+        description="Name of a PackJob whose pack is the evaluation set; the operator mounts it as `evalPath`.",
     )
     eval_fraction: float = Field(
         0.0,
@@ -154,7 +159,9 @@ class TrainingSpec(CamelModel):
     """The optimisation: steps, batch shape, attention backend, parallelism, checkpoints, metrics."""
 
     max_steps: int | None = Field(
-        None, ge=1, description=f"Optimizer steps; default {DEFAULT_MAX_STEPS}, or from `epochs` when that is set."
+        None,
+        ge=1,
+        description=f"Optimizer steps; default {DEFAULT_MAX_STEPS}, or from `epochs` when that is set.",
     )
     epochs: int | None = Field(
         None,
@@ -241,7 +248,6 @@ class TrainingSpec(CamelModel):
     log_every: int = Field(1, ge=1, description="Print a JSON line every N steps (rank 0).")
     output_dir: str = Field("runs/sft", description="Checkpoints, final model and summary go here.")
     save_final: bool = Field(True, description="Save the final model in Hugging Face format.")
-
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> TrainingSpec:

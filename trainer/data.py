@@ -263,7 +263,10 @@ class PackedDataset(torch.utils.data.Dataset):
         epoch = self.position.epoch if epoch is None else epoch
         if self._plan_cache is None or self._plan_cache[0] != epoch:
             lay = self.layout
-            self._plan_cache = (epoch, plan_epoch(self.costs, lay.world_size, lay.units_per_rank, lay.seed, epoch))
+            self._plan_cache = (
+                epoch,
+                plan_epoch(self.costs, lay.world_size, lay.units_per_rank, lay.seed, epoch),
+            )
         return rank_micro_batches(self._plan_cache[1], self.rank, self.layout)
 
     def steps_per_epoch(self) -> int:
@@ -387,7 +390,9 @@ class EvalDataset(PackedDataset):
         )
         if sequences is not None:
             self.units, self.costs = units_and_costs(self.seq_lens, mode, sequences)
-        self.batches, self.counted = eval_micro_batches(len(self.units), world_size, rank, units_per_micro_batch)
+        self.batches, self.counted = eval_micro_batches(
+            len(self.units), world_size, rank, units_per_micro_batch
+        )
 
     def micro_batches(self, epoch: int | None = None) -> list[list[int]]:
         return self.batches

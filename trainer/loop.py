@@ -165,7 +165,9 @@ def setup(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> R
     shape = ModelShape.from_model(hf, parameter_groups(core))
     model = distributed.parallelize(core, t.strategy, env, device, compute_dtype=dtype)
 
-    optimizer = torch.optim.AdamW(param_groups.optimizer_groups(model, t.lr, t.weight_decay, t.lr_multipliers))
+    optimizer = torch.optim.AdamW(
+        param_groups.optimizer_groups(model, t.lr, t.weight_decay, t.lr_multipliers)
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.warmup, max_steps))
     step = 0
     resumed_from = checkpoint.latest(Path(t.output_dir)) if t.resume else None
@@ -174,7 +176,11 @@ def setup(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> R
         step = int(state["step"])
         dataset.load_state_dict(state["data"])
     epoch = dataset.position.epoch
-    plan = plan_epoch(dataset.costs, lay.world_size, lay.units_per_rank, lay.seed, epoch) if epoch else first_plan
+    plan = (
+        plan_epoch(dataset.costs, lay.world_size, lay.units_per_rank, lay.seed, epoch)
+        if epoch
+        else first_plan
+    )
     return Run(
         dataset=dataset,
         hf=hf,
@@ -199,18 +205,32 @@ def _train(
     t = cfg.training
     out = Path(t.output_dir)
     run = setup(cfg, env, device)
-    dataset, model, optimizer, scheduler, dtype = run.dataset, run.model, run.optimizer, run.scheduler, run.dtype
+    dataset, model, optimizer, scheduler, dtype = (
+        run.dataset,
+        run.model,
+        run.optimizer,
+        run.scheduler,
+        run.dtype,
+    )
     if run.resumed_from is not None:
         report.event("resumed", checkpoint=str(run.resumed_from), step=run.step)
-    metrics = TrainMetrics(env.rank, device, None if t.metrics_port is None else t.metrics_port + env.local_rank)
+    metrics = TrainMetrics(
+        env.rank, device, None if t.metrics_port is None else t.metrics_port + env.local_rank
+    )
     metrics.enable_mfu(device_peak_tflops(device, t.peak_tflops))
     metrics.info(attention=run.backend, mode=t.mode)
     metrics.update({"attention_imbalance": run.imbalance_max})
     accounting = RunAccounting(metrics, run.shape, device, env.world_size, run.step, run.max_steps)
     stream = batches(dataset, cfg.data.num_workers, cfg.data.prefetch_factor, device.type == "cuda")
     report.start(
-        run.step, run.max_steps, mode=t.mode, attention=run.backend, world_size=env.world_size,
-        epochs=t.epochs, steps_per_epoch=dataset.steps_per_epoch(), eval_units=_units(run.evaluation),
+        run.step,
+        run.max_steps,
+        mode=t.mode,
+        attention=run.backend,
+        world_size=env.world_size,
+        epochs=t.epochs,
+        steps_per_epoch=dataset.steps_per_epoch(),
+        eval_units=_units(run.evaluation),
     )
 
     loss = float("nan")
@@ -262,7 +282,11 @@ def _train(
     # rewrite the checkpoint it resumed from (the only one with keepCheckpoints: 1).
     if t.checkpoint_at_end and run.step > accounting.start_step:
         _save(out, run, env, t.keep_checkpoints)
-    final = checkpoint.save_final(out, model, run.hf, run.adapter, cfg.model, env, dtype) if t.save_final else None
+    final = (
+        checkpoint.save_final(out, model, run.hf, run.adapter, cfg.model, env, dtype)
+        if t.save_final
+        else None
+    )
     return accounting.summary(
         run.step,
         loss,

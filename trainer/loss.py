@@ -137,8 +137,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_losses = grad_losses.to(lse.dtype)
 
         def accumulator(param: torch.Tensor) -> torch.Tensor:
-            return torch.zeros(param.shape, dtype=torch.promote_types(param.dtype, torch.float32),
-                               device=param.device)
+            return torch.zeros(
+                param.shape, dtype=torch.promote_types(param.dtype, torch.float32), device=param.device
+            )
 
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = accumulator(weight) if need_weight else None
@@ -176,7 +177,6 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def per_sample_sums(
-
     losses: torch.Tensor, positions: torch.Tensor, sample_index: torch.Tensor, n: int
 ) -> torch.Tensor:
     """Sum of token losses per sub-sample (for equivalence checks and per-sample reporting)."""

@@ -92,7 +92,9 @@ def patchify_video(video: torch.Tensor, spec: PixelSpec) -> torch.Tensor:
 
 def image_pixels(data: bytes, height: int, width: int, spec: PixelSpec) -> torch.Tensor:
     """Encoded image bytes → patches at exactly height x width."""
-    frame = torch.from_numpy(np.require(image_rgb(data, height, width), requirements=["C", "W"])).permute(2, 0, 1)
+    frame = torch.from_numpy(np.require(image_rgb(data, height, width), requirements=["C", "W"])).permute(
+        2, 0, 1
+    )
     return patchify_image(_normalize(frame, spec), spec)
 
 
@@ -110,7 +112,9 @@ def decode_video_frames(
         raise ValueError("a video media ref has no sampled frame indices")
     demuxer = sniff_container(data[:SNIFF_BYTES])
     if demuxer is None:  # FFmpeg is never left to guess (its text, playlist and concat demuxers)
-        raise ValueError("video bytes are not in an allowed container; re-pack, or run `packtrain pack verify`")
+        raise ValueError(
+            "video bytes are not in an allowed container; re-pack, or run `packtrain pack verify`"
+        )
     want = set(wanted)
     got: dict[int, np.ndarray] = {}
     with av.open(io.BytesIO(data), format=demuxer) as container:

@@ -100,7 +100,9 @@ def _factor(counts: dict[str, int], part: str, frozen_forward_only: bool) -> flo
 def step_flops(shape: ModelShape, batch: dict[str, Any]) -> float:
     """Training FLOPs (forward + backward = 3x forward) of one micro-batch."""
     tokens = batch["padded_tokens"]  # padding tokens cost compute too
-    flops = shape.llm_factor * shape.llm_params * tokens + 6.0 * shape.lm_head_params * batch["num_label_tokens"]
+    flops = (
+        shape.llm_factor * shape.llm_params * tokens + 6.0 * shape.lm_head_params * batch["num_label_tokens"]
+    )
     if "attention_mask" in batch:  # padded rows: each row attends over its padded width
         width = batch["input_ids"].shape[1]
         attn = len(batch["seq_lens"]) * width * width / 2
@@ -208,7 +210,9 @@ class TrainMetrics:
             "samples_per_second": gauge("samples_per_second", "Training samples per second."),
             "step_seconds": gauge("step_seconds", "Wall time of the last optimizer step."),
             "loss": gauge("loss", "Loss of the last step (global token mean)."),
-            "eval_loss": gauge("eval_loss", "Token-mean loss over the evaluation set at the last evaluation."),
+            "eval_loss": gauge(
+                "eval_loss", "Token-mean loss over the evaluation set at the last evaluation."
+            ),
             "learning_rate": gauge("learning_rate", "Current learning rate."),
             "data_wait_seconds": Gauge(
                 TRAIN_DATA_WAIT, "Time the last step waited for data.", labels, registry=self.registry

@@ -99,7 +99,9 @@ def part_of_parameters(model: nn.Module) -> dict[int, Module]:
                 owner.setdefault(id(p), part)
     missing = [name for name, p in hf.named_parameters() if id(p) not in owner]
     if missing:
-        raise ValueError(f"parameters outside every part of {type(hf).__name__}: {missing[:5]}; add them to LAYOUTS")
+        raise ValueError(
+            f"parameters outside every part of {type(hf).__name__}: {missing[:5]}; add them to LAYOUTS"
+        )
     return owner
 
 
@@ -134,7 +136,7 @@ def freeze(model: nn.Module, parts: Iterable[Module]) -> list[str]:
     silenced = []
     for path in layout(hf).vision_chain:
         module = hf.get_submodule(path)
-        for name, sub in (module.named_children() if isinstance(module, nn.ModuleList) else [("", module)]):
+        for name, sub in module.named_children() if isinstance(module, nn.ModuleList) else [("", module)]:
             if any(p.requires_grad for p in sub.parameters()):
                 return silenced
             sub.forward = _no_grad(sub.forward)  # type: ignore[method-assign]
@@ -162,7 +164,9 @@ def optimizer_groups(
     owner = part_of_parameters(model)
     scale = {part: multipliers.get(part, 1.0) for part in MODULES}
     scale["embeddings"] = multipliers.get("embeddings", scale["llm"])
-    buckets: dict[tuple[Module, bool], list[nn.Parameter]] = {(m, d): [] for m in MODULES for d in (True, False)}
+    buckets: dict[tuple[Module, bool], list[nn.Parameter]] = {
+        (m, d): [] for m in MODULES for d in (True, False)
+    }
     seen: set[int] = set()
     for p in model.parameters():
         if p.requires_grad and id(p) not in seen:

@@ -76,7 +76,9 @@ class ProgressBar:
     def start(self, step: int, max_steps: int, **facts: Any) -> None:
         details = ", ".join(f"{k} {v}" for k, v in facts.items())
         self.console.print(f"training steps {step + 1}..{max_steps}" + (f" ({details})" if details else ""))
-        self.task = self.bar.add_task("train", total=max_steps, completed=step, loss="-", tokens_per_second="-")
+        self.task = self.bar.add_task(
+            "train", total=max_steps, completed=step, loss="-", tokens_per_second="-"
+        )
         self.bar.start()
 
     def event(self, name: str, **fields: Any) -> None:

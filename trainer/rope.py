@@ -31,7 +31,9 @@ def token_types(input_ids: np.ndarray, spec: ModelSpec) -> np.ndarray:
     return types
 
 
-def _runs(media: Sequence[Mapping[str, Any]], spec: ModelSpec) -> dict[int, list[tuple[int, int, int, float]]]:
+def _runs(
+    media: Sequence[Mapping[str, Any]], spec: ModelSpec
+) -> dict[int, list[tuple[int, int, int, float]]]:
     """Per kind, the (t, h, w, seconds per temporal step) grid of each placeholder run in order.
 
     With timestamped video text (Qwen3-VL) each temporal group is its own run, as that family's

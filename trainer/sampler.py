@@ -185,7 +185,6 @@ def resume_position(layout: Layout, state: dict[str, Any]) -> Position:
     return Position(int(state["epoch"]), int(state["next"]))
 
 
-
 def total_steps(max_steps: int | None, epochs: int | None, layout: Layout, default: int) -> int:
     """The run's optimizer steps: `max_steps`, else `epochs` whole epochs of `layout`, else `default`."""
     if max_steps is not None:

@@ -47,15 +47,21 @@ class FieldMap(CamelModel):
     content_key: str = Field("value", description="ShareGPT key holding a turn's text.")
     images: str = Field("images", description="Column listing a record's image files.")
     videos: str = Field("videos", description="Column listing a record's video files.")
-    audios: str = Field("audios", description="Column listing a record's audio files (rejected: not supported).")
+    audios: str = Field(
+        "audios", description="Column listing a record's audio files (rejected: not supported)."
+    )
     system: str = Field("system", description="Column holding a system prompt.")
     tools: str = Field("tools", description="Column holding tool definitions.")
     id: str = Field("id", description="Column holding a record's id (rejects and unpack name samples by it).")
-    user_roles: list[str] = Field(default_factory=lambda: ["human", "user"], description="Roles read as the user.")
+    user_roles: list[str] = Field(
+        default_factory=lambda: ["human", "user"], description="Roles read as the user."
+    )
     assistant_roles: list[str] = Field(
         default_factory=lambda: ["gpt", "assistant"], description="Roles read as the assistant (trained on)."
     )
-    system_roles: list[str] = Field(default_factory=lambda: ["system"], description="Roles read as the system.")
+    system_roles: list[str] = Field(
+        default_factory=lambda: ["system"], description="Roles read as the system."
+    )
     function_call_roles: list[str] = Field(
         default_factory=lambda: ["function_call"], description="Roles read as the assistant calling a tool."
     )
@@ -100,7 +106,9 @@ class SourceConfig(CamelModel):
     """Where the dataset is and how to read it."""
 
     paths: list[str] = Field(
-        ..., min_length=1, description="Files or globs: JSON arrays or JSONL, or Parquet (names ending .parquet)."
+        ...,
+        min_length=1,
+        description="Files or globs: JSON arrays or JSONL, or Parquet (names ending .parquet).",
     )
     format: Format = Field("auto", description="Record format; auto detects per record.")
     field_map: FieldMap = Field(default_factory=FieldMap)
@@ -201,7 +209,9 @@ class ModelConfig(CamelModel):
         }
     }
 
-    family: Family = Field("qwen2-vl", description="The model family (its chat template, vision tokens, rope).")
+    family: Family = Field(
+        "qwen2-vl", description="The model family (its chat template, vision tokens, rope)."
+    )
     path: str = Field(..., description="Folder with tokenizer, chat template and preprocessor config.")
     chat_template: str | None = Field(None, description="Path to a Jinja template overriding the folder's.")
     min_pixels: int | None = Field(
@@ -211,19 +221,30 @@ class ModelConfig(CamelModel):
         None, ge=1, le=MAX_PIXELS_CEILING, description="Default: the folder's preprocessor config."
     )
     video_min_pixels: int | None = Field(
-        None, ge=1, le=MAX_PIXELS_CEILING, description="Pixels per video frame, at least. Default: the folder's video processor config, else the family's, else minPixels."
+        None,
+        ge=1,
+        le=MAX_PIXELS_CEILING,
+        description="Pixels per video frame, at least. Default: the folder's video processor config, else the family's, else minPixels.",
     )
     video_max_pixels: int | None = Field(
-        None, ge=1, le=MAX_PIXELS_CEILING, description="Pixels per video frame, at most. Default: the folder's video processor config, else the family's, else maxPixels."
+        None,
+        ge=1,
+        le=MAX_PIXELS_CEILING,
+        description="Pixels per video frame, at most. Default: the folder's video processor config, else the family's, else maxPixels.",
     )
     fps: float | None = Field(
-        None, gt=0, description="Video frame sampling rate. Default: the folder's video processor config, else 2."
+        None,
+        gt=0,
+        description="Video frame sampling rate. Default: the folder's video processor config, else 2.",
     )
     min_frames: int | None = Field(
         None, ge=1, description="Default: the folder's video processor config, else 4."
     )
     max_frames: int | None = Field(
-        None, ge=1, le=MAX_FRAMES_CEILING, description="Default: the folder's video processor config, else 768."
+        None,
+        ge=1,
+        le=MAX_FRAMES_CEILING,
+        description="Default: the folder's video processor config, else 768.",
     )
     cap_pixels_per_frame: bool = Field(
         True,
@@ -247,12 +268,18 @@ class PackingConfig(CamelModel):
     """How samples become fixed-length sequences."""
 
     max_length: int = Field(4096, ge=16, le=MAX_LENGTH_CEILING, description="Tokens per packed sequence.")
-    algorithm: Algorithm = Field("bfd", description="bfd (default), or a baseline: next_fit, swift, knapsack.")
-    overlong: OverlongPolicy = Field("drop", description="Samples longer than maxLength: drop, truncate, error.")
+    algorithm: Algorithm = Field(
+        "bfd", description="bfd (default), or a baseline: next_fit, swift, knapsack."
+    )
+    overlong: OverlongPolicy = Field(
+        "drop", description="Samples longer than maxLength: drop, truncate, error."
+    )
     partial_threshold: int | None = Field(
         None, ge=1, description="Samples at least this long get a sequence of their own."
     )
-    seed: int = Field(0, description="Seed of every random choice (packing order, mixtures): same seed, same pack.")
+    seed: int = Field(
+        0, description="Seed of every random choice (packing order, mixtures): same seed, same pack."
+    )
     label_mode: LabelMode = Field("all_assistant", description="Which turns are trained on.")
     label_newline_after_turn_end: bool = Field(
         False,
@@ -263,7 +290,8 @@ class PackingConfig(CamelModel):
         1024, ge=1, le=SEQUENCES_PER_SHARD_CEILING, description="Packed sequences per shard file."
     )
     media_storage: MediaStorage = Field(
-        "original", description="original bytes, or pre-resized images / sampled frames (less decode on GPUs)."
+        "original",
+        description="original bytes, or pre-resized images / sampled frames (less decode on GPUs).",
     )
     max_rejected_fraction: float | None = Field(
         None,

@@ -91,7 +91,11 @@ def _added_tokens(folder: Path) -> dict[str, int]:
     path = folder / "tokenizer.json"
     if path.is_file():
         for tok in _read_json(path).get("added_tokens") or []:
-            if isinstance(tok, dict) and isinstance(tok.get("content"), str) and isinstance(tok.get("id"), int):
+            if (
+                isinstance(tok, dict)
+                and isinstance(tok.get("content"), str)
+                and isinstance(tok.get("id"), int)
+            ):
                 found[tok["content"]] = tok["id"]
     path = folder / "tokenizer_config.json"
     if path.is_file():
@@ -142,7 +146,13 @@ def model_spec(
     path = Path(folder)
     if not path.is_dir():
         raise ConfigError(f"model.path: {path} is not a folder")
-    fam = detect_family(path) if family is None else family if isinstance(family, Family) else get_family(family)
+    fam = (
+        detect_family(path)
+        if family is None
+        else family
+        if isinstance(family, Family)
+        else get_family(family)
+    )
     config = path / "config.json"
     model_type = _read_json(config).get("model_type") if config.is_file() else None
     if model_type is not None and model_type != fam.model_type:
@@ -258,7 +268,9 @@ def vision_spec(folder: Path, cfg: ModelConfig, family: Family | None = None) ->
         or max_px,
         fps=float(cfg.fps or vid.get("fps") or VisionSpec.fps),
         min_frames=int(cfg.min_frames or vid.get("min_frames") or VisionSpec.min_frames),
-        max_frames=min(int(cfg.max_frames or vid.get("max_frames") or VisionSpec.max_frames), MAX_FRAMES_CEILING),
+        max_frames=min(
+            int(cfg.max_frames or vid.get("max_frames") or VisionSpec.max_frames), MAX_FRAMES_CEILING
+        ),
         tokens_per_second=None if tps is None else float(tps),
         frame_sampling=fam.frame_sampling,
         video_resize=fam.video_resize,

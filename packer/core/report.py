@@ -35,7 +35,9 @@ def compact(summary: dict[str, Any]) -> str:
     # Still too long (a long error, or one whose characters JSON escapes to 6 bytes each): shorten
     # the longest strings rather than cut the JSON, which the operator could then not parse.
     while len(text.encode()) > LIMIT:
-        key = max((k for k, v in slim.items() if isinstance(v, str) and v), key=lambda k: len(slim[k]), default=None)
+        key = max(
+            (k for k, v in slim.items() if isinstance(v, str) and v), key=lambda k: len(slim[k]), default=None
+        )
         if key is None:
             return json.dumps({"truncated": True})
         value = slim[key]

@@ -32,8 +32,6 @@ _ORIENTATION_TAG = 0x0112
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-
-
 @dataclass(frozen=True)
 class VisionSpec:
     """Processor settings that decide vision-token counts."""

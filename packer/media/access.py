@@ -276,7 +276,8 @@ class MediaAccess:
         digest = hashlib.sha256(data).hexdigest()
         path = (self.embedded_dir or Path(EMBEDDED_DIR)) / digest[:2] / digest
         item = self._cached(
-            (kind, path), lambda: _decoded(str(ref), lambda: _measure_bytes(kind, path, data, self.spec, self.limits))
+            (kind, path),
+            lambda: _decoded(str(ref), lambda: _measure_bytes(kind, path, data, self.spec, self.limits)),
         )
         if self.embedded_dir is not None and not path.is_file():
             atomic_write(path, data)  # same name, same bytes: concurrent workers write identical files
@@ -426,10 +427,16 @@ def _video_item(path: Path, f: BinaryIO, cap: int, spec: VisionSpec, limits: Med
     g = video_grid(info, len(frames), spec)
     spg = second_per_grid(frames, info.total_frames, info.fps, spec)
     return MediaItem(
-        "video", path, key, g.height, g.width, g.grid_t, g.grid_h, g.grid_w, frames, spg, spec.merge_size,
+        "video",
+        path,
+        key,
+        g.height,
+        g.width,
+        g.grid_t,
+        g.grid_h,
+        g.grid_w,
+        frames,
+        spg,
+        spec.merge_size,
         info.fps,
     )
-
-
-
-

@@ -37,7 +37,9 @@ def video_frames(
     Each wanted frame is resized as soon as it is decoded, so memory holds one source-size frame
     at a time.
     """
-    frames = {i: resize_uint8(fr.to_ndarray(format="rgb24"), height, width) for i, fr in _sampled(f, indices, name)}
+    frames = {
+        i: resize_uint8(fr.to_ndarray(format="rgb24"), height, width) for i, fr in _sampled(f, indices, name)
+    }
     return [frames[i] for i in indices]
 
 
@@ -170,6 +172,12 @@ def media_blob(
         h, w = ref["height"], ref["width"]
         if kind == "image":
             pixels = resize_uint8(decode_rgb(data), h, w)
-            return {"key": ref["key"], "kind": "image", "encoding": "resized", "data": _png(pixels), "frames": []}
+            return {
+                "key": ref["key"],
+                "kind": "image",
+                "encoding": "resized",
+                "data": _png(pixels),
+                "frames": [],
+            }
         frames = [_png(fr) for fr in video_frames(f, list(ref["frames"]), h, w, str(path))]
     return {"key": ref["key"], "kind": "video", "encoding": "resized", "data": b"", "frames": frames}

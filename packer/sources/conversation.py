@@ -238,7 +238,8 @@ def _media_list(record: dict[str, Any], column: str, kind: str) -> list[str]:
 def _refuse_audio(record: dict[str, Any], fm: FieldMap) -> None:
     if record.get(fm.audios):
         raise SampleError(
-            "unsupported_media", f"record has {fm.audios!r}: audio input is not supported by the Qwen-VL families"
+            "unsupported_media",
+            f"record has {fm.audios!r}: audio input is not supported by the Qwen-VL families",
         )
 
 

@@ -49,9 +49,11 @@ class EmbeddedMedia(str):
 def parquet_rows(path: Path) -> list[int] | None:
     """Rows of each row group, from the footer; None when the file cannot be used (see `_open`)."""
     opened = _open(path)
-    return None if isinstance(opened, str) else [
-        opened.metadata.row_group(g).num_rows for g in range(opened.metadata.num_row_groups)
-    ]
+    return (
+        None
+        if isinstance(opened, str)
+        else [opened.metadata.row_group(g).num_rows for g in range(opened.metadata.num_row_groups)]
+    )
 
 
 def _open(path: Path) -> pq.ParquetFile | str:
@@ -157,7 +159,11 @@ def _unwrap(value: Any) -> Any:
     """Embedded media structs replaced by `EmbeddedMedia` (bytes present) or their path (bytes null)."""
     if isinstance(value, dict):
         data = value.get("bytes")
-        if value.keys() <= _EMBEDDED_FIELDS and "bytes" in value and (data is None or isinstance(data, bytes)):
+        if (
+            value.keys() <= _EMBEDDED_FIELDS
+            and "bytes" in value
+            and (data is None or isinstance(data, bytes))
+        ):
             name = value.get("path")
             name = name if isinstance(name, str) and name else None
             return EmbeddedMedia(data, name) if data is not None else name

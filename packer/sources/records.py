@@ -507,8 +507,11 @@ def _as_record(path: Path, index: int, item: Any, where: str, escapes: bool = Fa
                 json.dumps(item, ensure_ascii=False).encode("utf-8")
             except (ValueError, RecursionError):  # UnicodeEncodeError
                 return RawRecord(
-                    path, index, None, f"{where}: contains an unpaired UTF-16 surrogate escape, "
-                    "which is not valid Unicode text", "bad_utf8"
+                    path,
+                    index,
+                    None,
+                    f"{where}: contains an unpaired UTF-16 surrogate escape, which is not valid Unicode text",
+                    "bad_utf8",
                 )
         return RawRecord(path, index, item, None)
     return RawRecord(

@@ -61,7 +61,9 @@ WORK = "work"
 CONFIG_CLAIM = "config.json"
 REFUSED = "refused.json"  # under work/: why a finished pack got no manifest, and its final counts
 DUPLICATE_IDS = "duplicate_ids"  # manifest counts key: samples whose id an earlier sample already used
-SHARD_REJECTS = "rejects"  # a shard's done record: the samples materialize dropped (media that does not decode)
+SHARD_REJECTS = (
+    "rejects"  # a shard's done record: the samples materialize dropped (media that does not decode)
+)
 PART_BATCH_TOKENS = 1 << 20
 Progress = Callable[[int], None]
 
@@ -109,7 +111,9 @@ class PackRefused(ConfigError):
     with the final counts in `pack`, when materialize raised it.
     """
 
-    def __init__(self, report: ErrorReport, manifest: dict[str, Any], summary: MaterializeSummary | None = None):
+    def __init__(
+        self, report: ErrorReport, manifest: dict[str, Any], summary: MaterializeSummary | None = None
+    ):
         super().__init__(report["error"])
         self.report, self.manifest, self.summary = report, manifest, summary
 
@@ -347,8 +351,13 @@ def _convert_parts(out: Path) -> int:
 
 def _input_fingerprints(cfg: PackConfig) -> list[dict[str, Any]]:
     return [
-        {"name": f.name, "path": str(f.path), "entry": f.entry, "bytes": f.path.stat().st_size,
-         "sha256": sha256_file(f.path)}
+        {
+            "name": f.name,
+            "path": str(f.path),
+            "entry": f.entry,
+            "bytes": f.path.stat().st_size,
+            "sha256": sha256_file(f.path),
+        }
         for f in source_files(cfg.source.paths)
     ]
 
@@ -393,7 +402,9 @@ def plan(cfg: PackConfig, out: Path) -> PlanSummary:
         rows.append(np.arange(len(pos), dtype=np.int32))
         lengths.append(table.column("length").to_numpy().astype(np.int64))
         converted_total += len(pos)
-        packed_by_file.update({v["values"]: v["counts"] for v in pc.value_counts(table.column("source")).to_pylist()})
+        packed_by_file.update(
+            {v["values"]: v["counts"] for v in pc.value_counts(table.column("source")).to_pylist()}
+        )
 
     position = np.concatenate(positions) if positions else np.zeros(0, np.int64)
     order = np.argsort(position, kind="stable")
@@ -403,8 +414,9 @@ def plan(cfg: PackConfig, out: Path) -> PlanSummary:
 
     p = cfg.packing
     if len(length):
-        order, offsets = plan_bins(length, p.max_length, algorithm=p.algorithm, seed=p.seed,
-                                   partial_threshold=p.partial_threshold)
+        order, offsets = plan_bins(
+            length, p.max_length, algorithm=p.algorithm, seed=p.seed, partial_threshold=p.partial_threshold
+        )
     else:
         order, offsets = np.zeros(0, np.int64), np.zeros(1, np.int64)
     sequences = len(offsets) - 1
@@ -461,8 +473,12 @@ def plan(cfg: PackConfig, out: Path) -> PlanSummary:
     }
     atomic_write_json(
         summary_path,
-        {"summary": summary, "convert_workers": count, "inputs": _input_fingerprints(cfg),
-         "rejects_sha256": sha256_file(out / REJECTS)},
+        {
+            "summary": summary,
+            "convert_workers": count,
+            "inputs": _input_fingerprints(cfg),
+            "rejects_sha256": sha256_file(out / REJECTS),
+        },
     )
     return summary
 
@@ -475,8 +491,10 @@ def _rejects_in_order(
     materialize's `late` rejects, merged streaming. Global positions make the order independent of
     the number of workers."""
     with contextlib.ExitStack() as stack:
-        files = [stack.enter_context((work / "convert" / f"rejects-{_part_name(i, count)}.jsonl").open("rb"))
-                 for i in range(count)]
+        files = [
+            stack.enter_context((work / "convert" / f"rejects-{_part_name(i, count)}.jsonl").open("rb"))
+            for i in range(count)
+        ]
         streams = [(json.loads(line) for line in fh if line.strip()) for fh in files]
         yield heapq.merge(*streams, sorted(late, key=lambda r: r["position"]), key=lambda r: r["position"])
 
@@ -574,8 +592,10 @@ def _build_shard(
     seq_of = np.repeat(np.arange(len(seq_off) - 1), np.diff(seq_off))
     children = dict(zip([f.name for f in flat_media.type], flat_media.flatten(), strict=True))
     refs = pa.StructArray.from_arrays(
-        [pa.array(media_of - seq_off[seq_of[media_of]], pa.int32()),
-         *(children[f.name] for f in MEDIA_REF if f.name != "sample")],
+        [
+            pa.array(media_of - seq_off[seq_of[media_of]], pa.int32()),
+            *(children[f.name] for f in MEDIA_REF if f.name != "sample"),
+        ],
         fields=list(MEDIA_REF),
     )
     table = pa.Table.from_arrays(
@@ -627,7 +647,9 @@ def _drop_undecodable(
     for sample, key in zip(media_of.tolist(), keys, strict=True):
         if key in bad:
             first_bad.setdefault(sample, bad[key])
-    dropped = samples.filter(pa.array(broken)).select(["position", "source", "index", "sample_id"]).to_pylist()
+    dropped = (
+        samples.filter(pa.array(broken)).select(["position", "source", "index", "sample_id"]).to_pylist()
+    )
     rejects = [
         _reject_row(Reject(r["source"], r["index"], r["sample_id"], err.reason, err.detail), r["position"])
         for r, err in zip(dropped, (first_bad[i] for i in np.flatnonzero(broken).tolist()), strict=True)
@@ -677,7 +699,9 @@ def materialize(
         # Mapped per shard and unmapped after it: a map kept for the whole stage keeps every page a
         # shard touched resident, so a worker's RSS grew with the pack (2.3 GiB at 100k samples).
         part_tables = {
-            part: read_table(work / "convert" / f"part-{_part_name(part, plan_info['convert_workers'])}.arrow")
+            part: read_table(
+                work / "convert" / f"part-{_part_name(part, plan_info['convert_workers'])}.arrow"
+            )
             for part in np.unique(plan_rows.column("parts").combine_chunks().flatten().to_numpy()).tolist()
         }
         sequences, media, rejects = _build_shard(cfg, plan_rows, part_tables, work / EMBEDDED_DIR)
@@ -689,8 +713,9 @@ def materialize(
         written += 1
         if progress is not None:
             progress(1)
-    rejected = sum(len(json.loads((work / "shards" / f"{s:05d}.json").read_text()).get(SHARD_REJECTS, []))
-                   for s in mine)
+    rejected = sum(
+        len(json.loads((work / "shards" / f"{s:05d}.json").read_text()).get(SHARD_REJECTS, [])) for s in mine
+    )
     summary: MaterializeSummary = {
         "stage": "materialize",
         "index": index,
@@ -747,8 +772,10 @@ def finalize(cfg: PackConfig, out: Path) -> dict[str, Any] | None:
     reasons = Counter(summary["rejected_by_reason"])
     sources = json.loads(json.dumps(summary.get("sources", {})))
     if late:
-        with _rejects_in_order(_work(out), plan_info["convert_workers"], late) as rejects, \
-                atomic_writer(out / REJECTS) as f:
+        with (
+            _rejects_in_order(_work(out), plan_info["convert_workers"], late) as rejects,
+            atomic_writer(out / REJECTS) as f,
+        ):
             for r in rejects:
                 f.write(_reject_line(r))
         rejects_sha256 = sha256_file(out / REJECTS)
@@ -826,5 +853,3 @@ def _shard_totals(out: Path, entry: dict[str, Any]) -> tuple[int, int]:
     tokens = int(pc.sum(table.column("seq_lens").combine_chunks().flatten()).as_py() or 0)
     labels = table.column("labels").combine_chunks().flatten()
     return tokens, int(pc.sum(pc.not_equal(labels, IGNORE_INDEX).cast(pa.int64())).as_py() or 0)
-
-

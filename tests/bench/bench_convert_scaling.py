@@ -35,9 +35,25 @@ def convert_wall_seconds(data: Path, out: Path, workers: int) -> float:
     start = time.perf_counter()
     procs = [
         subprocess.Popen(
-            [str(exe), "pack", "convert", "--input", str(data), "--model", str(MODEL), "--max-length", "8192",
-             "-o", str(out), "--index", str(i), "--count", str(workers)],
-            stdout=subprocess.DEVNULL, env=env,
+            [
+                str(exe),
+                "pack",
+                "convert",
+                "--input",
+                str(data),
+                "--model",
+                str(MODEL),
+                "--max-length",
+                "8192",
+                "-o",
+                str(out),
+                "--index",
+                str(i),
+                "--count",
+                str(workers),
+            ],
+            stdout=subprocess.DEVNULL,
+            env=env,
         )
         for i in range(workers)
     ]
@@ -52,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--samples", type=int, default=3000)
-    ap.add_argument("--repeats", type=int, default=3, help="best wall time of this many runs per worker count")
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="best wall time of this many runs per worker count"
+    )
     args = ap.parse_args(argv)
     n = min(args.samples, 200) if args.quick else args.samples
     rows = []
@@ -61,11 +79,14 @@ def main(argv: list[str] | None = None) -> int:
         base = None
         for w in args.workers:
             wall = min(
-                convert_wall_seconds(data, Path(tmp) / f"out{w}-{r}", w) for r in range(1 if args.quick else args.repeats)
+                convert_wall_seconds(data, Path(tmp) / f"out{w}-{r}", w)
+                for r in range(1 if args.quick else args.repeats)
             )
             base = base or wall * args.workers[0]
             speedup = base / wall
-            rows.append({"workers": w, "samples": n, "wall_s": wall, "speedup": speedup, "efficiency": speedup / w})
+            rows.append(
+                {"workers": w, "samples": n, "wall_s": wall, "speedup": speedup, "efficiency": speedup / w}
+            )
     print(f"{'workers':>8}{'samples':>9}{'speedup':>9}{'efficiency':>12}")
     for r in rows:
         print(f"{r['workers']:>8}{r['samples']:>9}{r['speedup']:>9.2f}{r['efficiency']:>12.2f}")

@@ -50,7 +50,9 @@ CASES: dict[str, list[str]] = {
 
 
 def _kib(field: str, path: str = "/proc/self/status") -> int:
-    return int(next(line.split()[1] for line in Path(path).read_text().splitlines() if line.startswith(field)))
+    return int(
+        next(line.split()[1] for line in Path(path).read_text().splitlines() if line.startswith(field))
+    )
 
 
 def _patches(row: dict[str, Any]) -> int:
@@ -136,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     return run_cases(args, CASES, "none", "freeze", __file__, "bench_freeze_memory")
 
 
-def run_cases(args: argparse.Namespace, cases: Sequence[str], base: str, label: str, script: str,
-              name: str) -> int:
+def run_cases(
+    args: argparse.Namespace, cases: Sequence[str], base: str, label: str, script: str, name: str
+) -> int:
     """Each (shape, case) in a child process of `script`, a table of peak RSS and the growth saved
     against the `base` case, and the rows as JSON (shared with bench_lora_memory)."""
     rows: list[dict[str, Any]] = []

@@ -100,5 +100,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     return freeze_bench.run_cases(args, cases, "full", "case", __file__, "bench_lora_memory")
 
+
 if __name__ == "__main__":
     sys.exit(main())

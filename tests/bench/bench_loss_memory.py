@@ -57,7 +57,9 @@ def estimate_bytes(method: str, tokens: int, labelled: int, vocab: int, hidden: 
     return 4 * (buffers * rows * vocab + 2 * vocab * hidden + 4 * tokens * hidden)
 
 
-def _child(method: str, tokens: int, fraction: float, vocab: int, hidden: int, chunk: int, threads: int) -> None:
+def _child(
+    method: str, tokens: int, fraction: float, vocab: int, hidden: int, chunk: int, threads: int
+) -> None:
     import torch
     import torch.nn.functional as F
 
@@ -88,16 +90,29 @@ def _child(method: str, tokens: int, fraction: float, vocab: int, hidden: int, c
     loss.backward()
     seconds = time.perf_counter() - start
     peak = _status_kib("VmHWM")
-    print(json.dumps({"peak_kib": peak, "growth_kib": peak - before, "seconds": seconds,
-                      "labelled": labelled, "loss": loss.item()}))
+    print(
+        json.dumps(
+            {
+                "peak_kib": peak,
+                "growth_kib": peak - before,
+                "seconds": seconds,
+                "labelled": labelled,
+                "loss": loss.item(),
+            }
+        )
+    )
 
 
-def measure(method: str, tokens: int, fraction: float, vocab: int, hidden: int, chunk: int, threads: int) -> dict:
+def measure(
+    method: str, tokens: int, fraction: float, vocab: int, hidden: int, chunk: int, threads: int
+) -> dict:
     """One case in a fresh interpreter (so no earlier case's memory is reused or counted)."""
     args = [method, tokens, fraction, vocab, hidden, chunk, threads]
     proc = subprocess.run(
         [sys.executable, __file__, "--child", *map(str, args)],
-        capture_output=True, text=True, timeout=3600,
+        capture_output=True,
+        text=True,
+        timeout=3600,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"{method} case failed:\n{proc.stderr[-2000:]}")
@@ -113,28 +128,48 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=1024, help="lossChunkTokens of the chunked case")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    ap.add_argument("--memory-share", type=float, default=0.8,
-                    help="skip a case whose estimated peak exceeds this share of MemAvailable")
+    ap.add_argument(
+        "--memory-share",
+        type=float,
+        default=0.8,
+        help="skip a case whose estimated peak exceeds this share of MemAvailable",
+    )
     ap.add_argument("--results-dir", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
 
     rows: list[dict] = []
-    print(f"{args.tokens} tokens, vocabulary {args.vocab}, chunk {args.chunk}, fp32 on CPU, {args.threads} threads")
+    print(
+        f"{args.tokens} tokens, vocabulary {args.vocab}, chunk {args.chunk}, fp32 on CPU, {args.threads} threads"
+    )
     print(f"{'hidden':>6} {'labels':>6} {'method':>8} {'peak MiB':>9} {'growth MiB':>10} {'seconds':>8}")
     for hidden in args.hidden:
         for fraction in args.fractions:
             for method in args.methods:
-                row = {"hidden": hidden, "fraction": fraction, "method": method, "tokens": args.tokens,
-                       "vocab": args.vocab, "chunk": args.chunk}
-                need = estimate_bytes(method, args.tokens, round(fraction * args.tokens), args.vocab, hidden,
-                                      args.chunk)
+                row = {
+                    "hidden": hidden,
+                    "fraction": fraction,
+                    "method": method,
+                    "tokens": args.tokens,
+                    "vocab": args.vocab,
+                    "chunk": args.chunk,
+                }
+                need = estimate_bytes(
+                    method, args.tokens, round(fraction * args.tokens), args.vocab, hidden, args.chunk
+                )
                 if need > args.memory_share * _available_bytes():
-                    row["skipped"] = f"needs ~{need / MIB:.0f} MiB, {_available_bytes() / MIB:.0f} MiB available"
+                    row["skipped"] = (
+                        f"needs ~{need / MIB:.0f} MiB, {_available_bytes() / MIB:.0f} MiB available"
+                    )
                     print(f"{hidden:>6} {fraction:>6.2f} {method:>8}  skipped: {row['skipped']}")
                 else:
-                    row.update(measure(method, args.tokens, fraction, args.vocab, hidden, args.chunk, args.threads))
-                    print(f"{hidden:>6} {fraction:>6.2f} {method:>8} {row['peak_kib'] / 1024:>9.0f} "
-                          f"{row['growth_kib'] / 1024:>10.0f} {row['seconds']:>8.1f}", flush=True)
+                    row.update(
+                        measure(method, args.tokens, fraction, args.vocab, hidden, args.chunk, args.threads)
+                    )
+                    print(
+                        f"{hidden:>6} {fraction:>6.2f} {method:>8} {row['peak_kib'] / 1024:>9.0f} "
+                        f"{row['growth_kib'] / 1024:>10.0f} {row['seconds']:>8.1f}",
+                        flush=True,
+                    )
                 rows.append(row)
     _ratios(rows)
     args.results_dir.mkdir(parents=True, exist_ok=True)
@@ -155,8 +190,10 @@ def _ratios(rows: list[dict]) -> None:
             if same and other["method"] != "chunked" and "skipped" not in other:
                 ratio = other["growth_kib"] / row["growth_kib"]
                 row[f"growth_{other['method']}_over_chunked"] = ratio
-                print(f"  hidden {row['hidden']}, labels {row['fraction']:.2f}: {other['method']} / chunked "
-                      f"= {ratio:.2f}x")
+                print(
+                    f"  hidden {row['hidden']}, labels {row['fraction']:.2f}: {other['method']} / chunked "
+                    f"= {ratio:.2f}x"
+                )
 
 
 if __name__ == "__main__":

@@ -66,7 +66,9 @@ def _parquet_twin(jsonl: Path, out: Path, row_group: int) -> Path:
     rows = []
     for line in jsonl.read_text().splitlines():
         rec = json.loads(line)
-        images = [{"bytes": (jsonl.parent / p).read_bytes(), "path": Path(p).name} for p in rec.get("images", [])]
+        images = [
+            {"bytes": (jsonl.parent / p).read_bytes(), "path": Path(p).name} for p in rec.get("images", [])
+        ]
         rows.append({"messages": rec["messages"], "images": images})
     pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), out, row_group_size=row_group)
     return out
@@ -79,9 +81,13 @@ def _big_file(path: Path, mib: int, group: int = 128) -> Path:
             n = min(group, mib - start)
             writer.write_table(
                 pa.table(
-                    {"messages": pa.array([[{"role": "user", "content": "x"}]] * n, SCHEMA.field(0).type),
-                     "images": pa.array([[{"bytes": os.urandom(1 << 20), "path": None}] for _ in range(n)],
-                                        pa.list_(IMAGE))}
+                    {
+                        "messages": pa.array([[{"role": "user", "content": "x"}]] * n, SCHEMA.field(0).type),
+                        "images": pa.array(
+                            [[{"bytes": os.urandom(1 << 20), "path": None}] for _ in range(n)],
+                            pa.list_(IMAGE),
+                        ),
+                    }
                 ),
                 row_group_size=group,
             )
@@ -90,8 +96,11 @@ def _big_file(path: Path, mib: int, group: int = 128) -> Path:
 
 def _convert_seconds(data: Path, work: Path) -> tuple[float, dict[str, Any]]:
     cfg = PackConfig.model_validate(
-        {"source": {"paths": [str(data)]}, "model": {"path": str(MODEL), "maxPixels": 401_408},
-         "packing": {"maxLength": 8192}}
+        {
+            "source": {"paths": [str(data)]},
+            "model": {"path": str(MODEL), "maxPixels": 401_408},
+            "packing": {"maxLength": 8192},
+        }
     )
     shutil.rmtree(work, ignore_errors=True)
     from packtrain.packer.tokenize import SampleTokenizer
@@ -106,8 +115,9 @@ def _convert_seconds(data: Path, work: Path) -> tuple[float, dict[str, Any]]:
 
 
 def _peak_rss(mode: str, path: Path) -> tuple[int, float]:
-    done = subprocess.run([sys.executable, "-c", _READ_CHILD, mode, str(path)], capture_output=True, text=True,
-                          check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _READ_CHILD, mode, str(path)], capture_output=True, text=True, check=True
+    )
     n, kib = done.stdout.split()
     return int(n), int(kib) / 2**20
 
@@ -124,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         args.samples, args.rounds, args.big_mib = 200, 1, 64
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        jsonl = generate_dataset(tmp / "synth", args.samples, seed=0, image_frac=0.3, video_frac=0.0, media_pool=64)
+        jsonl = generate_dataset(
+            tmp / "synth", args.samples, seed=0, image_frac=0.3, video_frac=0.0, media_pool=64
+        )
         parquet = _parquet_twin(jsonl, tmp / "synth.parquet", row_group=256)
         best: dict[str, float] = {}
         summaries: dict[str, dict[str, Any]] = {}
@@ -141,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     rate = {k: args.samples / v for k, v in best.items()}
     result = {
         "meta": {"samples": args.samples, "image_frac": 0.3, "rounds": args.rounds, "row_group_rows": 256},
-        "convert": {k: {"cpu_seconds": round(best[k], 3), "samples_per_cpu_second": round(rate[k], 1)} for k in best},
+        "convert": {
+            k: {"cpu_seconds": round(best[k], 3), "samples_per_cpu_second": round(rate[k], 1)} for k in best
+        },
         "parquet_vs_jsonl": round(rate["parquet"] / rate["jsonl"], 3),
         "read_large_file": {
             "file_mib": args.big_mib,
@@ -155,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k:10} {best[k]:8.2f} {rate[k]:14.1f}")
     print(f"Parquet / JSONL convert rate: {result['parquet_vs_jsonl']:.3f}")
     print(f"reading a {args.big_mib} MiB Parquet file ({streamed[0]} rows of 1 MiB, row groups of 128):")
-    print(f"  iter_records peak RSS {streamed[1]:.3f} GiB; pyarrow read_table (whole file) {whole[1]:.3f} GiB")
+    print(
+        f"  iter_records peak RSS {streamed[1]:.3f} GiB; pyarrow read_table (whole file) {whole[1]:.3f} GiB"
+    )
     args.results_dir.mkdir(parents=True, exist_ok=True)
     name = "bench_parquet.quick.json" if args.quick else "bench_parquet.json"
     (args.results_dir / name).write_text(json.dumps(result, indent=1) + "\n")

@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                 "source": f"{w}x{h}",
                 "target": f"{tw}x{th}",
                 "numpy_ms": 1000 * _best(lambda: _numpy_resize(pixels, th, tw), args.repeat),  # noqa: B023
-                "pil_ms": 1000 * _best(
+                "pil_ms": 1000
+                * _best(
                     lambda: Image.fromarray(pixels).resize((tw, th), Image.Resampling.BICUBIC),  # noqa: B023
                     args.repeat,
                 ),
@@ -71,11 +72,15 @@ def main(argv: list[str] | None = None) -> int:
                 "pil_max_diff": int(np.abs(pil.astype(int) - ref.astype(int)).max()),
             }
         )
-    print(f"{'source':>10} {'target':>10} {'numpy ms':>9} {'PIL ms':>7} {'torchvision ms':>14} "
-          f"{'numpy == tv':>11} {'PIL max diff':>12}")
+    print(
+        f"{'source':>10} {'target':>10} {'numpy ms':>9} {'PIL ms':>7} {'torchvision ms':>14} "
+        f"{'numpy == tv':>11} {'PIL max diff':>12}"
+    )
     for r in rows:
-        print(f"{r['source']:>10} {r['target']:>10} {r['numpy_ms']:9.1f} {r['pil_ms']:7.1f} "
-              f"{r['torchvision_ms']:14.1f} {str(r['numpy_equal']):>11} {r['pil_max_diff']:12d}")
+        print(
+            f"{r['source']:>10} {r['target']:>10} {r['numpy_ms']:9.1f} {r['pil_ms']:7.1f} "
+            f"{r['torchvision_ms']:14.1f} {str(r['numpy_equal']):>11} {r['pil_max_diff']:12d}"
+        )
     args.results_dir.mkdir(parents=True, exist_ok=True)
     meta = {"threads": 1, "repeat": args.repeat, "baseline": "PIL bicubic (previous resized-mode resize)"}
     (args.results_dir / "bench_pixels.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -48,8 +48,17 @@ def video_bomb(frames: int = 120, side: int = 2048) -> bytes:
 def _ref(frames: int) -> dict:
     """A media ref as the packer writes it: every frame sampled, resized to 4 x 4 merged patches."""
     side = 4 * 28
-    return {"kind": "video", "key": "bomb", "height": side, "width": side, "frames": list(range(frames)),
-            "grid_t": (frames + 1) // 2, "grid_h": side // 14, "grid_w": side // 14, "second_per_grid": 1.0}
+    return {
+        "kind": "video",
+        "key": "bomb",
+        "height": side,
+        "width": side,
+        "frames": list(range(frames)),
+        "grid_t": (frames + 1) // 2,
+        "grid_h": side // 14,
+        "grid_w": side // 14,
+        "second_per_grid": 1.0,
+    }
 
 
 def _status_kib(field: str) -> int:
@@ -67,7 +76,9 @@ def _child(mode: str, path: str) -> None:
     before = _status_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     if mode == "stacked":
-        pixels = video_pixels_from_frames(decode_video_frames(data, ref["frames"]), ref["height"], ref["width"], spec)
+        pixels = video_pixels_from_frames(
+            decode_video_frames(data, ref["frames"]), ref["height"], ref["width"], spec
+        )
     else:
         pixels = media_pixels({"kind": "video", "encoding": "original", "data": data}, ref, spec)
     after = _status_kib("VmHWM")
@@ -78,7 +89,10 @@ def measure(path: Path, mode: str, frames: int) -> dict:
     """Run one decode in a fresh interpreter; returns its peak RSS and growth over the decode (KiB)."""
     proc = subprocess.run(
         [sys.executable, __file__, "--child", mode, str(path), str(frames)],
-        capture_output=True, text=True, timeout=600, check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
     )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -95,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{path}: {path.stat().st_size} bytes, {args.frames} frames of {args.side}x{args.side}")
     for mode in ("stacked", "streamed") if args.mode == "both" else (args.mode,):
         r = measure(path, mode, args.frames)
-        print(f"{mode:9s} peak RSS {r['peak_kib'] / 1024:8.0f} MiB, growth over the decode "
-              f"{r['growth_kib'] / 1024:8.0f} MiB, patches {r['patches']}")
+        print(
+            f"{mode:9s} peak RSS {r['peak_kib'] / 1024:8.0f} MiB, growth over the decode "
+            f"{r['growth_kib'] / 1024:8.0f} MiB, patches {r['patches']}"
+        )
     return 0
 
 

@@ -160,9 +160,7 @@ def draw_samples(n: int, seed: int, max_length: int, fam: Any, vision_start: int
             hh, ww = synth.smart_resize(
                 np.array([h]), np.array([w]), synth.VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS
             )
-            grids.append(
-                ("video", frames // tp, int(hh[0]) // patch, int(ww[0]) // patch)
-            )
+            grids.append(("video", frames // tp, int(hh[0]) // patch, int(ww[0]) // patch))
         vision = sum(t * (h // merge) * (w // merge) + 2 for _, t, h, w in grids)
         if length + vision > max_length:
             continue
@@ -184,8 +182,7 @@ def draw_samples(n: int, seed: int, max_length: int, fam: Any, vision_start: int
                 "sample_ids": [f"synth-{len(samples)}"],
                 "media": media,
                 "pixels": [
-                    torch.randn(t * h * w, 3 * tp * patch * patch, generator=gen)
-                    for _, t, h, w in grids
+                    torch.randn(t * h * w, 3 * tp * patch * patch, generator=gen) for _, t, h, w in grids
                 ],
             }
         )

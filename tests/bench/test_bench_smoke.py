@@ -114,7 +114,9 @@ def test_gpu_bench_batches_are_the_trainers(shared_dir: Path) -> None:
                 assert value == trainers[key], key
 
 
-def test_bench_train_options_quick(shared_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_train_options_quick(
+    shared_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert load("bench_train_options").main(["--quick", "--results-dir", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "bench_train_options.quick.json").read_text())["rows"]
     assert [r["config"] for r in rows] == ["baseline", "activation+vision_checkpointing"]
@@ -123,23 +125,35 @@ def test_bench_train_options_quick(shared_dir: Path, tmp_path: Path, capsys: pyt
     assert "peak RSS" in capsys.readouterr().out
 
 
-def test_bench_freeze_memory_quick(shared_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_freeze_memory_quick(
+    shared_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert load("bench_freeze_memory").main(["--quick", "--results-dir", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "bench_freeze_memory.quick.json").read_text())["rows"]
     assert [r["case"] for r in rows] == ["none", "vision", "vision+merger", "llm"]
     assert len({r["trainable_params"] + r["frozen_params"] for r in rows}) == 1
-    assert rows[0]["frozen_params"] == 0 < rows[1]["frozen_params"] < rows[2]["frozen_params"] < rows[3]["frozen_params"]
+    assert (
+        rows[0]["frozen_params"]
+        == 0
+        < rows[1]["frozen_params"]
+        < rows[2]["frozen_params"]
+        < rows[3]["frozen_params"]
+    )
     assert len({r["losses"][0] for r in rows}) == 1  # freezing changes what trains, not the forward
     assert "growth saved" in capsys.readouterr().out
 
 
-def test_bench_lora_memory_quick(shared_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_lora_memory_quick(
+    shared_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert load("bench_lora_memory").main(["--quick", "--results-dir", str(tmp_path)]) == 0
     full, lora = json.loads((tmp_path / "bench_lora_memory.quick.json").read_text())["rows"]
     assert (full["case"], lora["case"]) == ("full", "lora-r16")
     assert full["frozen_params"] == 0 and lora["frozen_params"] == full["trainable_params"]
     assert 0 < lora["trainable_params"] < full["trainable_params"] // 100
-    assert full["losses"] == lora["losses"]  # adapters start with B = 0: the first forward is the base model's
+    assert (
+        full["losses"] == lora["losses"]
+    )  # adapters start with B = 0: the first forward is the base model's
     assert lora["growth_gib"] < full["growth_gib"]
     assert "growth saved" in capsys.readouterr().out
 

@@ -39,19 +39,33 @@ def load_all(text: str) -> list[Manifest]:
     return [doc for doc in yaml.load_all(text, Loader=KubeYamlLoader) if doc]
 
 
-def render_files(values: dict[str, Any] | None = None, *, release: str = RELEASE,
-                 namespace: str = NAMESPACE, chart: Path | str = CHART) -> dict[str, str]:
+def render_files(
+    values: dict[str, Any] | None = None,
+    *,
+    release: str = RELEASE,
+    namespace: str = NAMESPACE,
+    chart: Path | str = CHART,
+) -> dict[str, str]:
     """`helm template`: template path → rendered text (NOTES.txt included)."""
     with helm_python.Chart.load(chart) as loaded:
         return loaded.render(values, name=release, namespace=namespace, is_install=True)
 
 
-def render(values: dict[str, Any] | None = None, *, release: str = RELEASE,
-           namespace: str = NAMESPACE, chart: Path | str = CHART) -> list[Manifest]:
+def render(
+    values: dict[str, Any] | None = None,
+    *,
+    release: str = RELEASE,
+    namespace: str = NAMESPACE,
+    chart: Path | str = CHART,
+) -> list[Manifest]:
     """The objects the chart renders for `values`, in template order."""
     files = render_files(values, release=release, namespace=namespace, chart=chart)
-    return [doc for path, text in sorted(files.items()) if not path.endswith("NOTES.txt")
-            for doc in load_all(text)]
+    return [
+        doc
+        for path, text in sorted(files.items())
+        if not path.endswith("NOTES.txt")
+        for doc in load_all(text)
+    ]
 
 
 def notes(values: dict[str, Any] | None = None, *, release: str = RELEASE, namespace: str = NAMESPACE) -> str:
@@ -61,8 +75,9 @@ def notes(values: dict[str, Any] | None = None, *, release: str = RELEASE, names
 
 def lint(values: dict[str, Any] | None = None, *, namespace: str = NAMESPACE) -> dict[str, Any]:
     """`helm lint --strict` against the cluster's Kubernetes version."""
-    return helm_python.lint(CHART, values, strict=True, namespace=namespace,
-                            kube_version=f"v{KUBE_VERSION}.0")
+    return helm_python.lint(
+        CHART, values, strict=True, namespace=namespace, kube_version=f"v{KUBE_VERSION}.0"
+    )
 
 
 def package(destination: Path) -> Path:
@@ -70,15 +85,22 @@ def package(destination: Path) -> Path:
     return Path(helm_python.package(CHART, destination=destination))
 
 
-def helm_install(kubeconfig: str | Path, release: str, namespace: str,
-                 values: dict[str, Any] | None = None, *, timeout: int = 120) -> dict[str, Any]:
+def helm_install(
+    kubeconfig: str | Path,
+    release: str,
+    namespace: str,
+    values: dict[str, Any] | None = None,
+    *,
+    timeout: int = 120,
+) -> dict[str, Any]:
     """`helm install --create-namespace` of charts/packtrain; returns the release (with its manifest).
 
     Nothing is waited for: the cluster may run no kubelet, so the operator pod may never start.
     """
     with helm_python.Config(kubeconfig_path=str(kubeconfig), namespace=namespace) as config:
-        release_info = config.install(CHART, release, values, namespace=namespace,
-                                      create_namespace=True, timeout=timeout)
+        release_info = config.install(
+            CHART, release, values, namespace=namespace, create_namespace=True, timeout=timeout
+        )
     return dict(release_info)
 
 

@@ -87,9 +87,17 @@ def test_the_chart_defaults_are_the_operators() -> None:
     assert f"k.startsWith('{policy.HUGEPAGES_PREFIX}')" in resources
 
 
-IMAGES = ["registry.example.com/ml/trainer:2", "registry.example.com/ml/a/b@sha256:ab", "registry.example.com/x:1",
-          "registry.example.com/x:12", "registryXexample.com/x:1", "evil.io/registry.example.com/ml/x",
-          "ghcr.io/packtrain/packer:0.1.0", "ghcr.io/packtrain/packer:0.1.0-evil", "ghcr.io/packtrain/trainer:9"]
+IMAGES = [
+    "registry.example.com/ml/trainer:2",
+    "registry.example.com/ml/a/b@sha256:ab",
+    "registry.example.com/x:1",
+    "registry.example.com/x:12",
+    "registryXexample.com/x:1",
+    "evil.io/registry.example.com/ml/x",
+    "ghcr.io/packtrain/packer:0.1.0",
+    "ghcr.io/packtrain/packer:0.1.0-evil",
+    "ghcr.io/packtrain/trainer:9",
+]
 PATTERNS = ["registry.example.com/ml/*", "registry.example.com/x:?", "a+b(c)|[d]{e}^$.f"]
 
 
@@ -100,8 +108,11 @@ def test_image_regexes_agree_with_the_operator() -> None:
     rule = next(v["expression"] for v in vap["spec"]["validations"] if "variables.image" in v["expression"])
     regexes = json.loads(rule.split("|| ", 1)[1].rsplit(".exists", 1)[0])
     deployment = next(o for o in render(values) if o["kind"] == "Deployment")
-    env = {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
-           if "value" in e}
+    env = {
+        e["name"]: e["value"]
+        for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+        if "value" in e
+    }
     defaults = builders.OperatorDefaults.from_env(env)
     decided = {}
     for image in [*IMAGES, "a+b(c)|[d]{e}^$.f", "ab(c)|[d]{e}^$.f", "a+b(c)|[d]{e}^$xf"]:
@@ -109,7 +120,9 @@ def test_image_regexes_agree_with_the_operator() -> None:
         assert any(re.search(r, image) for r in regexes) is ours, image
         decided[image] = ours
     assert decided["registry.example.com/ml/a/b@sha256:ab"] and not decided["registry.example.com/x:12"]
-    assert decided["a+b(c)|[d]{e}^$.f"] and not decided["ab(c)|[d]{e}^$.f"] and not decided["a+b(c)|[d]{e}^$xf"]
+    assert (
+        decided["a+b(c)|[d]{e}^$.f"] and not decided["ab(c)|[d]{e}^$.f"] and not decided["a+b(c)|[d]{e}^$xf"]
+    )
 
 
 # On the local API server
@@ -124,8 +137,9 @@ def operator_defaults(release: dict[str, Any]) -> builders.OperatorDefaults:
 
 def apply(cluster: ControlPlane, namespace: str, doc: dict[str, Any]) -> tuple[bool, str]:
     """`kubectl apply --dry-run=server`: (accepted, kubectl's stderr)."""
-    proc = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-",
-                           input=yaml.safe_dump(doc), check=False)
+    proc = cluster.kubectl(
+        "apply", "--dry-run=server", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc), check=False
+    )
     return proc.returncode == 0, proc.stderr
 
 
@@ -135,15 +149,24 @@ def spec_of(doc: dict[str, Any]) -> PackJobSpec | SFTJobSpec:
 
 @pytest.mark.cluster
 def test_api_server_refuses_what_the_operator_refuses_with_the_same_message(
-        kube_cluster: ControlPlane, install: Callable[[dict[str, Any]], dict[str, Any]]) -> None:  # noqa: F811
+    kube_cluster: ControlPlane, install: Callable[[dict[str, Any]], dict[str, Any]]
+) -> None:  # noqa: F811
     strict_ns, open_ns = f"strict-{uuid.uuid4().hex[:6]}", f"open-{uuid.uuid4().hex[:6]}"
     for ns in (strict_ns, open_ns):
         kube_cluster.kubectl("create", "namespace", ns)
     try:
+
         def values(ns: str, allowed: dict[str, Any], crds: bool) -> dict[str, Any]:
-            return {"crds": {"install": crds}, "rbac": {"scope": "namespace"},
-                    "operator": {"watchNamespaces": [ns], "metricsPort": free_port(), "livenessPort": free_port()},
-                    "policy": allowed}
+            return {
+                "crds": {"install": crds},
+                "rbac": {"scope": "namespace"},
+                "operator": {
+                    "watchNamespaces": [ns],
+                    "metricsPort": free_port(),
+                    "livenessPort": free_port(),
+                },
+                "policy": allowed,
+            }
 
         strict = operator_defaults(install(values(strict_ns, BASE_POLICY, crds=True)))
         permissive = operator_defaults(install(values(open_ns, ALLOW_ALL, crds=False)))
@@ -151,7 +174,11 @@ def test_api_server_refuses_what_the_operator_refuses_with_the_same_message(
         # The policies take effect within moments of their creation; an image no value allows shows when.
         probe = manifest("PackJob", {"workers": {"image": "other.example.com/x:1"}}, name="probe")
         for ns in (strict_ns, open_ns):
-            wait_for(f"the admission policy of {ns}", lambda ns=ns: not apply(kube_cluster, ns, probe)[0], timeout=60)
+            wait_for(
+                f"the admission policy of {ns}",
+                lambda ns=ns: not apply(kube_cluster, ns, probe)[0],
+                timeout=60,
+            )
 
         # The quickstart needs nothing the default policy forbids.
         for doc in yaml.safe_load_all((REPO / "examples" / "quickstart.yaml").read_text()):
@@ -176,10 +203,13 @@ def test_api_server_refuses_what_the_operator_refuses_with_the_same_message(
 
 @pytest.mark.cluster
 def test_api_server_type_checks_the_policy_cleanly(
-        kube_cluster: ControlPlane, install: Callable[[dict[str, Any]], dict[str, Any]]) -> None:  # noqa: F811
+    kube_cluster: ControlPlane, install: Callable[[dict[str, Any]], dict[str, Any]]
+) -> None:  # noqa: F811
     """The API server checks each expression against the CRD schemas: a misspelt field would show here."""
     release = install({"operator": {"metricsPort": free_port(), "livenessPort": free_port()}})
-    name = next(o for o in manifest_objects(release) if o["kind"] == "ValidatingAdmissionPolicy")["metadata"]["name"]
+    name = next(o for o in manifest_objects(release) if o["kind"] == "ValidatingAdmissionPolicy")["metadata"][
+        "name"
+    ]
 
     def checked() -> dict[str, Any] | None:
         out = kube_cluster.kubectl("get", "validatingadmissionpolicy", name, "-o", "json").stdout

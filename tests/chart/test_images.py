@@ -48,9 +48,11 @@ IMAGE_PACKAGES = {
 
 # Imports an image may lack, with the reason no pod reaches them.
 NOT_IN_PODS: dict[str, dict[str, str]] = {
-    "packer": {"matplotlib": "`packtrain pack inspect --plot` (plot extra) is a workstation tool",
-               "torch": "packer.pixels calls torchvision's resize only where torch is already loaded (the trainer)",
-               "torchvision": "packer.pixels calls torchvision's resize only where torch is already loaded"},
+    "packer": {
+        "matplotlib": "`packtrain pack inspect --plot` (plot extra) is a workstation tool",
+        "torch": "packer.pixels calls torchvision's resize only where torch is already loaded (the trainer)",
+        "torchvision": "packer.pixels calls torchvision's resize only where torch is already loaded",
+    },
 }
 
 
@@ -84,8 +86,12 @@ def installed_extras(image: str) -> set[str]:
     pyproject with these extras) and the packtrain wheel with --no-deps."""
     runs = [a for w, a in instructions(image) if w == "RUN"]
     copies = [a for w, a in instructions(image) if w == "COPY"]
-    assert any(a.startswith(f"images/{image}/requirements.txt ") for a in copies), f"{image}: its lock is not copied"
-    assert sum("--require-hashes" in a and "-r /opt/packtrain/requirements.txt" in a for a in runs) == 1, image
+    assert any(a.startswith(f"images/{image}/requirements.txt ") for a in copies), (
+        f"{image}: its lock is not copied"
+    )
+    assert sum("--require-hashes" in a and "-r /opt/packtrain/requirements.txt" in a for a in runs) == 1, (
+        image
+    )
     assert sum("--no-deps" in a and "packtrain-*.whl" in a for a in runs) == 1, image
     return set(lock_module().IMAGE_EXTRAS[image])
 
@@ -116,8 +122,11 @@ def test_dockerfile_is_multistage_pinned_and_non_root(image: str) -> None:
         deployment = next(o for o in render() if o["kind"] == "Deployment")
         assert int(uid) == deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"]
     # The context is the repository root: everything is ignored but what the COPY lines read.
-    ignore = [ln for ln in (IMAGES / image / "Dockerfile.dockerignore").read_text().splitlines()
-              if ln.strip() and not ln.startswith("#")]
+    ignore = [
+        ln
+        for ln in (IMAGES / image / "Dockerfile.dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
     assert ignore[0] == "*"
     copied = {src for w, a in steps if w == "COPY" and "--from" not in a for src in a.split()[:-1]}
     assert copied and {f"!{src}" for src in copied} <= set(ignore), copied
@@ -143,7 +152,9 @@ def _wanted(req: Requirement, extras: set[str]) -> bool:
 def allowed_distributions(extras: frozenset[str], omit: frozenset[str] = frozenset()) -> frozenset[str]:
     """packtrain's dependencies with `extras` (less the core ones in `omit`), and theirs, as installed here."""
     project = PYPROJECT["project"]
-    todo = [Requirement(r) for r in project["dependencies"] if canonicalize_name(Requirement(r).name) not in omit]
+    todo = [
+        Requirement(r) for r in project["dependencies"] if canonicalize_name(Requirement(r).name) not in omit
+    ]
     for extra in extras:
         todo += [Requirement(r) for r in project["optional-dependencies"][extra]]
     seen: set[tuple[str, frozenset[str]]] = set()
@@ -193,7 +204,7 @@ def third_party_problem(module: str, allowed: frozenset[str]) -> str | None:
 def module_file(module: str) -> Path | None:
     for package, folder in sorted(PACKAGE_DIRS.items(), key=lambda kv: -len(kv[0])):
         if module == package or module.startswith(package + "."):
-            rel = module[len(package):].lstrip(".").replace(".", "/")
+            rel = module[len(package) :].lstrip(".").replace(".", "/")
             base = REPO / folder / rel if rel else REPO / folder
             for candidate in (base.with_suffix(".py") if rel else None, base / "__init__.py"):
                 if candidate is not None and candidate.is_file():
@@ -260,7 +271,9 @@ def package_modules(package: str) -> list[str]:
     return sorted(package if p.name == "__init__.py" else f"{package}.{p.stem}" for p in folder.glob("*.py"))
 
 
-def static_problems(roots: list[str], allowed: frozenset[str], exempt: frozenset[str] = frozenset()) -> list[str]:
+def static_problems(
+    roots: list[str], allowed: frozenset[str], exempt: frozenset[str] = frozenset()
+) -> list[str]:
     problems: list[str] = []
     seen: set[str] = set()
     todo = list(roots)
@@ -305,8 +318,14 @@ def test_static_check_sees_lazy_and_ignores_optional_imports(tmp_path: Path) -> 
         "from typing import TYPE_CHECKING\nimport json\n"
         "if TYPE_CHECKING:\n    import torch\n"
         "try:\n    import flash_attn\nexcept ImportError:\n    flash_attn = None\n"
-        "def f():\n    import kopf\n    from .sibling import x\n")
-    assert imports_of("packtrain.packer.m", source, lazy=True) == {"typing", "json", "kopf", "packtrain.packer.sibling"}
+        "def f():\n    import kopf\n    from .sibling import x\n"
+    )
+    assert imports_of("packtrain.packer.m", source, lazy=True) == {
+        "typing",
+        "json",
+        "kopf",
+        "packtrain.packer.sibling",
+    }
     assert imports_of("packtrain.packer.m", source, lazy=False) == {"typing", "json"}
     core = allowed_distributions(frozenset())
     assert third_party_problem("kopf", core) is not None
@@ -392,8 +411,13 @@ def run_in_image(image: str, argvs: list[list[str]]) -> list[str]:
     """Start each command as the image would (one interpreter), up to its parsed arguments;
     returns the packtrain modules loaded."""
     allowed = sorted(image_distributions(image))
-    proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(allowed), json.dumps(argvs)],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", RUNNER, json.dumps(allowed), json.dumps(argvs)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, f"{image}: {argvs} failed:\n{proc.stderr[-3000:]}"
     loaded: list[str] = json.loads(proc.stdout.strip().splitlines()[-1])
     return loaded
@@ -414,23 +438,36 @@ def _container_commands(obj: Any) -> list[list[str]]:
 
 
 def _pack_commands() -> list[list[str]]:
-    spec = PackJobSpec.model_validate({
-        "source": {"paths": ["/data/in.jsonl"]}, "model": {"path": "/models/m"}, "output": {"claimName": "out"}})
+    spec = PackJobSpec.model_validate(
+        {
+            "source": {"paths": ["/data/in.jsonl"]},
+            "model": {"path": "/models/m"},
+            "output": {"claimName": "out"},
+        }
+    )
     commands = []
     for stage in PACK_STAGES:
-        commands += _container_commands(builders.pack_job("p", "ml", spec, stage, builders.OperatorDefaults()))
+        commands += _container_commands(
+            builders.pack_job("p", "ml", spec, stage, builders.OperatorDefaults())
+        )
     return commands
 
 
 def _train_commands() -> list[list[str]]:
     commands = []
     for backend in ("pytorchjob", "trainjob"):
-        spec = SFTJobSpec.model_validate({
-            "data": {"path": "/data/pack"}, "model": {"path": "/models/m"}, "backend": backend,
-            "resources": {"nodes": 2, "gpusPerNode": 8},
-            "volumes": {"data": {"claimName": "data"}, "checkpoints": {"claimName": "ckpt"}}})
-        job = builders.training_job("t", "ml", spec, builders.data_source(spec, None, None),
-                                    builders.OperatorDefaults())
+        spec = SFTJobSpec.model_validate(
+            {
+                "data": {"path": "/data/pack"},
+                "model": {"path": "/models/m"},
+                "backend": backend,
+                "resources": {"nodes": 2, "gpusPerNode": 8},
+                "volumes": {"data": {"claimName": "data"}, "checkpoints": {"claimName": "ckpt"}},
+            }
+        )
+        job = builders.training_job(
+            "t", "ml", spec, builders.data_source(spec, None, None), builders.OperatorDefaults()
+        )
         commands += _container_commands(job)
     return commands
 
@@ -467,7 +504,17 @@ def test_operator_deployment_command_runs_in_the_operator_image() -> None:
 def test_runner_refuses_what_the_image_lacks() -> None:
     """The run-time check can fail: torch is not in the packer image."""
     allowed = sorted(allowed_distributions(frozenset()))
-    proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(allowed),
-                           json.dumps([["torchrun", "--standalone", "-m", "packtrain.operator.cli", "train"]])],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            RUNNER,
+            json.dumps(allowed),
+            json.dumps([["torchrun", "--standalone", "-m", "packtrain.operator.cli", "train"]]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert proc.returncode != 0 and "not installed in the image" in proc.stderr

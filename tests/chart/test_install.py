@@ -36,8 +36,14 @@ def adopt_crds(cluster: ControlPlane, release: str, namespace: str) -> None:
     """CRDs another test applied with kubectl: hand them to the release, as README.md describes."""
     for name in CRD_NAMES:
         if cluster.kubectl("get", "crd", name, check=False).returncode == 0:
-            cluster.kubectl("annotate", "--overwrite", "crd", name, f"meta.helm.sh/release-name={release}",
-                            f"meta.helm.sh/release-namespace={namespace}")
+            cluster.kubectl(
+                "annotate",
+                "--overwrite",
+                "crd",
+                name,
+                f"meta.helm.sh/release-name={release}",
+                f"meta.helm.sh/release-namespace={namespace}",
+            )
             cluster.kubectl("label", "--overwrite", "crd", name, "app.kubernetes.io/managed-by=Helm")
 
 
@@ -45,10 +51,14 @@ def service_account_kubeconfig(cluster: ControlPlane, namespace: str, account: s
     token = cluster.kubectl("create", "token", account, "-n", namespace, "--duration=1h").stdout.strip()
     admin = yaml.safe_load(cluster.kubeconfig.read_text())
     config = {
-        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "sa",
         "clusters": [{"name": "local", "cluster": admin["clusters"][0]["cluster"]}],
         "users": [{"name": account, "user": {"token": token}}],
-        "contexts": [{"name": "sa", "context": {"cluster": "local", "user": account, "namespace": namespace}}],
+        "contexts": [
+            {"name": "sa", "context": {"cluster": "local", "user": account, "namespace": namespace}}
+        ],
     }
     path.write_text(yaml.safe_dump(config))
     path.chmod(0o600)
@@ -60,7 +70,9 @@ def manifest_objects(release: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 @pytest.fixture
-def install(kube_cluster: ControlPlane, tmp_path: Path) -> Iterator[Callable[[dict[str, Any]], dict[str, Any]]]:
+def install(
+    kube_cluster: ControlPlane, tmp_path: Path
+) -> Iterator[Callable[[dict[str, Any]], dict[str, Any]]]:
     """Installs the chart once per test under a fresh release and namespace; uninstalls after."""
     installed: list[tuple[str, str]] = []
 
@@ -77,17 +89,25 @@ def install(kube_cluster: ControlPlane, tmp_path: Path) -> Iterator[Callable[[di
         kube_cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
-def run_operator(cluster: ControlPlane, deployment: dict[str, Any], kubeconfig: Path,
-                 log: Path) -> subprocess.Popen[bytes]:
+def run_operator(
+    cluster: ControlPlane, deployment: dict[str, Any], kubeconfig: Path, log: Path
+) -> subprocess.Popen[bytes]:
     """`packtrain operator` with the Deployment's arguments and environment, as its ServiceAccount."""
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
     env.update({e["name"]: e["value"] for e in container["env"] if "value" in e})
-    env.update(KUBECONFIG=str(kubeconfig), POD_NAMESPACE=deployment["metadata"]["namespace"],
-               HOME=str(log.parent))
+    env.update(
+        KUBECONFIG=str(kubeconfig), POD_NAMESPACE=deployment["metadata"]["namespace"], HOME=str(log.parent)
+    )
     packtrain = Path(sys.executable).with_name("packtrain")
-    return subprocess.Popen([str(packtrain), "operator", *container["args"]], env=env, cwd=REPO,
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [str(packtrain), "operator", *container["args"]],
+        env=env,
+        cwd=REPO,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -102,17 +122,27 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 def pack_job(name: str) -> dict[str, Any]:
     return {
-        "apiVersion": f"{GROUP}/{VERSION}", "kind": "PackJob", "metadata": {"name": name},
-        "spec": {"source": {"paths": ["/data/demo.json"]}, "model": {"path": "/models/qwen2-vl"},
-                 "output": {"claimName": "packs"}},
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "PackJob",
+        "metadata": {"name": name},
+        "spec": {
+            "source": {"paths": ["/data/demo.json"]},
+            "model": {"path": "/models/qwen2-vl"},
+            "output": {"claimName": "packs"},
+        },
     }
 
 
 def sft_job(name: str) -> dict[str, Any]:
     return {
-        "apiVersion": f"{GROUP}/{VERSION}", "kind": "SFTJob", "metadata": {"name": name},
-        "spec": {"data": {"path": "/data/packs/demo"}, "model": {"path": "/models/qwen2-vl"},
-                 "volumes": {"data": {"claimName": "packs"}, "checkpoints": {"claimName": "ckpt"}}},
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "SFTJob",
+        "metadata": {"name": name},
+        "spec": {
+            "data": {"path": "/data/packs/demo"},
+            "model": {"path": "/models/qwen2-vl"},
+            "volumes": {"data": {"claimName": "packs"}, "checkpoints": {"claimName": "ckpt"}},
+        },
     }
 
 
@@ -123,14 +153,20 @@ def phase(custom: client.CustomObjectsApi, plural: str, namespace: str, name: st
 
 @pytest.mark.parametrize("scope", ["cluster", "namespace"])
 def test_operator_works_with_the_chart_permissions(
-        kube_cluster: ControlPlane, install: Callable[[dict[str, Any]], dict[str, Any]], tmp_path: Path,
-        scope: str) -> None:
+    kube_cluster: ControlPlane,
+    install: Callable[[dict[str, Any]], dict[str, Any]],
+    tmp_path: Path,
+    scope: str,
+) -> None:
     work_ns = f"ml-{uuid.uuid4().hex[:6]}"
     kube_cluster.kubectl("create", "namespace", work_ns)
     values: dict[str, Any] = {"operator": {"metricsPort": free_port(), "livenessPort": free_port()}}
     if scope == "namespace":
-        values = {**values, "rbac": {"scope": "namespace"},
-                  "operator": {**values["operator"], "watchNamespaces": [work_ns]}}
+        values = {
+            **values,
+            "rbac": {"scope": "namespace"},
+            "operator": {**values["operator"], "watchNamespaces": [work_ns]},
+        }
     release = install(values)
     namespace = release["namespace"]
     objects = manifest_objects(release)
@@ -151,9 +187,20 @@ def test_operator_works_with_the_chart_permissions(
 
         def allowed(verb: str, group: str, resource: str, ns: str | None) -> bool:
             resource, _, sub = resource.partition("/")
-            review = auth.create_subject_access_review({"spec": {"user": user, "resourceAttributes": {
-                "verb": verb, "group": group, "resource": resource, "subresource": sub or None,
-                "namespace": ns}}})
+            review = auth.create_subject_access_review(
+                {
+                    "spec": {
+                        "user": user,
+                        "resourceAttributes": {
+                            "verb": verb,
+                            "group": group,
+                            "resource": resource,
+                            "subresource": sub or None,
+                            "namespace": ns,
+                        },
+                    }
+                }
+            )
             return bool(review.status.allowed)
 
         for rule in rbac.NAMESPACED_RULES:
@@ -164,9 +211,13 @@ def test_operator_works_with_the_chart_permissions(
         for rule in rbac.CLUSTER_RULES:
             for v in rule["verbs"]:
                 assert allowed(v, rule["apiGroups"][0], rule["resources"][0], None), rule
-        for verb, group, resource in [("get", "", "secrets"), ("delete", GROUP, "packjobs"),
-                                      ("create", "", "pods"), ("get", "", "pods/log"),
-                                      ("create", "rbac.authorization.k8s.io", "rolebindings")]:
+        for verb, group, resource in [
+            ("get", "", "secrets"),
+            ("delete", GROUP, "packjobs"),
+            ("create", "", "pods"),
+            ("get", "", "pods/log"),
+            ("create", "rbac.authorization.k8s.io", "rolebindings"),
+        ]:
             assert not allowed(verb, group, resource, work_ns), (verb, group, resource)
         if scope == "namespace":
             assert not allowed("list", GROUP, "packjobs", "default")
@@ -198,15 +249,28 @@ def test_operator_works_with_the_chart_permissions(
             pod_spec = jobs[0].spec.template.spec
             assert pod_spec.node_selector == {"packtrain.dev/pool": "cpu"}
             assert client.CoreV1Api(api).read_namespaced_config_map("pack-pack-config", work_ns)
-            wait_for("the PyTorchJob", lambda: custom.list_namespaced_custom_object(
-                "kubeflow.org", "v1", work_ns, "pytorchjobs")["items"])
+            wait_for(
+                "the PyTorchJob",
+                lambda: custom.list_namespaced_custom_object("kubeflow.org", "v1", work_ns, "pytorchjobs")[
+                    "items"
+                ],
+            )
         finally:
             stop(proc)
             # With the operator gone its finalizers would block deletion: drop them, so no
             # later test's operator finds these objects.
             for plural, name in (("packjobs", "pack"), ("sftjobs", "sft")):
-                kube_cluster.kubectl("patch", plural, name, "-n", work_ns, "--type=merge",
-                                     "-p", '{"metadata":{"finalizers":null}}', check=False)
+                kube_cluster.kubectl(
+                    "patch",
+                    plural,
+                    name,
+                    "-n",
+                    work_ns,
+                    "--type=merge",
+                    "-p",
+                    '{"metadata":{"finalizers":null}}',
+                    check=False,
+                )
             kube_cluster.kubectl("delete", "namespace", work_ns, "--wait=false", check=False)
         text = log.read_text()
         assert "Forbidden" not in text and " 403" not in text, text[-4000:]
@@ -221,7 +285,9 @@ def test_helm3_lints_and_renders_like_the_sdk(kube_cluster: ControlPlane, tmp_pa
         values_file.write_text(yaml.safe_dump(values))
         lint = kube_cluster.helm("lint", "--strict", str(CHART), "-f", str(values_file))
         assert "0 chart(s) failed" in lint.stdout and "[WARNING]" not in lint.stdout, lint.stdout
-        out = kube_cluster.helm("template", RELEASE, str(CHART), "-n", NAMESPACE, "-f", str(values_file)).stdout
+        out = kube_cluster.helm(
+            "template", RELEASE, str(CHART), "-n", NAMESPACE, "-f", str(values_file)
+        ).stdout
 
         def key(obj: dict[str, Any]) -> tuple[str, str, str]:
             return obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"]

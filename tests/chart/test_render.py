@@ -47,30 +47,59 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "crds": {"keep": False, "annotations": {"example.com/owner": "ml"}},
         "image": {"repository": "registry.example.com/pt/operator", "tag": "1.2.3", "pullPolicy": "Always"},
         "imagePullSecrets": [{"name": "regcred"}],
-        "workloadImages": {"packer": {"repository": "registry.example.com/pt/packer", "tag": "1.2.3"},
-                           "trainer": {"repository": "registry.example.com/pt/trainer", "tag": "1.2.3-cu128"}},
-        "pools": {"cpu": {"nodeSelector": {"pool": "batch"},
-                          "tolerations": [{"key": "batch", "operator": "Exists", "effect": "NoSchedule"}]},
-                  "gpu": {"nodeSelector": {"gpu": "h100"}, "tolerations": []}},
-        "operator": {"watchNamespaces": ["ml"], "metricsPort": 9090, "livenessPort": 9091,
-                     "verbose": True, "extraEnv": [{"name": "EXTRA", "value": "1"}],
-                     "deadlines": {"trainingStallSeconds": 600, "trainingStallFailSeconds": 0}},
+        "workloadImages": {
+            "packer": {"repository": "registry.example.com/pt/packer", "tag": "1.2.3"},
+            "trainer": {"repository": "registry.example.com/pt/trainer", "tag": "1.2.3-cu128"},
+        },
+        "pools": {
+            "cpu": {
+                "nodeSelector": {"pool": "batch"},
+                "tolerations": [{"key": "batch", "operator": "Exists", "effect": "NoSchedule"}],
+            },
+            "gpu": {"nodeSelector": {"gpu": "h100"}, "tolerations": []},
+        },
+        "operator": {
+            "watchNamespaces": ["ml"],
+            "metricsPort": 9090,
+            "livenessPort": 9091,
+            "verbose": True,
+            "extraEnv": [{"name": "EXTRA", "value": "1"}],
+            "deadlines": {"trainingStallSeconds": 600, "trainingStallFailSeconds": 0},
+        },
         "serviceAccount": {"name": "pt-operator", "annotations": {"iam.example.com/role": "pt"}},
         "podAnnotations": {"example.com/scrape": "false"},
         "podLabels": {"team": "ml"},
         "nodeSelector": {"kubernetes.io/os": "linux"},
         "tolerations": [{"key": "system", "operator": "Equal", "value": "true", "effect": "NoSchedule"}],
-        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-            {"matchExpressions": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}]}}},
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchExpressions": [
+                                {"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}
+                            ]
+                        }
+                    ]
+                }
+            }
+        },
         "priorityClassName": "system-cluster-critical",
         "service": {"port": 9090, "annotations": {"example.com/a": "b"}},
-        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
-                    "podMonitor": {"enabled": True, "interval": "5s", "labels": {"release": "prom"}}},
+        "metrics": {
+            "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+            "podMonitor": {"enabled": True, "interval": "5s", "labels": {"release": "prom"}},
+        },
         "argocd": {"healthChecks": {"enabled": True}},
-        "policy": {"allowedImages": ["registry.example.com/pt/*"], "allowTolerations": True,
-                   "allowedPodAnnotationPrefixes": ["example.com/"], "maxGpusPerJob": 1000000},
-        "grafana": {"dashboard": {"enabled": True, "namespace": "monitoring",
-                                  "annotations": {"grafana_folder": "ML"}}},
+        "policy": {
+            "allowedImages": ["registry.example.com/pt/*"],
+            "allowTolerations": True,
+            "allowedPodAnnotationPrefixes": ["example.com/"],
+            "maxGpusPerJob": 1000000,
+        },
+        "grafana": {
+            "dashboard": {"enabled": True, "namespace": "monitoring", "annotations": {"grafana_folder": "ML"}}
+        },
     },
     "externally-managed": {
         "crds": {"install": False},
@@ -93,22 +122,45 @@ MONITOR_SCHEMA: dict[str, Any] = {
             "type": "object",
             "required": ["selector"],
             "properties": {
-                "selector": {"type": "object", "required": ["matchLabels"],
-                             "properties": {"matchLabels": {"type": "object", "minProperties": 1}}},
-                "namespaceSelector": {"type": "object", "oneOf": [
-                    {"required": ["any"], "properties": {"any": {"const": True}}},
-                    {"required": ["matchNames"], "properties": {"matchNames": {
-                        "type": "array", "minItems": 1, "items": {"type": "string"}}}}]},
+                "selector": {
+                    "type": "object",
+                    "required": ["matchLabels"],
+                    "properties": {"matchLabels": {"type": "object", "minProperties": 1}},
+                },
+                "namespaceSelector": {
+                    "type": "object",
+                    "oneOf": [
+                        {"required": ["any"], "properties": {"any": {"const": True}}},
+                        {
+                            "required": ["matchNames"],
+                            "properties": {
+                                "matchNames": {"type": "array", "minItems": 1, "items": {"type": "string"}}
+                            },
+                        },
+                    ],
+                },
                 "endpoints": {"$ref": "#/$defs/endpoints"},
                 "podMetricsEndpoints": {"$ref": "#/$defs/endpoints"},
             },
         },
     },
-    "$defs": {"endpoints": {"type": "array", "minItems": 1, "items": {
-        "type": "object", "required": ["port"], "additionalProperties": False,
-        "properties": {"port": {"type": "string"}, "path": {"type": "string"},
-                       "interval": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"},
-                       "scrapeTimeout": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"}}}}},
+    "$defs": {
+        "endpoints": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["port"],
+                "additionalProperties": False,
+                "properties": {
+                    "port": {"type": "string"},
+                    "path": {"type": "string"},
+                    "interval": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"},
+                    "scrapeTimeout": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"},
+                },
+            },
+        }
+    },
 }
 
 
@@ -144,7 +196,9 @@ def test_lint_is_clean() -> None:
         assert {m["error"] for m in report["messages"]} <= {"icon is recommended"}, name
 
 
-def test_every_object_validates_against_kubernetes_schemas(rendered: tuple[dict[str, Any], list[Manifest]]) -> None:
+def test_every_object_validates_against_kubernetes_schemas(
+    rendered: tuple[dict[str, Any], list[Manifest]],
+) -> None:
     _, objects = rendered
     assert objects
     for obj in objects:
@@ -158,14 +212,20 @@ def test_every_object_validates_against_kubernetes_schemas(rendered: tuple[dict[
 
 
 def test_namespaced_objects_live_in_the_release_namespace(
-        rendered: tuple[dict[str, Any], list[Manifest]]) -> None:
+    rendered: tuple[dict[str, Any], list[Manifest]],
+) -> None:
     values, objects = rendered
     roles_in = set(values.get("operator", {}).get("watchNamespaces") or [NAMESPACE])
     dashboard_ns = values.get("grafana", {}).get("dashboard", {}).get("namespace") or NAMESPACE
     for obj in objects:
         kind, ns = obj["kind"], obj["metadata"].get("namespace")
-        if kind in ("ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "ValidatingAdmissionPolicy",
-                    "ValidatingAdmissionPolicyBinding"):
+        if kind in (
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "CustomResourceDefinition",
+            "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicyBinding",
+        ):
             assert ns is None
         elif kind in ("Role", "RoleBinding"):
             assert ns in roles_in
@@ -175,7 +235,9 @@ def test_namespaced_objects_live_in_the_release_namespace(
             assert ns == NAMESPACE, obj["metadata"]["name"]
 
 
-def test_deployment_is_single_recreate_and_restricted(rendered: tuple[dict[str, Any], list[Manifest]]) -> None:
+def test_deployment_is_single_recreate_and_restricted(
+    rendered: tuple[dict[str, Any], list[Manifest]],
+) -> None:
     values, objects = rendered
     deployment = one(objects, "Deployment")
     spec = deployment["spec"]
@@ -236,7 +298,7 @@ def test_operator_arguments_and_environment(rendered: tuple[dict[str, Any], list
     else:
         assert watched == merged["operator"]["watchNamespaces"]
     extra = merged["operator"]["extraArgs"]
-    assert container["args"][len(container["args"]) - len(extra):] == extra
+    assert container["args"][len(container["args"]) - len(extra) :] == extra
 
 
 def test_chart_defaults_are_the_operator_defaults() -> None:
@@ -252,8 +314,11 @@ def test_cluster_role_grants_exactly_what_the_operator_needs() -> None:
     assert grants(role["rules"]) == grants(rbac.RULES)
     assert not [o for o in objects if o["kind"] in ("Role", "RoleBinding")]
     binding = one(objects, "ClusterRoleBinding")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                                  "name": role["metadata"]["name"]}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }
 
 
 @pytest.mark.parametrize("watch", [["team-a", "team-b"], []])
@@ -269,14 +334,20 @@ def test_namespace_scope_grants_roles_per_namespace(watch: list[str]) -> None:
     for role in roles:
         assert grants(role["rules"]) == grants(rbac.NAMESPACED_RULES)
     for binding in bindings:
-        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                                      "name": roles[0]["metadata"]["name"]}
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": roles[0]["metadata"]["name"],
+        }
 
 
 def test_rbac_can_be_left_to_the_user() -> None:
     objects = render(VALUE_SETS["externally-managed"])
-    assert not [o for o in objects if o["kind"] in ("ClusterRole", "ClusterRoleBinding", "Role",
-                                                     "RoleBinding", "ServiceAccount")]
+    assert not [
+        o
+        for o in objects
+        if o["kind"] in ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "ServiceAccount")
+    ]
     pod = one(objects, "Deployment")["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "preexisting"
 
@@ -303,38 +374,54 @@ def test_service_and_monitors_select_the_right_pods() -> None:
         assert pod_monitor["spec"]["podMetricsEndpoints"][0]["port"] in port_names
     # TrainJob pods get their labels through the runtime's pod template overrides.
     for override in _train_job()["spec"]["podTemplateOverrides"]:
-        assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= override["metadata"]["labels"].items()
+        assert (
+            pod_monitor["spec"]["selector"]["matchLabels"].items() <= override["metadata"]["labels"].items()
+        )
     packer_pod = _pack_job()["spec"]["template"]
-    assert not pod_monitor["spec"]["selector"]["matchLabels"].items() <= packer_pod["metadata"]["labels"].items()
+    assert (
+        not pod_monitor["spec"]["selector"]["matchLabels"].items() <= packer_pod["metadata"]["labels"].items()
+    )
     assert pod_monitor["spec"]["namespaceSelector"] == {"matchNames": ["ml"]}
     assert one(render({"metrics": {"podMonitor": {"enabled": True}}}), "PodMonitor")["spec"][
-        "namespaceSelector"] == {"any": True}
+        "namespaceSelector"
+    ] == {"any": True}
     # Off by default: the Prometheus Operator CRDs may be absent.
     assert not [o for o in render() if o["apiVersion"].startswith("monitoring.coreos.com/")]
 
 
 def _sft_spec() -> SFTJobSpec:
-    return SFTJobSpec.model_validate({
-        "data": {"path": "/data/pack"}, "model": {"path": "/models/m"}, "resources": {"nodes": 2},
-        "volumes": {"data": {"claimName": "data"}, "checkpoints": {"claimName": "ckpt"}}})
+    return SFTJobSpec.model_validate(
+        {
+            "data": {"path": "/data/pack"},
+            "model": {"path": "/models/m"},
+            "resources": {"nodes": 2},
+            "volumes": {"data": {"claimName": "data"}, "checkpoints": {"claimName": "ckpt"}},
+        }
+    )
 
 
 def _pytorch_job() -> Manifest:
     spec = _sft_spec()
-    return builders.pytorch_job("run", "ml", spec, builders.data_source(spec, None, None),
-                                builders.OperatorDefaults())
+    return builders.pytorch_job(
+        "run", "ml", spec, builders.data_source(spec, None, None), builders.OperatorDefaults()
+    )
 
 
 def _train_job() -> Manifest:
     spec = _sft_spec().model_copy(update={"backend": "trainjob"})
-    return builders.train_job("run", "ml", spec, builders.data_source(spec, None, None),
-                              builders.OperatorDefaults())
+    return builders.train_job(
+        "run", "ml", spec, builders.data_source(spec, None, None), builders.OperatorDefaults()
+    )
 
 
 def _pack_job() -> Manifest:
-    spec = PackJobSpec.model_validate({
-        "source": {"paths": ["/data/in.jsonl"]}, "model": {"path": "/models/m"},
-        "output": {"claimName": "out"}})
+    spec = PackJobSpec.model_validate(
+        {
+            "source": {"paths": ["/data/in.jsonl"]},
+            "model": {"path": "/models/m"},
+            "output": {"claimName": "out"},
+        }
+    )
     return builders.pack_job("pack", "ml", spec, "plan", builders.OperatorDefaults())
 
 
@@ -347,8 +434,9 @@ def test_chart_ships_the_generated_crds() -> None:
     chart_dir = CHART / "files" / "crds"
     assert chart_dir.is_symlink() and chart_dir.resolve() == (REPO / "crds").resolve()
     expected = {crdgen.filename(kind): crdgen.render(kind) for kind in KINDS}
-    assert {p.name: p.read_text() for p in chart_dir.glob("*.yaml")} == expected, \
+    assert {p.name: p.read_text() for p in chart_dir.glob("*.yaml")} == expected, (
         "crds/ is stale: run `packtrain crds`"
+    )
 
 
 @pytest.mark.parametrize("keep", [True, False])
@@ -403,7 +491,7 @@ def undocumented_values(text: str) -> list[str]:
             stack.pop()
         documented = i > 0 and lines[i - 1].lstrip().startswith("#")
         covered = documented or any(d for _, d in stack)
-        following = next((ln for ln in lines[i + 1:] if not ln.lstrip().startswith("#")), "")
+        following = next((ln for ln in lines[i + 1 :] if not ln.lstrip().startswith("#")), "")
         is_leaf = len(following) - len(following.lstrip()) <= indent
         if is_leaf and not covered:
             missing.append(line)
@@ -426,7 +514,8 @@ def test_dashboard_and_health_check_configmaps() -> None:
     dashboard = one(objects, "ConfigMap", "pt-dashboard")
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(dashboard["data"]["packtrain.json"]) == json.loads(
-        (CHART / "files" / "grafana-dashboard.json").read_text())
+        (CHART / "files" / "grafana-dashboard.json").read_text()
+    )
     health = one(objects, "ConfigMap", "pt-argocd-health")
     for kind in KINDS:
         script = (CHART / "files" / f"argocd-health-{kind.KIND.lower()}.lua").read_text()
@@ -447,9 +536,13 @@ def test_packaged_chart_renders_the_same(tmp_path: Path) -> None:
     archive = package(tmp_path)
     with tarfile.open(archive) as tar:
         names = set(tar.getnames())
-    assert {"packtrain/files/crds/packtrain.dev_packjobs.yaml", "packtrain/files/crds/packtrain.dev_sftjobs.yaml",
-            "packtrain/files/argocd-health-packjob.lua", "packtrain/files/grafana-dashboard.json",
-            "packtrain/values.schema.json"} <= names
+    assert {
+        "packtrain/files/crds/packtrain.dev_packjobs.yaml",
+        "packtrain/files/crds/packtrain.dev_sftjobs.yaml",
+        "packtrain/files/argocd-health-packjob.lua",
+        "packtrain/files/grafana-dashboard.json",
+        "packtrain/values.schema.json",
+    } <= names
     # The dashboard generator is a development tool, not part of the chart.
     assert not [n for n in names if n.endswith(".py")]
     values = VALUE_SETS["everything-on"]
@@ -457,4 +550,6 @@ def test_packaged_chart_renders_the_same(tmp_path: Path) -> None:
 
 
 def test_load_all_reads_exponent_floats_as_the_api_server_does() -> None:
-    assert load_all("a: 1e-05\nb: 1.0e-5\nc: '1e-05'\nd: 10\n") == [{"a": 1e-05, "b": 1e-05, "c": "1e-05", "d": 10}]
+    assert load_all("a: 1e-05\nb: 1.0e-5\nc: '1e-05'\nd: 10\n") == [
+        {"a": 1e-05, "b": 1e-05, "c": "1e-05", "d": 10}
+    ]

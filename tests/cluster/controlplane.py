@@ -139,9 +139,15 @@ class Pki:
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
             .add_extension(
                 x509.KeyUsage(
-                    digital_signature=True, content_commitment=False, key_encipherment=False,
-                    data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-                    encipher_only=False, decipher_only=False,
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
                 ),
                 critical=True,
             )
@@ -170,8 +176,13 @@ class Pki:
         return KeyPair(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
 
     def serving(self) -> KeyPair:
-        names = ["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
-                 "kubernetes.default.svc.cluster.local"]
+        names = [
+            "localhost",
+            "kubernetes",
+            "kubernetes.default",
+            "kubernetes.default.svc",
+            "kubernetes.default.svc.cluster.local",
+        ]
         ips = ["127.0.0.1", KUBERNETES_SERVICE_IP]
         sans: list[x509.GeneralName] = [x509.DNSName(n) for n in names]
         sans += [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
@@ -196,10 +207,21 @@ def write_kubeconfig(path: Path, server: str, ca_pem: bytes, pair: KeyPair, user
     cfg = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "packtrain-test", "cluster": {
-            "server": server, "certificate-authority-data": _b64(ca_pem)}}],
-        "users": [{"name": user, "user": {
-            "client-certificate-data": _b64(pair.cert_pem), "client-key-data": _b64(pair.key_pem)}}],
+        "clusters": [
+            {
+                "name": "packtrain-test",
+                "cluster": {"server": server, "certificate-authority-data": _b64(ca_pem)},
+            }
+        ],
+        "users": [
+            {
+                "name": user,
+                "user": {
+                    "client-certificate-data": _b64(pair.cert_pem),
+                    "client-key-data": _b64(pair.key_pem),
+                },
+            }
+        ],
         "contexts": [{"name": "packtrain-test", "context": {"cluster": "packtrain-test", "user": user}}],
         "current-context": "packtrain-test",
     }
@@ -218,7 +240,9 @@ class Component:
     def check_alive(self) -> None:
         code = self.proc.poll()
         if code is not None:
-            raise RuntimeError(f"{self.name} exited with code {code}; last lines of {self.log}:\n{tail(self.log)}")
+            raise RuntimeError(
+                f"{self.name} exited with code {code}; last lines of {self.log}:\n{tail(self.log)}"
+            )
 
 
 def tail(path: Path, lines: int = 30) -> str:
@@ -300,7 +324,9 @@ class ControlPlane:
         self, tool: str, args: Sequence[str], input: str | None, check: bool, timeout: float
     ) -> subprocess.CompletedProcess[str]:
         cmd = [str(self.bin / tool), "--kubeconfig", str(self.kubeconfig), *args]
-        res = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout, env=self.env())
+        res = subprocess.run(
+            cmd, input=input, capture_output=True, text=True, timeout=timeout, env=self.env()
+        )
         if check and res.returncode != 0:
             raise RuntimeError(f"{tool} {' '.join(args)} failed ({res.returncode}):\n{res.stderr.strip()}")
         return res
@@ -320,68 +346,91 @@ class ControlPlane:
                 serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
             ),
         )
-        write_kubeconfig(self.kubeconfig, self.server, pki.ca_pem, pki.client("admin", ["system:masters"]), "admin")
+        write_kubeconfig(
+            self.kubeconfig, self.server, pki.ca_pem, pki.client("admin", ["system:masters"]), "admin"
+        )
         kcm_kubeconfig = write_kubeconfig(
-            self.pki_dir / "controller-manager.kubeconfig", self.server, pki.ca_pem,
-            pki.client("system:kube-controller-manager"), "system:kube-controller-manager",
+            self.pki_dir / "controller-manager.kubeconfig",
+            self.server,
+            pki.ca_pem,
+            pki.client("system:kube-controller-manager"),
+            "system:kube-controller-manager",
         )
         sched_kubeconfig = write_kubeconfig(
-            self.pki_dir / "scheduler.kubeconfig", self.server, pki.ca_pem,
-            pki.client("system:kube-scheduler"), "system:kube-scheduler",
+            self.pki_dir / "scheduler.kubeconfig",
+            self.server,
+            pki.ca_pem,
+            pki.client("system:kube-scheduler"),
+            "system:kube-scheduler",
         )
 
         etcd_port, etcd_peer = free_port(), free_port()
-        self._spawn("etcd", [
-            "--data-dir", str(self.root / "etcd"),
-            "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
-            "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
-        ])
-        self._spawn("kube-apiserver", [
-            "--advertise-address=127.0.0.1",
-            "--bind-address=127.0.0.1",
-            f"--secure-port={self.api_port}",
-            f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-            f"--cert-dir={self.pki_dir}",
-            f"--tls-cert-file={apiserver_crt}",
-            f"--tls-private-key-file={apiserver_key}",
-            f"--client-ca-file={ca}",
-            "--authorization-mode=RBAC",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
-            f"--service-account-issuer={self.server}",
-            f"--service-account-key-file={sa_pub}",
-            f"--service-account-signing-key-file={sa_priv}",
-            # Nothing mounts service-account tokens into pods here (envtest does the same).
-            "--disable-admission-plugins=ServiceAccount",
-            "--allow-privileged=true",
-            "--endpoint-reconciler-type=none",
-        ])
+        self._spawn(
+            "etcd",
+            [
+                "--data-dir",
+                str(self.root / "etcd"),
+                "--listen-client-urls",
+                f"http://127.0.0.1:{etcd_port}",
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{etcd_peer}",
+            ],
+        )
+        self._spawn(
+            "kube-apiserver",
+            [
+                "--advertise-address=127.0.0.1",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={self.api_port}",
+                f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+                f"--cert-dir={self.pki_dir}",
+                f"--tls-cert-file={apiserver_crt}",
+                f"--tls-private-key-file={apiserver_key}",
+                f"--client-ca-file={ca}",
+                "--authorization-mode=RBAC",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                f"--service-account-issuer={self.server}",
+                f"--service-account-key-file={sa_pub}",
+                f"--service-account-signing-key-file={sa_priv}",
+                # Nothing mounts service-account tokens into pods here (envtest does the same).
+                "--disable-admission-plugins=ServiceAccount",
+                "--allow-privileged=true",
+                "--endpoint-reconciler-type=none",
+            ],
+        )
         self._wait_ready(f"{self.server}/readyz", ca_file=ca, deadline=deadline, what="kube-apiserver")
 
         kcm_port, sched_port = free_port(), free_port()
-        self._spawn("kube-controller-manager", [
-            f"--kubeconfig={kcm_kubeconfig}",
-            f"--authentication-kubeconfig={kcm_kubeconfig}",
-            f"--authorization-kubeconfig={kcm_kubeconfig}",
-            "--bind-address=127.0.0.1",
-            f"--secure-port={kcm_port}",
-            f"--cert-dir={self.root / 'kcm-certs'}",
-            "--leader-elect=false",
-            # Each controller gets its own service account and RBAC role, as on a real cluster.
-            "--use-service-account-credentials=true",
-            f"--service-account-private-key-file={sa_priv}",
-            f"--root-ca-file={ca}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
-            "--controllers=*",
-        ])
-        self._spawn("kube-scheduler", [
-            f"--kubeconfig={sched_kubeconfig}",
-            f"--authentication-kubeconfig={sched_kubeconfig}",
-            f"--authorization-kubeconfig={sched_kubeconfig}",
-            "--bind-address=127.0.0.1",
-            f"--secure-port={sched_port}",
-            f"--cert-dir={self.root / 'scheduler-certs'}",
-            "--leader-elect=false",
-        ])
+        self._spawn(
+            "kube-controller-manager",
+            [
+                f"--kubeconfig={kcm_kubeconfig}",
+                f"--authentication-kubeconfig={kcm_kubeconfig}",
+                f"--authorization-kubeconfig={kcm_kubeconfig}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={kcm_port}",
+                f"--cert-dir={self.root / 'kcm-certs'}",
+                "--leader-elect=false",
+                # Each controller gets its own service account and RBAC role, as on a real cluster.
+                "--use-service-account-credentials=true",
+                f"--service-account-private-key-file={sa_priv}",
+                f"--root-ca-file={ca}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--controllers=*",
+            ],
+        )
+        self._spawn(
+            "kube-scheduler",
+            [
+                f"--kubeconfig={sched_kubeconfig}",
+                f"--authentication-kubeconfig={sched_kubeconfig}",
+                f"--authorization-kubeconfig={sched_kubeconfig}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={sched_port}",
+                f"--cert-dir={self.root / 'scheduler-certs'}",
+                "--leader-elect=false",
+            ],
+        )
         self._wait_ready(f"https://127.0.0.1:{kcm_port}/healthz", None, deadline, "kube-controller-manager")
         self._wait_ready(f"https://127.0.0.1:{sched_port}/healthz", None, deadline, "kube-scheduler")
 
@@ -391,8 +440,10 @@ class ControlPlane:
         self._spawn(
             "node-agent",
             [
-                "--kubeconfig", str(self.kubeconfig),
-                "--work-dir", str(self.root / "node-agent"),
+                "--kubeconfig",
+                str(self.kubeconfig),
+                "--work-dir",
+                str(self.root / "node-agent"),
                 *self.node_agent_args,
             ],
             exe=[sys.executable, str(NODE_AGENT)],
@@ -414,31 +465,60 @@ class ControlPlane:
         exe = self.bin / "training-operator"
         if not exe.is_file():
             raise RuntimeError(f"no training-operator in {self.bin}: run `bash tests/cluster/build.sh`")
-        self.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [
-            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
-            {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-             "metadata": {"name": "training-operator-webhook-cert", "namespace": namespace}},
-            {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
-             "metadata": {"name": "validator.training-operator.kubeflow.org"}, "webhooks": []},
-        ]}))
+        self.kubectl(
+            "apply",
+            "-f",
+            "-",
+            input=json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "List",
+                    "items": [
+                        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+                        {
+                            "apiVersion": "v1",
+                            "kind": "Secret",
+                            "type": "Opaque",
+                            "metadata": {"name": "training-operator-webhook-cert", "namespace": namespace},
+                        },
+                        {
+                            "apiVersion": "admissionregistration.k8s.io/v1",
+                            "kind": "ValidatingWebhookConfiguration",
+                            "metadata": {"name": "validator.training-operator.kubeflow.org"},
+                            "webhooks": [],
+                        },
+                    ],
+                }
+            ),
+        )
         serving = self._pki.serving()
         tmp = self.root / "training-operator-tmp"
-        for certs in (tmp / "k8s-webhook-server" / "serving-certs", Path("/tmp/k8s-webhook-server/serving-certs")):
+        for certs in (
+            tmp / "k8s-webhook-server" / "serving-certs",
+            Path("/tmp/k8s-webhook-server/serving-certs"),
+        ):
             certs.mkdir(parents=True, exist_ok=True)
             if not (certs / "tls.crt").exists():
                 _write(certs / "tls.crt", serving.cert_pem, 0o644)
                 _write(certs / "tls.key", serving.key_pem)
         probe = free_port()
         env = {**self.env(), "MY_POD_NAMESPACE": namespace, "TMPDIR": str(tmp)}
-        comp = self._spawn("training-operator", [
-            f"--kubeconfig={self.kubeconfig}",
-            *(f"--enable-scheme={s}" for s in schemes),
-            f"--webhook-server-port={free_port()}",
-            f"--metrics-bind-address=127.0.0.1:{free_port()}",
-            f"--health-probe-bind-address=127.0.0.1:{probe}",
-        ], exe=[str(exe)], env=env)
+        comp = self._spawn(
+            "training-operator",
+            [
+                f"--kubeconfig={self.kubeconfig}",
+                *(f"--enable-scheme={s}" for s in schemes),
+                f"--webhook-server-port={free_port()}",
+                f"--metrics-bind-address=127.0.0.1:{free_port()}",
+                f"--health-probe-bind-address=127.0.0.1:{probe}",
+            ],
+            exe=[str(exe)],
+            env=env,
+        )
         # /readyz turns green once the certificates are in place and the controllers start.
-        self._wait_ready(f"http://127.0.0.1:{probe}/readyz", None, time.monotonic() + timeout, "training-operator")
+        self._wait_ready(
+            f"http://127.0.0.1:{probe}/readyz", None, time.monotonic() + timeout, "training-operator"
+        )
         return comp
 
     # -- add-ons: Kueue, JobSet, Kubeflow Trainer v2 (built by build.sh) ------------------------
@@ -457,7 +537,9 @@ class ControlPlane:
         """Server-side apply every manifest under the add-on dir's ``subdirs`` (CRDs wait until Established)."""
         files = [f for d in subdirs for f in sorted((self.addon_dir / d).rglob("*.yaml"))]
         if not files:
-            raise RuntimeError(f"nothing under {self.addon_dir}/{{{','.join(subdirs)}}}: run `bash tests/cluster/build.sh`")
+            raise RuntimeError(
+                f"nothing under {self.addon_dir}/{{{','.join(subdirs)}}}: run `bash tests/cluster/build.sh`"
+            )
         args: list[str] = ["apply", "--server-side", "--force-conflicts"]
         for f in files:
             args += ["-f", str(f)]
@@ -470,7 +552,9 @@ class ControlPlane:
     def _addon_exe(self, name: str) -> Path:
         exe = self.bin / name
         if not exe.is_file():
-            raise RuntimeError(f"no {name} in {self.bin}: run `bash tests/cluster/build.sh` (without --no-addons)")
+            raise RuntimeError(
+                f"no {name} in {self.bin}: run `bash tests/cluster/build.sh` (without --no-addons)"
+            )
         return exe
 
     def _addon_certs(self, name: str) -> Path:
@@ -483,20 +567,36 @@ class ControlPlane:
         return certs
 
     def _start_addon(
-        self, name: str, namespace: str, config: dict[str, Any], args: Sequence[str], probe: int, timeout: float
+        self,
+        name: str,
+        namespace: str,
+        config: dict[str, Any],
+        args: Sequence[str],
+        probe: int,
+        timeout: float,
     ) -> Component:
-        self.kubectl("apply", "-f", "-", input=json.dumps(
-            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}))
+        self.kubectl(
+            "apply",
+            "-f",
+            "-",
+            input=json.dumps({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}),
+        )
         cfg = self.root / name / "config.yaml"
         cfg.write_text(yaml.safe_dump(config))
         env = {**self.env(), "POD_NAMESPACE": namespace, "TMPDIR": str(self.root / name)}
-        comp = self._spawn(name, [f"--kubeconfig={self.kubeconfig}", f"--config={cfg}", *args],
-                           exe=[str(self._addon_exe(name))], env=env)
+        comp = self._spawn(
+            name,
+            [f"--kubeconfig={self.kubeconfig}", f"--config={cfg}", *args],
+            exe=[str(self._addon_exe(name))],
+            env=env,
+        )
         self._wait_ready(f"http://127.0.0.1:{probe}/readyz", None, time.monotonic() + timeout, name)
         return comp
 
     def start_kueue(
-        self, frameworks: Sequence[str] = ("batch/job", "kubeflow.org/pytorchjob"), namespace: str = "kueue-system",
+        self,
+        frameworks: Sequence[str] = ("batch/job", "kubeflow.org/pytorchjob"),
+        namespace: str = "kueue-system",
         timeout: float = 120,
     ) -> Component:
         """Run Kueue's controller manager (sigs.k8s.io/kueue, built by build.sh) with its CRDs.
@@ -514,11 +614,13 @@ class ControlPlane:
                 if not (metrics_certs / f).exists():
                     shutil.copy(certs / f, metrics_certs / f)
         except OSError as e:
-            raise RuntimeError(f"Kueue needs its metrics certificate in {metrics_certs} and it cannot be written: {e}"
-                               ) from e
+            raise RuntimeError(
+                f"Kueue needs its metrics certificate in {metrics_certs} and it cannot be written: {e}"
+            ) from e
         probe = free_port()
         config = {
-            "apiVersion": "config.kueue.x-k8s.io/v1beta2", "kind": "Configuration",
+            "apiVersion": "config.kueue.x-k8s.io/v1beta2",
+            "kind": "Configuration",
             "namespace": namespace,
             "health": {"healthProbeBindAddress": f"127.0.0.1:{probe}"},
             "metrics": {"bindAddress": f"127.0.0.1:{free_port()}"},
@@ -544,7 +646,8 @@ class ControlPlane:
         certs = self._addon_certs("jobset")
         probe, webhook_port = free_port(), free_port()
         config = {
-            "apiVersion": "config.jobset.x-k8s.io/v1alpha1", "kind": "Configuration",
+            "apiVersion": "config.jobset.x-k8s.io/v1alpha1",
+            "kind": "Configuration",
             "health": {"healthProbeBindAddress": f"127.0.0.1:{probe}"},
             "metrics": {"bindAddress": f"127.0.0.1:{free_port()}", "certDir": str(certs)},
             "webhook": {"port": webhook_port, "host": "127.0.0.1", "certDir": str(certs)},
@@ -560,9 +663,14 @@ class ControlPlane:
             doc["webhooks"] = [w for w in doc["webhooks"] if "jobset" in w["name"]]
             for w in doc["webhooks"]:
                 path = w["clientConfig"]["service"]["path"]
-                w["clientConfig"] = {"url": f"https://127.0.0.1:{webhook_port}{path}", "caBundle": _b64(self._pki.ca_pem)}
+                w["clientConfig"] = {
+                    "url": f"https://127.0.0.1:{webhook_port}{path}",
+                    "caBundle": _b64(self._pki.ca_pem),
+                }
             configs.append(doc)
-        self.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": configs}))
+        self.kubectl(
+            "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": configs})
+        )
         return comp
 
     def start_trainer(self, namespace: str = "kubeflow-system", timeout: float = 120) -> Component:
@@ -579,9 +687,13 @@ class ControlPlane:
             shutil.copy(certs / f, serving / f)
         probe = free_port()
         config = {
-            "apiVersion": "config.trainer.kubeflow.org/v1alpha1", "kind": "Configuration",
-            "health": {"healthProbeBindAddress": f"127.0.0.1:{probe}", "readinessEndpointName": "readyz",
-                       "livenessEndpointName": "healthz"},
+            "apiVersion": "config.trainer.kubeflow.org/v1alpha1",
+            "kind": "Configuration",
+            "health": {
+                "healthProbeBindAddress": f"127.0.0.1:{probe}",
+                "readinessEndpointName": "readyz",
+                "livenessEndpointName": "healthz",
+            },
             "metrics": {"bindAddress": f"127.0.0.1:{free_port()}", "secureServing": True},
             "webhook": {"port": free_port(), "host": "127.0.0.1"},
             "leaderElection": {"leaderElect": False},
@@ -620,7 +732,11 @@ class ControlPlane:
     # -- internals ----------------------------------------------------------------------------
 
     def _spawn(
-        self, name: str, args: Sequence[str], exe: Sequence[str] | None = None, env: dict[str, str] | None = None
+        self,
+        name: str,
+        args: Sequence[str],
+        exe: Sequence[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> Component:
         log = self.logs_dir / f"{name}.log"
         cmd = [*(exe or [str(self.bin / name)]), *args]
@@ -629,7 +745,11 @@ class ControlPlane:
             fh.flush()
             # A session of its own, so stop() can signal the component without touching pytest.
             proc = subprocess.Popen(
-                cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+                cmd,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
                 env=env,
             )
         comp = Component(name, proc, log)
@@ -689,8 +809,9 @@ class ControlPlane:
         """
         deadline = time.monotonic() + timeout
         while True:
-            res = self.kubectl("wait", "--for=condition=Established", f"--timeout={timeout:.0f}s", "crd", *crds,
-                               check=False)
+            res = self.kubectl(
+                "wait", "--for=condition=Established", f"--timeout={timeout:.0f}s", "crd", *crds, check=False
+            )
             if res.returncode == 0:
                 return
             if "accessor error" not in res.stderr or time.monotonic() > deadline:

@@ -84,6 +84,9 @@ def kube_cluster(request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
 @pytest.fixture(scope="session")
 def prometheus_tools(request: pytest.FixtureRequest) -> tuple[Path, Path]:
     """(prometheus, promtool): Debian's Prometheus from the build cache (``build.sh`` fetches it)."""
-    bin_dir = Path(subprocess.run(["bash", str(BUILD_SCRIPT), "--print-bin-dir"], check=True,
-                                  capture_output=True, text=True).stdout.strip())
+    bin_dir = Path(
+        subprocess.run(
+            ["bash", str(BUILD_SCRIPT), "--print-bin-dir"], check=True, capture_output=True, text=True
+        ).stdout.strip()
+    )
     return built_or_skip(lambda: locate_prometheus(bin_dir), "PROMETHEUS TESTS", request.config)

@@ -127,15 +127,30 @@ def node_status(spec: NodeSpec) -> dict[str, Any]:
     return {
         "capacity": spec.capacity,
         "allocatable": spec.capacity,
-        "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": spec.name}],
+        "addresses": [
+            {"type": "InternalIP", "address": "127.0.0.1"},
+            {"type": "Hostname", "address": spec.name},
+        ],
         "conditions": [
-            {"type": "Ready", "status": "True", "reason": "NodeAgentReady", "message": "packtrain node agent",
-             "lastHeartbeatTime": t, "lastTransitionTime": t},
+            {
+                "type": "Ready",
+                "status": "True",
+                "reason": "NodeAgentReady",
+                "message": "packtrain node agent",
+                "lastHeartbeatTime": t,
+                "lastTransitionTime": t,
+            },
         ],
         "nodeInfo": {
-            "architecture": "amd64", "operatingSystem": "linux", "osImage": "packtrain node agent",
-            "kernelVersion": os.uname().release, "containerRuntimeVersion": "packtrain-node-agent://1",
-            "kubeletVersion": "packtrain-node-agent", "kubeProxyVersion": "", "bootID": "", "machineID": "",
+            "architecture": "amd64",
+            "operatingSystem": "linux",
+            "osImage": "packtrain node agent",
+            "kernelVersion": os.uname().release,
+            "containerRuntimeVersion": "packtrain-node-agent://1",
+            "kubeletVersion": "packtrain-node-agent",
+            "kubeProxyVersion": "",
+            "bootID": "",
+            "machineID": "",
             "systemUUID": "",
         },
     }
@@ -222,7 +237,9 @@ class PodRun:
                 self._report("Failed", reason="InitContainerFailed")
                 return
 
-        threads = [threading.Thread(target=self._container_loop, args=(c, env_cache)) for c in spec.containers]
+        threads = [
+            threading.Thread(target=self._container_loop, args=(c, env_cache)) for c in spec.containers
+        ]
         for c in spec.containers:
             self.running[c.name] = now()
         self._report("Running")
@@ -308,11 +325,15 @@ class PodRun:
                 command, cwd, env = self._in_image(c, image, env_cache, pod_dir)
             except (rootfs.ImageNotFound, ValueError) as e:
                 return ContainerResult(128, started, now(), f"cannot run container {c.name}: {e}")
-            return self._spawn(c, command, cwd, env, pod_dir, str(pod_dir / f"{c.name}.termination-log"), started)
+            return self._spawn(
+                c, command, cwd, env, pod_dir, str(pod_dir / f"{c.name}.termination-log"), started
+            )
         command = [*(c.command or []), *(c.args or [])]
         if not c.command:
             return ContainerResult(
-                128, started, now(),
+                128,
+                started,
+                now(),
                 f"container {c.name} has no command: the node agent cannot run an image's entrypoint; "
                 "set command in the pod spec",
             )
@@ -330,8 +351,9 @@ class PodRun:
         term_path = mounts.get(c.termination_message_path or "/dev/termination-log")
         return self._spawn(c, command, cwd, env, pod_dir, term_path, started)
 
-    def _in_image(self, c: Any, image: rootfs.Image, env_cache: dict[str, Any],
-                  pod_dir: Path) -> tuple[list[str], Path, dict[str, str]]:
+    def _in_image(
+        self, c: Any, image: rootfs.Image, env_cache: dict[str, Any], pod_dir: Path
+    ) -> tuple[list[str], Path, dict[str, str]]:
         """The command, host cwd and environment that run container `c` inside `image`'s files."""
         if c.command:
             argv = [*c.command, *(c.args or [])]
@@ -339,23 +361,44 @@ class PodRun:
             argv = [*image.entrypoint, *(c.args if c.args is not None else image.cmd)]
         if not argv:
             raise ValueError(f"image {image.ref} has no ENTRYPOINT or CMD and the container sets no command")
-        mounts = [rootfs.Mount(local, target) for target, local in self._mounts(c, env_cache, pod_dir).items()]
+        mounts = [
+            rootfs.Mount(local, target) for target, local in self._mounts(c, env_cache, pod_dir).items()
+        ]
         mounts += [rootfs.Mount(src, dst, read_only=True) for src, dst in self.agent.extra_mounts]
         pod_sc, sc = self.pod.spec.security_context, c.security_context
         image_uid, image_gid = rootfs.numeric_user(image.user)
         uid = _first(sc and sc.run_as_user, pod_sc and pod_sc.run_as_user, image_uid)
         gid = _first(sc and sc.run_as_group, pod_sc and pod_sc.run_as_group, image_gid)
-        groups = [*((pod_sc and pod_sc.supplemental_groups) or []), *([pod_sc.fs_group] if pod_sc and pod_sc.fs_group
-                                                                      else [])]
+        groups = [
+            *((pod_sc and pod_sc.supplemental_groups) or []),
+            *([pod_sc.fs_group] if pod_sc and pod_sc.fs_group else []),
+        ]
         env = {**image.env, **self._env(c, env_cache, base={})}
         workdir = c.working_dir or (str(self.agent.workdir) if self.agent.workdir else image.workdir)
         n = sum(1 for _ in pod_dir.glob(f"{c.name}.rootfs*"))
-        command = rootfs.container_argv(image, argv, scratch=pod_dir / f"{c.name}.rootfs{n}", env=env,
-                                        mounts=mounts, workdir=workdir, uid=uid, gid=gid, groups=groups)
+        command = rootfs.container_argv(
+            image,
+            argv,
+            scratch=pod_dir / f"{c.name}.rootfs{n}",
+            env=env,
+            mounts=mounts,
+            workdir=workdir,
+            uid=uid,
+            gid=gid,
+            groups=groups,
+        )
         return command, pod_dir, {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")}
 
-    def _spawn(self, c: Any, command: list[str], cwd: Path, env: dict[str, str], pod_dir: Path,
-               term_path: str | None, started: str) -> ContainerResult:
+    def _spawn(
+        self,
+        c: Any,
+        command: list[str],
+        cwd: Path,
+        env: dict[str, str],
+        pod_dir: Path,
+        term_path: str | None,
+        started: str,
+    ) -> ContainerResult:
         if term_path:
             Path(term_path).unlink(missing_ok=True)
             if self.agent.images:  # bind-mounted into the container: it must exist, writable by its user
@@ -405,11 +448,18 @@ class PodRun:
         for src in c.env_from or []:
             prefix = src.prefix or ""
             if src.config_map_ref is not None:
-                data = _optional(lambda r=src.config_map_ref: core.read_namespaced_config_map(r.name, ns).data,
-                                 src.config_map_ref.optional)
+                data = _optional(
+                    lambda r=src.config_map_ref: core.read_namespaced_config_map(r.name, ns).data,
+                    src.config_map_ref.optional,
+                )
             elif src.secret_ref is not None:
-                data = _decode(_optional(lambda r=src.secret_ref: core.read_namespaced_secret(r.name, ns).data,
-                                         src.secret_ref.optional) or {})
+                data = _decode(
+                    _optional(
+                        lambda r=src.secret_ref: core.read_namespaced_secret(r.name, ns).data,
+                        src.secret_ref.optional,
+                    )
+                    or {}
+                )
             else:
                 data = {}
             env.update({prefix + k: v for k, v in (data or {}).items()})
@@ -422,12 +472,16 @@ class PodRun:
                 env[e.name] = self._field(vf.field_ref.field_path)
             elif vf.config_map_key_ref is not None:
                 r = vf.config_map_key_ref
-                data = _optional(lambda r=r: core.read_namespaced_config_map(r.name, ns).data, r.optional) or {}
+                data = (
+                    _optional(lambda r=r: core.read_namespaced_config_map(r.name, ns).data, r.optional) or {}
+                )
                 if r.key in data:
                     env[e.name] = data[r.key]
             elif vf.secret_key_ref is not None:
                 r = vf.secret_key_ref
-                data = _decode(_optional(lambda r=r: core.read_namespaced_secret(r.name, ns).data, r.optional) or {})
+                data = _decode(
+                    _optional(lambda r=r: core.read_namespaced_secret(r.name, ns).data, r.optional) or {}
+                )
                 if r.key in data:
                     env[e.name] = data[r.key]
             elif vf.resource_field_ref is not None:
@@ -465,23 +519,44 @@ class PodRun:
         name = c.name
         res = self.results.get(name) or self.inits.get(name)
         restarts = self.restarts.get(name, 0)
-        base = {"name": name, "image": c.image or "", "imageID": "", "restartCount": restarts,
-                "containerID": f"packtrain://{self.pod.metadata.uid}/{name}"}
+        base = {
+            "name": name,
+            "image": c.image or "",
+            "imageID": "",
+            "restartCount": restarts,
+            "containerID": f"packtrain://{self.pod.metadata.uid}/{name}",
+        }
         terminated = (
-            {"exitCode": res.exit_code, "reason": res.reason, "message": res.message,
-             "startedAt": res.started, "finishedAt": res.finished}
-            if res else None
+            {
+                "exitCode": res.exit_code,
+                "reason": res.reason,
+                "message": res.message,
+                "startedAt": res.started,
+                "finishedAt": res.finished,
+            }
+            if res
+            else None
         )
         if name in self.running and phase == "Running":
-            st: dict[str, Any] = {**base, "ready": True, "started": True,
-                                  "state": {"running": {"startedAt": self.running[name]}}}
+            st: dict[str, Any] = {
+                **base,
+                "ready": True,
+                "started": True,
+                "state": {"running": {"startedAt": self.running[name]}},
+            }
             if terminated:
                 st["lastState"] = {"terminated": terminated}
             return st
         if terminated:
             return {**base, "ready": False, "started": False, "state": {"terminated": terminated}}
-        return {**base, "ready": False, "started": False,
-                "state": {"waiting": {"reason": "PodInitializing" if phase == "Pending" else "ContainerCreating"}}}
+        return {
+            **base,
+            "ready": False,
+            "started": False,
+            "state": {
+                "waiting": {"reason": "PodInitializing" if phase == "Pending" else "ContainerCreating"}
+            },
+        }
 
     def _report(self, phase: str, reason: str | None = None) -> None:
         spec = self.pod.spec
@@ -514,8 +589,14 @@ class PodRun:
         self.agent.patch_status(self.pod, status)
 
     def _report_failed_to_start(self, message: str) -> None:
-        status = {"phase": "Failed", "reason": "NodeAgentError", "message": message[-1024:],
-                  "hostIP": "127.0.0.1", "podIP": self.pod_ip, "startTime": self.started or now()}
+        status = {
+            "phase": "Failed",
+            "reason": "NodeAgentError",
+            "message": message[-1024:],
+            "hostIP": "127.0.0.1",
+            "podIP": self.pod_ip,
+            "startTime": self.started or now(),
+        }
         self.agent.patch_status(self.pod, status)
 
 
@@ -641,8 +722,9 @@ class NodeAgent:
             except ApiException as e:
                 if e.status != 409:
                     raise
-                self.core.patch_node(spec.name, {"metadata": {"labels": body["metadata"]["labels"]},
-                                                 "spec": body["spec"]})
+                self.core.patch_node(
+                    spec.name, {"metadata": {"labels": body["metadata"]["labels"]}, "spec": body["spec"]}
+                )
             self.core.patch_node_status(spec.name, {"status": node_status(spec)})
             log.info("node %s registered", spec.name)
 
@@ -650,9 +732,14 @@ class NodeAgent:
         coord = client.CoordinationV1Api(self.api)
         while not self._stop.is_set():
             for name in self.nodes:
-                body = {"metadata": {"name": name, "namespace": "kube-node-lease"},
-                        "spec": {"holderIdentity": name, "leaseDurationSeconds": LEASE_SECONDS,
-                                 "renewTime": micro_now()}}
+                body = {
+                    "metadata": {"name": name, "namespace": "kube-node-lease"},
+                    "spec": {
+                        "holderIdentity": name,
+                        "leaseDurationSeconds": LEASE_SECONDS,
+                        "renewTime": micro_now(),
+                    },
+                }
                 try:
                     try:
                         coord.patch_namespaced_lease(name, "kube-node-lease", {"spec": body["spec"]})
@@ -666,7 +753,9 @@ class NodeAgent:
 
     def patch_status(self, pod: Any, status: dict[str, Any]) -> None:
         try:
-            self.core.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace, {"status": status})
+            self.core.patch_namespaced_pod_status(
+                pod.metadata.name, pod.metadata.namespace, {"status": status}
+            )
         except ApiException as e:
             if e.status != 404:  # deleted meanwhile
                 raise
@@ -686,8 +775,13 @@ class NodeAgent:
             return
         run = PodRun(self, pod, next(self._ips))
         self.runs[uid] = run
-        log.info("pod %s/%s bound to %s: %s", pod.metadata.namespace, pod.metadata.name, pod.spec.node_name,
-                 "run" if run.run_mode else "simulate")
+        log.info(
+            "pod %s/%s bound to %s: %s",
+            pod.metadata.namespace,
+            pod.metadata.name,
+            pod.spec.node_name,
+            "run" if run.run_mode else "simulate",
+        )
         run.start()
 
     def _finish_deletion(self, pod: Any, run: PodRun | None) -> None:
@@ -696,9 +790,11 @@ class NodeAgent:
             run.stop(min(float(pod.metadata.deletion_grace_period_seconds or 30), 30.0))
         try:
             self.core.delete_namespaced_pod(
-                pod.metadata.name, pod.metadata.namespace,
-                body=client.V1DeleteOptions(grace_period_seconds=0,
-                                            preconditions=client.V1Preconditions(uid=pod.metadata.uid)),
+                pod.metadata.name,
+                pod.metadata.namespace,
+                body=client.V1DeleteOptions(
+                    grace_period_seconds=0, preconditions=client.V1Preconditions(uid=pod.metadata.uid)
+                ),
             )
         except ApiException as e:
             if e.status not in (404, 409):
@@ -726,8 +822,12 @@ class NodeAgent:
         pods = self.core.list_pod_for_all_namespaces()
         for pod in pods.items:
             self.handle(pod)
-        for event in w.stream(self.core.list_pod_for_all_namespaces, resource_version=pods.metadata.resource_version,
-                              timeout_seconds=300, allow_watch_bookmarks=True):
+        for event in w.stream(
+            self.core.list_pod_for_all_namespaces,
+            resource_version=pods.metadata.resource_version,
+            timeout_seconds=300,
+            allow_watch_bookmarks=True,
+        ):
             if event["type"] in ("ADDED", "MODIFIED"):
                 self.handle(event["object"])
             elif event["type"] == "DELETED":
@@ -748,12 +848,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work-dir", required=True, type=Path, help="pod folders, logs and emptyDir volumes")
     p.add_argument("--pvc-root", type=Path, help="where PersistentVolumeClaims live (default: WORK_DIR/pvc)")
     p.add_argument("--run-all", action="store_true", help="run every pod's commands, not only annotated pods")
-    p.add_argument("--workdir", type=Path,
-                   help="working dir of containers that set none, as an image's WORKDIR (default: the pod's folder)")
-    p.add_argument("--images", action="store_true",
-                   help="run containers inside their image's root filesystem (local tags; needs root)")
-    p.add_argument("--mount", action="append", default=[], metavar="HOST:PATH",
-                   help="with --images: a read-only folder in every container (repeatable)")
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        help="working dir of containers that set none, as an image's WORKDIR (default: the pod's folder)",
+    )
+    p.add_argument(
+        "--images",
+        action="store_true",
+        help="run containers inside their image's root filesystem (local tags; needs root)",
+    )
+    p.add_argument(
+        "--mount",
+        action="append",
+        default=[],
+        metavar="HOST:PATH",
+        help="with --images: a read-only folder in every container (repeatable)",
+    )
     args = p.parse_args(argv)
     mounts = tuple(tuple(m.split(":", 1)) for m in args.mount)
     if any(len(m) != 2 or not m[1].startswith("/") for m in mounts):
@@ -761,9 +872,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(threadName)s %(message)s")
     args.work_dir.mkdir(parents=True, exist_ok=True)
     agent = NodeAgent(
-        config.new_client_from_config(config_file=args.kubeconfig), args.work_dir,
-        run_all=args.run_all, pvc_root=args.pvc_root, workdir=args.workdir,
-        images=args.images, extra_mounts=mounts,  # type: ignore[arg-type]
+        config.new_client_from_config(config_file=args.kubeconfig),
+        args.work_dir,
+        run_all=args.run_all,
+        pvc_root=args.pvc_root,
+        workdir=args.workdir,
+        images=args.images,
+        extra_mounts=mounts,  # type: ignore[arg-type]
     )
     signal.signal(signal.SIGTERM, agent.shutdown)
     signal.signal(signal.SIGINT, agent.shutdown)

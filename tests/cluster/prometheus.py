@@ -43,9 +43,12 @@ def locate_prometheus(bin_dir: Path) -> tuple[Path, Path]:
         return exe, tool
     marker = bin_dir.parent / "UNAVAILABLE-prometheus"
     if marker.is_file():
-        raise ClusterUnavailable(f"Prometheus cannot be had on this machine: {marker.read_text().strip()}",
-                                 impossible=True)
-    raise ClusterUnavailable(f"no prometheus in {bin_dir}: run `bash tests/cluster/build.sh`", impossible=False)
+        raise ClusterUnavailable(
+            f"Prometheus cannot be had on this machine: {marker.read_text().strip()}", impossible=True
+        )
+    raise ClusterUnavailable(
+        f"no prometheus in {bin_dir}: run `bash tests/cluster/build.sh`", impossible=False
+    )
 
 
 def _sanitize(name: str) -> str:
@@ -63,15 +66,25 @@ def seconds(duration: str) -> float:
 
 def _selector_keeps(kind: str, match_labels: dict[str, str]) -> list[dict[str, Any]]:
     """Prometheus Operator's `keep` rules for a monitor's matchLabels (`kind`: pod or service)."""
-    return [{"action": "keep",
-             "source_labels": [f"__meta_kubernetes_{kind}_label_{_sanitize(k)}",
-                               f"__meta_kubernetes_{kind}_labelpresent_{_sanitize(k)}"],
-             "regex": f"({re.escape(v)});true"} for k, v in sorted(match_labels.items())]
+    return [
+        {
+            "action": "keep",
+            "source_labels": [
+                f"__meta_kubernetes_{kind}_label_{_sanitize(k)}",
+                f"__meta_kubernetes_{kind}_labelpresent_{_sanitize(k)}",
+            ],
+            "regex": f"({re.escape(v)});true",
+        }
+        for k, v in sorted(match_labels.items())
+    ]
 
 
 def _endpoint_options(endpoint: dict[str, Any], job: str, sd_file: Path) -> dict[str, Any]:
-    cfg: dict[str, Any] = {"job_name": job, "metrics_path": endpoint.get("path", "/metrics"),
-                           "file_sd_configs": [{"files": [str(sd_file)], "refresh_interval": "1s"}]}
+    cfg: dict[str, Any] = {
+        "job_name": job,
+        "metrics_path": endpoint.get("path", "/metrics"),
+        "file_sd_configs": [{"files": [str(sd_file)], "refresh_interval": "1s"}],
+    }
     for key, prom_key in (("interval", "scrape_interval"), ("scrapeTimeout", "scrape_timeout")):
         if key in endpoint:
             cfg[prom_key] = endpoint[key]
@@ -86,18 +99,29 @@ def pod_monitor_scrape_config(monitor: dict[str, Any], sd_file: Path) -> dict[st
     relabel: list[dict[str, Any]] = [
         {"source_labels": ["__meta_kubernetes_pod_phase"], "regex": "(Failed|Succeeded)", "action": "drop"},
         *_selector_keeps("pod", spec["selector"]["matchLabels"]),
-        {"action": "keep", "source_labels": ["__meta_kubernetes_pod_container_port_name"],
-         "regex": re.escape(endpoint["port"])},
+        {
+            "action": "keep",
+            "source_labels": ["__meta_kubernetes_pod_container_port_name"],
+            "regex": re.escape(endpoint["port"]),
+        },
         {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
         {"source_labels": ["__meta_kubernetes_pod_container_name"], "target_label": "container"},
         {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
         {"target_label": "job", "replacement": f"{meta['namespace']}/{meta['name']}"},
         {"target_label": "endpoint", "replacement": endpoint["port"]},
         # This harness only: pods run on this machine's loopback (see the module docstring).
-        {"source_labels": ["__meta_kubernetes_pod_container_port_number"], "regex": "(\\d+)",
-         "target_label": "__address__", "replacement": "127.0.0.1:$1"},
-        {"source_labels": ["__meta_kubernetes_pod_ip", "__meta_kubernetes_pod_container_port_number"],
-         "regex": "(127\\.[0-9.]+);(\\d+)", "target_label": "__address__", "replacement": "$1:$2"},
+        {
+            "source_labels": ["__meta_kubernetes_pod_container_port_number"],
+            "regex": "(\\d+)",
+            "target_label": "__address__",
+            "replacement": "127.0.0.1:$1",
+        },
+        {
+            "source_labels": ["__meta_kubernetes_pod_ip", "__meta_kubernetes_pod_container_port_number"],
+            "regex": "(127\\.[0-9.]+);(\\d+)",
+            "target_label": "__address__",
+            "replacement": "$1:$2",
+        },
     ]
     return {**_endpoint_options(endpoint, job, sd_file), "relabel_configs": relabel}
 
@@ -109,8 +133,11 @@ def service_monitor_scrape_config(monitor: dict[str, Any], sd_file: Path) -> dic
     job = f"serviceMonitor/{meta['namespace']}/{meta['name']}/0"
     relabel: list[dict[str, Any]] = [
         *_selector_keeps("service", spec["selector"]["matchLabels"]),
-        {"action": "keep", "source_labels": ["__meta_kubernetes_endpoint_port_name"],
-         "regex": re.escape(endpoint["port"])},
+        {
+            "action": "keep",
+            "source_labels": ["__meta_kubernetes_endpoint_port_name"],
+            "regex": re.escape(endpoint["port"]),
+        },
         {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
         {"source_labels": ["__meta_kubernetes_service_name"], "target_label": "service"},
         {"source_labels": ["__meta_kubernetes_service_name"], "target_label": "job"},
@@ -138,22 +165,30 @@ def _labels_meta(kind: str, labels: dict[str, str] | None) -> dict[str, str]:
 def pod_targets(core: Any, monitor: dict[str, Any]) -> list[Target]:
     """Kubernetes pod discovery for a PodMonitor: one target per container port of every pod."""
     namespaces = _monitor_namespaces(monitor)
-    pods = (core.list_pod_for_all_namespaces().items if namespaces is None
-            else [p for ns in namespaces for p in core.list_namespaced_pod(ns).items])
+    pods = (
+        core.list_pod_for_all_namespaces().items
+        if namespaces is None
+        else [p for ns in namespaces for p in core.list_namespaced_pod(ns).items]
+    )
     groups: list[Target] = []
     for pod in pods:
-        base = {"__meta_kubernetes_namespace": pod.metadata.namespace,
-                "__meta_kubernetes_pod_name": pod.metadata.name,
-                "__meta_kubernetes_pod_phase": pod.status.phase or "",
-                "__meta_kubernetes_pod_ip": pod.status.pod_ip or "",
-                **_labels_meta("pod", pod.metadata.labels)}
+        base = {
+            "__meta_kubernetes_namespace": pod.metadata.namespace,
+            "__meta_kubernetes_pod_name": pod.metadata.name,
+            "__meta_kubernetes_pod_phase": pod.status.phase or "",
+            "__meta_kubernetes_pod_ip": pod.status.pod_ip or "",
+            **_labels_meta("pod", pod.metadata.labels),
+        }
         if not pod.status.pod_ip:
             continue
         for c in pod.spec.containers:
             for port in c.ports or []:
-                labels = {**base, "__meta_kubernetes_pod_container_name": c.name,
-                          "__meta_kubernetes_pod_container_port_name": port.name or "",
-                          "__meta_kubernetes_pod_container_port_number": str(port.container_port)}
+                labels = {
+                    **base,
+                    "__meta_kubernetes_pod_container_name": c.name,
+                    "__meta_kubernetes_pod_container_port_name": port.name or "",
+                    "__meta_kubernetes_pod_container_port_number": str(port.container_port),
+                }
                 groups.append({"targets": [f"{pod.status.pod_ip}:{port.container_port}"], "labels": labels})
     return groups
 
@@ -171,10 +206,12 @@ def service_targets(core: Any, monitor: dict[str, Any], stand_ins: dict[str, str
             if address is None:
                 continue
             for port in svc.spec.ports or []:
-                labels = {"__meta_kubernetes_namespace": ns,
-                          "__meta_kubernetes_service_name": svc.metadata.name,
-                          "__meta_kubernetes_endpoint_port_name": port.name or "",
-                          **_labels_meta("service", svc.metadata.labels)}
+                labels = {
+                    "__meta_kubernetes_namespace": ns,
+                    "__meta_kubernetes_service_name": svc.metadata.name,
+                    "__meta_kubernetes_endpoint_port_name": port.name or "",
+                    **_labels_meta("service", svc.metadata.labels),
+                }
                 groups.append({"targets": [address], "labels": labels})
     return groups
 
@@ -229,16 +266,27 @@ class Prometheus:
 
     def start(self, timeout: float = 60) -> Prometheus:
         self.root.mkdir(parents=True, exist_ok=True)
-        config = {"global": {"evaluation_interval": self.evaluation_interval},
-                  "scrape_configs": self.scrape_configs,
-                  "rule_files": [str(f) for f in self.rule_files]}
+        config = {
+            "global": {"evaluation_interval": self.evaluation_interval},
+            "scrape_configs": self.scrape_configs,
+            "rule_files": [str(f) for f in self.rule_files],
+        }
         cfg = self.root / "prometheus.yml"
         cfg.write_text(yaml.safe_dump(config, sort_keys=False))
         with self.log.open("ab") as fh:
             self.proc = subprocess.Popen(
-                [str(self.exe), f"--config.file={cfg}", f"--storage.tsdb.path={self.root / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle"],
-                stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+                [
+                    str(self.exe),
+                    f"--config.file={cfg}",
+                    f"--storage.tsdb.path={self.root / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                    "--web.enable-lifecycle",
+                ],
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         self._thread = threading.Thread(target=self._discovery_loop, daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout

@@ -49,7 +49,9 @@ def ensure_built(timeout: float = 3600) -> dict[str, Image]:
     """
     if os.environ.get("PACKTRAIN_IMAGES_PREBUILT") == "1":
         return {name: inspect(tag) for name, tag in IMAGE_TAGS.items()}
-    proc = subprocess.run(["bash", str(BUILD_SCRIPT)], capture_output=True, text=True, timeout=timeout, check=False)
+    proc = subprocess.run(
+        ["bash", str(BUILD_SCRIPT)], capture_output=True, text=True, timeout=timeout, check=False
+    )
     if proc.returncode == 3:
         marker = cache_dir() / "UNAVAILABLE"
         raise ImagesUnavailable(marker.read_text().strip() if marker.is_file() else proc.stderr.strip())
@@ -60,7 +62,16 @@ def ensure_built(timeout: float = 3600) -> dict[str, Image]:
 
 def podman(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     c = cache_dir()
-    cmd = ["podman", "--root", str(c / "storage"), "--runroot", str(c / "run"), "--storage-driver", "overlay", *args]
+    cmd = [
+        "podman",
+        "--root",
+        str(c / "storage"),
+        "--runroot",
+        str(c / "run"),
+        "--storage-driver",
+        "overlay",
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=120)
 
 
@@ -86,16 +97,26 @@ class ImageNotFound(LookupError):
 def inspect(ref: str) -> Image:
     proc = podman("image", "inspect", ref, check=False)
     if proc.returncode != 0:
-        raise ImageNotFound(f"image {ref} is not in the local storage {cache_dir() / 'storage'}: "
-                            f"run `bash images/build.sh` ({proc.stderr.strip()})")
+        raise ImageNotFound(
+            f"image {ref} is not in the local storage {cache_dir() / 'storage'}: "
+            f"run `bash images/build.sh` ({proc.stderr.strip()})"
+        )
     (info,) = json.loads(proc.stdout)
     data = info["GraphDriver"]["Data"]
     layers = [data["UpperDir"], *filter(None, (data.get("LowerDir") or "").split(":"))]
     cfg = info.get("Config") or {}
     env = dict(e.split("=", 1) for e in cfg.get("Env") or [])
-    return Image(ref, tuple(layers), env, cfg.get("WorkingDir") or "/", cfg.get("User") or "",
-                 tuple(cfg.get("Entrypoint") or ()), tuple(cfg.get("Cmd") or ()), cfg.get("Labels") or {},
-                 int(info.get("Size") or 0))
+    return Image(
+        ref,
+        tuple(layers),
+        env,
+        cfg.get("WorkingDir") or "/",
+        cfg.get("User") or "",
+        tuple(cfg.get("Entrypoint") or ()),
+        tuple(cfg.get("Cmd") or ()),
+        cfg.get("Labels") or {},
+        int(info.get("Size") or 0),
+    )
 
 
 @dataclass(frozen=True)
@@ -113,28 +134,54 @@ def numeric_user(user: str) -> tuple[int, int]:
     return int(uid), int(gid or 0)
 
 
-def container_argv(image: Image, argv: Sequence[str], *, scratch: Path, env: dict[str, str],
-                   mounts: Sequence[Mount] = (), workdir: str | None = None, uid: int = 0, gid: int = 0,
-                   groups: Sequence[int] = ()) -> list[str]:
+def container_argv(
+    image: Image,
+    argv: Sequence[str],
+    *,
+    scratch: Path,
+    env: dict[str, str],
+    mounts: Sequence[Mount] = (),
+    workdir: str | None = None,
+    uid: int = 0,
+    gid: int = 0,
+    groups: Sequence[int] = (),
+) -> list[str]:
     """The argv that runs `argv` in `image`'s root filesystem; `scratch` holds its writable layer."""
     scratch.mkdir(parents=True, exist_ok=True)
     spec = {
-        "layers": list(image.layers), "argv": list(argv), "env": env, "workdir": workdir or image.workdir,
-        "uid": uid, "gid": gid, "groups": sorted(set(groups)),
+        "layers": list(image.layers),
+        "argv": list(argv),
+        "env": env,
+        "workdir": workdir or image.workdir,
+        "uid": uid,
+        "gid": gid,
+        "groups": sorted(set(groups)),
         "mounts": [[m.source, m.target, m.read_only] for m in mounts],
         "scratch": str(scratch),
     }
     spec_file = scratch / "spec.json"
     spec_file.write_text(json.dumps(spec))
-    return ["unshare", "--mount", "--propagation", "private", sys.executable, str(Path(__file__).resolve()),
-            str(spec_file)]
+    return [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        sys.executable,
+        str(Path(__file__).resolve()),
+        str(spec_file),
+    ]
 
 
 def run(image: Image, argv: Sequence[str], *, timeout: float, **kw: Any) -> subprocess.CompletedProcess[str]:
     """Run to completion in a temporary scratch folder; output captured."""
     with tempfile.TemporaryDirectory(prefix="rootfs-") as tmp:
-        return subprocess.run(container_argv(image, argv, scratch=Path(tmp), **kw), capture_output=True,
-                              text=True, timeout=timeout, check=False)
+        return subprocess.run(
+            container_argv(image, argv, scratch=Path(tmp), **kw),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
 
 
 # --- inside the new mount namespace (root, before chroot) ------------------------------------------
@@ -184,20 +231,34 @@ def _enter(spec: dict[str, Any]) -> None:
     root, upper, work = scratch / "root", scratch / "upper", scratch / "work"
     for d in (root, upper, work):
         d.mkdir(exist_ok=True)
-    _mount("-t", "overlay", "overlay", "-o",
-           f"lowerdir={':'.join(spec['layers'])},upperdir={upper},workdir={work}", str(root))
+    _mount(
+        "-t",
+        "overlay",
+        "overlay",
+        "-o",
+        f"lowerdir={':'.join(spec['layers'])},upperdir={upper},workdir={work}",
+        str(root),
+    )
     _mount("-t", "proc", "proc", str(_target(root, "/proc", is_dir=True)))
     dev = _target(root, "/dev", is_dir=True)
     _mount("-t", "tmpfs", "-o", "mode=755,nosuid", "tmpfs", str(dev))
     for name in DEV_NODES:
         _mount("--bind", f"/dev/{name}", str(_target(root, f"/dev/{name}", is_dir=False)))
-    _mount("-t", "tmpfs", "-o", "mode=1777,nosuid,nodev", "tmpfs", str(_target(root, "/dev/shm", is_dir=True)))
-    for link, to in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                     ("stderr", "/proc/self/fd/2")):
+    _mount(
+        "-t", "tmpfs", "-o", "mode=1777,nosuid,nodev", "tmpfs", str(_target(root, "/dev/shm", is_dir=True))
+    )
+    for link, to in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         os.symlink(to, dev / link)
     mounted = {m[1].rstrip("/") or "/" for m in spec["mounts"]}
     if "/tmp" not in mounted:
-        _mount("-t", "tmpfs", "-o", "mode=1777,nosuid,nodev", "tmpfs", str(_target(root, "/tmp", is_dir=True)))
+        _mount(
+            "-t", "tmpfs", "-o", "mode=1777,nosuid,nodev", "tmpfs", str(_target(root, "/tmp", is_dir=True))
+        )
     for etc in ("/etc/hosts", "/etc/resolv.conf"):
         if Path(etc).is_file() and etc not in mounted:
             _mount("--bind", etc, str(_target(root, etc, is_dir=False)))

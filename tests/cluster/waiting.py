@@ -7,8 +7,13 @@ from collections.abc import Callable
 from typing import Any
 
 
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 60, every: float = 0.5,
-             diagnostics: Callable[[], str] | None = None) -> Any:
+def wait_for(
+    what: str,
+    probe: Callable[[], Any],
+    timeout: float = 60,
+    every: float = 0.5,
+    diagnostics: Callable[[], str] | None = None,
+) -> Any:
     """Poll until ``probe`` returns something truthy and return that.
 
     On timeout fail with the last value ``probe`` returned and, when given, ``diagnostics()``.

@@ -46,7 +46,10 @@ REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
 RELEASE, RELEASE_NS = "packtrain", "packtrain-system"
 CLAIMS = ("packtrain-data", "packtrain-checkpoints")
-RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/enforce-version": "latest"}
+RESTRICTED = {
+    "pod-security.kubernetes.io/enforce": "restricted",
+    "pod-security.kubernetes.io/enforce-version": "latest",
+}
 
 
 def stamp() -> str:
@@ -124,9 +127,14 @@ class Harness:
         """
         from chart.helm import helm_install
 
-        values = {**self.chart_values,
-                  "operator": {**self.chart_values.get("operator", {}),
-                               "metricsPort": free_port(), "livenessPort": free_port()}}
+        values = {
+            **self.chart_values,
+            "operator": {
+                **self.chart_values.get("operator", {}),
+                "metricsPort": free_port(),
+                "livenessPort": free_port(),
+            },
+        }
         release = helm_install(self.cp.kubeconfig, RELEASE, RELEASE_NS, values)
         objects = [d for d in yaml.safe_load_all(release["manifest"]) if d]
         self.deployment = next(o for o in objects if o["kind"] == "Deployment")
@@ -136,11 +144,14 @@ class Harness:
         token = self.cp.kubectl("create", "token", account, "-n", RELEASE_NS, "--duration=2h").stdout.strip()
         admin = yaml.safe_load(self.cp.kubeconfig.read_text())
         cfg = {
-            "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": "sa",
             "clusters": [{"name": "local", "cluster": admin["clusters"][0]["cluster"]}],
             "users": [{"name": account, "user": {"token": token}}],
-            "contexts": [{"name": "sa", "context": {"cluster": "local", "user": account,
-                                                    "namespace": RELEASE_NS}}],
+            "contexts": [
+                {"name": "sa", "context": {"cluster": "local", "user": account, "namespace": RELEASE_NS}}
+            ],
         }
         self.operator_kubeconfig = self.work / "operator.kubeconfig"
         self.operator_kubeconfig.write_text(yaml.safe_dump(cfg))
@@ -163,8 +174,12 @@ class Harness:
             log.write(f"--- operator start #{self.operator_starts} at {stamp()}\n".encode())
             log.flush()
             self.operator = subprocess.Popen(
-                [str(packtrain), "operator", *container["args"]], env=env, cwd=REPO,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                [str(packtrain), "operator", *container["args"]],
+                env=env,
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
                 preexec_fn=_die_with_parent,  # no orphaned operator when pytest is killed
             )
 
@@ -175,8 +190,9 @@ class Harness:
 
     def check_operator(self) -> None:
         if self.operator is not None and self.operator.poll() is not None:
-            raise AssertionError(f"the operator exited ({self.operator.returncode}):\n"
-                                 f"{tail(self.operator_log, 60)}")
+            raise AssertionError(
+                f"the operator exited ({self.operator.returncode}):\n{tail(self.operator_log, 60)}"
+            )
 
     def close(self) -> None:
         self.stop_operator()
@@ -193,21 +209,38 @@ class Harness:
         self.core.create_namespace({"metadata": {"name": ns, "labels": RESTRICTED}})
         for claim in CLAIMS:
             pv = f"{ns}-{claim}"
-            self.core.create_persistent_volume({
-                "metadata": {"name": pv},
-                "spec": {"capacity": {"storage": "10Gi"}, "accessModes": ["ReadWriteMany"],
-                         "storageClassName": "e2e", "hostPath": {"path": str(self.pvc_dir(ns, claim))},
-                         "claimRef": {"namespace": ns, "name": claim}},
-            })
-            self.core.create_namespaced_persistent_volume_claim(ns, {
-                "metadata": {"name": claim},
-                "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "e2e", "volumeName": pv,
-                         "resources": {"requests": {"storage": "10Gi"}}},
-            })
+            self.core.create_persistent_volume(
+                {
+                    "metadata": {"name": pv},
+                    "spec": {
+                        "capacity": {"storage": "10Gi"},
+                        "accessModes": ["ReadWriteMany"],
+                        "storageClassName": "e2e",
+                        "hostPath": {"path": str(self.pvc_dir(ns, claim))},
+                        "claimRef": {"namespace": ns, "name": claim},
+                    },
+                }
+            )
+            self.core.create_namespaced_persistent_volume_claim(
+                ns,
+                {
+                    "metadata": {"name": claim},
+                    "spec": {
+                        "accessModes": ["ReadWriteMany"],
+                        "storageClassName": "e2e",
+                        "volumeName": pv,
+                        "resources": {"requests": {"storage": "10Gi"}},
+                    },
+                },
+            )
         for claim in CLAIMS:
-            wait_for(f"claim {ns}/{claim} to bind",
-                     lambda c=claim: self.core.read_namespaced_persistent_volume_claim(c, ns).status.phase
-                     == "Bound", timeout=60)
+            wait_for(
+                f"claim {ns}/{claim} to bind",
+                lambda c=claim: (
+                    self.core.read_namespaced_persistent_volume_claim(c, ns).status.phase == "Bound"
+                ),
+                timeout=60,
+            )
 
     def pvc_dir(self, ns: str, claim: str) -> Path:
         """The local folder the node agent mounts for a claim (its default ``--pvc-root``)."""
@@ -228,14 +261,23 @@ class Harness:
             p = self.phase(plural, ns, name)
             return p if p in phases else None
 
-        return str(wait_for(f"{plural} {ns}/{name} to reach {'/'.join(phases)}", probe, timeout=timeout,
-                            every=1, diagnostics=lambda: self.diagnostics(ns)))
+        return str(
+            wait_for(
+                f"{plural} {ns}/{name} to reach {'/'.join(phases)}",
+                probe,
+                timeout=timeout,
+                every=1,
+                diagnostics=lambda: self.diagnostics(ns),
+            )
+        )
 
     def diagnostics(self, ns: str) -> str:
         """Everything needed to see why a run went wrong: objects, events, and every component's log."""
         parts = []
-        for args in (("get", "packjobs,sftjobs,jobs,pytorchjobs,pods,services,pvc", "-o", "wide"),
-                     ("get", "events", "--sort-by=.lastTimestamp")):
+        for args in (
+            ("get", "packjobs,sftjobs,jobs,pytorchjobs,pods,services,pvc", "-o", "wide"),
+            ("get", "events", "--sort-by=.lastTimestamp"),
+        ):
             res = self.cp.kubectl(*args, "-n", ns, check=False)
             parts.append(f"$ kubectl {' '.join(args)} -n {ns}\n{res.stdout}{res.stderr}")
         for plural in ("packjobs", "sftjobs"):
@@ -259,8 +301,9 @@ def control_plane_binaries() -> tuple[Path, Path]:
     return built_or_skip(locate_binaries, "CLUSTER TESTS")
 
 
-def running(request: pytest.FixtureRequest, work: Path, cp: ControlPlane, harness: type[H],
-            **fields: Any) -> Iterator[H]:
+def running(
+    request: pytest.FixtureRequest, work: Path, cp: ControlPlane, harness: type[H], **fields: Any
+) -> Iterator[H]:
     """Start `cp` and the e2e components on it (training-operator, chart, operator), yield the
     `harness` built with `fields`, then stop everything: the body of a module-scoped e2e fixture.
 
@@ -359,8 +402,9 @@ class Recorder(Background):
                 kwargs: dict[str, Any] = {"timeout_seconds": 2}
                 if rv:
                     kwargs["resource_version"] = rv
-                for ev in w.stream(self.h.custom.list_namespaced_custom_object, GROUP, VERSION, self.ns,
-                                   plural, **kwargs):
+                for ev in w.stream(
+                    self.h.custom.list_namespaced_custom_object, GROUP, VERSION, self.ns, plural, **kwargs
+                ):
                     obj = ev["object"]
                     rv = obj["metadata"].get("resourceVersion", rv)
                     if ev["type"] in ("ADDED", "MODIFIED"):
@@ -419,7 +463,9 @@ def free_trainer_port(sftjob: dict[str, Any]) -> int:
     """The SFTJob's trainer /metrics port, once it is free: pods share this machine's network here,
     so another run's trainer on the same port would crash ours."""
     port = SFTJobSpec.model_validate(sftjob["spec"]).metrics_port
-    wait_for(f"port {port} (the trainer's /metrics) to be free", lambda: port_is_free(port), timeout=300, every=2)
+    wait_for(
+        f"port {port} (the trainer's /metrics) to be free", lambda: port_is_free(port), timeout=300, every=2
+    )
     return port
 
 

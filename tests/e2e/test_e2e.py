@@ -54,8 +54,10 @@ def sha256(path: Path) -> str:
 
 
 def pods_of(h: Harness, ns: str, selector: str) -> list[Any]:
-    return sorted(h.core.list_namespaced_pod(ns, label_selector=selector).items,
-                  key=lambda p: p.metadata.creation_timestamp)
+    return sorted(
+        h.core.list_namespaced_pod(ns, label_selector=selector).items,
+        key=lambda p: p.metadata.creation_timestamp,
+    )
 
 
 def exit_codes(pods: list[Any]) -> list[int | None]:
@@ -100,17 +102,36 @@ def quickstart(e2e: Harness) -> QuickstartRun:
     pytorchjob = dict(e2e.custom.get_namespaced_custom_object("kubeflow.org", "v1", ns, "pytorchjobs", child))
     out = packjob["status"]["outputPath"]
     mount = packjob["spec"]["output"].get("mountPath", "/data")
-    manifest = e2e.pvc_dir(ns, packjob["spec"]["output"]["claimName"]) / Path(out).relative_to(mount) / "manifest.json"
-    return QuickstartRun(ns, seconds, rec.sequence("packjobs", NAME), rec.sequence("sftjobs", NAME), packjob,
-                         sftjob, pytorchjob, manifest, scraper.samples, rec.transcript)
+    manifest = (
+        e2e.pvc_dir(ns, packjob["spec"]["output"]["claimName"])
+        / Path(out).relative_to(mount)
+        / "manifest.json"
+    )
+    return QuickstartRun(
+        ns,
+        seconds,
+        rec.sequence("packjobs", NAME),
+        rec.sequence("sftjobs", NAME),
+        packjob,
+        sftjob,
+        pytorchjob,
+        manifest,
+        scraper.samples,
+        rec.transcript,
+    )
 
 
-def test_quickstart_end_to_end(e2e: Harness, quickstart: QuickstartRun, capsys: pytest.CaptureFixture[str]) -> None:
+def test_quickstart_end_to_end(
+    e2e: Harness, quickstart: QuickstartRun, capsys: pytest.CaptureFixture[str]
+) -> None:
     run, ns = quickstart, quickstart.ns
     diag = lambda: e2e.diagnostics(ns)  # noqa: E731
 
     # The PackJob went through every stage, through real Jobs and pods.
-    assert run.pack_phases[-4:] == ["Converting", "Planning", "Materializing", "Succeeded"], (run.pack_phases, diag())
+    assert run.pack_phases[-4:] == ["Converting", "Planning", "Materializing", "Succeeded"], (
+        run.pack_phases,
+        diag(),
+    )
     for stage, count in (("convert", 2), ("plan", 1), ("materialize", 2)):
         job = e2e.batch.read_namespaced_job(f"{NAME}-{stage}", ns)
         assert job.status.succeeded == count, (stage, job.status, diag())
@@ -135,16 +156,23 @@ def test_quickstart_end_to_end(e2e: Harness, quickstart: QuickstartRun, capsys: 
     # All of it ran in a namespace enforcing the restricted Pod Security Standard, as non-root.
     assert e2e.core.read_namespace(ns).metadata.labels.items() >= RESTRICTED.items()
     for pod in pods_of(e2e, ns, "app.kubernetes.io/name=packtrain"):
-        assert pod.spec.security_context.run_as_non_root and pod.spec.security_context.run_as_user, pod.metadata.name
+        assert pod.spec.security_context.run_as_non_root and pod.spec.security_context.run_as_user, (
+            pod.metadata.name
+        )
         assert pod.spec.automount_service_account_token is False, pod.metadata.name
         for c in pod.spec.containers:
             assert c.security_context.allow_privilege_escalation is False, (pod.metadata.name, c.name)
             assert c.security_context.capabilities.drop == ["ALL"], (pod.metadata.name, c.name)
-            assert c.resources.requests.get("cpu") and c.resources.requests.get("memory"), (pod.metadata.name, c.name)
+            assert c.resources.requests.get("cpu") and c.resources.requests.get("memory"), (
+                pod.metadata.name,
+                c.name,
+            )
 
     # The SFTJob waited for the data, then ran through Kubeflow's own controller.
     assert run.sft_phases[0] == "WaitingForData" and run.sft_phases[-2:] == ["Running", "Succeeded"], (
-        run.sft_phases, diag())
+        run.sft_phases,
+        diag(),
+    )
     conditions = {c["type"]: c["status"] for c in run.pytorchjob["status"]["conditions"]}
     assert conditions.get("Succeeded") == "True", run.pytorchjob["status"]
     master = pods_of(e2e, ns, "training.kubeflow.org/replica-type=master")
@@ -153,7 +181,9 @@ def test_quickstart_end_to_end(e2e: Harness, quickstart: QuickstartRun, capsys: 
     assert (owner.kind, owner.controller) == ("PyTorchJob", True)
     env = {e.name: e.value for e in master[0].spec.containers[0].env}
     assert env.get("PET_NNODES") and env.get("MASTER_ADDR"), env  # set by the training-operator
-    assert master[0].spec.node_name == "cpu-0" and exit_codes(master) == [0]  # gpusPerNode: 0 runs on the CPU pool
+    assert master[0].spec.node_name == "cpu-0" and exit_codes(master) == [
+        0
+    ]  # gpusPerNode: 0 runs on the CPU pool
     progress = run.sftjob["status"]["progress"]
     max_steps = of_kind(quickstart_docs(), "SFTJob")["spec"]["training"]["maxSteps"]
     assert progress["step"] == max_steps and progress["loss"] > 0, run.sftjob["status"]
@@ -168,19 +198,34 @@ def test_quickstart_end_to_end(e2e: Harness, quickstart: QuickstartRun, capsys: 
 
     rows = [
         ("PackJob phases", " → ".join(run.pack_phases)),
-        ("samples in / packed / rejected", f"{stats['samplesIn']} / {stats['samplesPacked']} / {stats['samplesRejected']}"),
+        (
+            "samples in / packed / rejected",
+            f"{stats['samplesIn']} / {stats['samplesPacked']} / {stats['samplesRejected']}",
+        ),
         ("sequences / shards / tokens", f"{stats['sequences']} / {stats['shards']} / {stats['tokens']}"),
         ("fill ratio / padding saved", f"{stats['fillRatio']} / {stats['paddingSaved']}"),
         ("SFTJob phases", " → ".join(run.sft_phases)),
-        ("PyTorchJob", f"{run.pytorchjob['metadata']['name']}: Succeeded, pod {master[0].metadata.name} on "
-                       f"{master[0].spec.node_name}, created by the training-operator"),
-        ("steps / final loss / tokens/s", f"{progress['step']} / {progress['loss']:.4f} / "
-                                          f"{progress['tokensPerSecond']:.1f}"),
-        ("trainer /metrics", f"{len(run.metrics)} scrapes during the run, last packtrain_train_step {steps[-1]}"),
+        (
+            "PyTorchJob",
+            f"{run.pytorchjob['metadata']['name']}: Succeeded, pod {master[0].metadata.name} on "
+            f"{master[0].spec.node_name}, created by the training-operator",
+        ),
+        (
+            "steps / final loss / tokens/s",
+            f"{progress['step']} / {progress['loss']:.4f} / {progress['tokensPerSecond']:.1f}",
+        ),
+        (
+            "trainer /metrics",
+            f"{len(run.metrics)} scrapes during the run, last packtrain_train_step {steps[-1]}",
+        ),
         ("wall time (apply → SFTJob Succeeded)", f"{run.seconds:.0f} s"),
     ]
     with capsys.disabled():
-        print("\n\n".join(["", "=== kubectl get packjobs,sftjobs during the quickstart run ===", *run.transcript]))
+        print(
+            "\n\n".join(
+                ["", "=== kubectl get packjobs,sftjobs during the quickstart run ===", *run.transcript]
+            )
+        )
         print("\n" + table(("quickstart on the local cluster", ""), rows))
 
 
@@ -193,11 +238,20 @@ def _write_corrupt_dataset(folder: Path) -> dict[str, str]:
     (folder / "truncated.jpg").write_bytes(data[: len(data) // 3])
     (folder / "noise.png").write_bytes(os.urandom(4096))
     (folder / "noise.mp4").write_bytes(os.urandom(8192))
-    chat = [{"role": "user", "content": "<image>What is shown?"}, {"role": "assistant", "content": "Two players."}]
-    video = [{"role": "user", "content": "<video>What happens?"}, {"role": "assistant", "content": "A baby reads."}]
+    chat = [
+        {"role": "user", "content": "<image>What is shown?"},
+        {"role": "assistant", "content": "Two players."},
+    ]
+    video = [
+        {"role": "user", "content": "<video>What happens?"},
+        {"role": "assistant", "content": "A baby reads."},
+    ]
     records = [
         {"id": "good-image", "messages": chat, "images": ["good.jpg"]},
-        {"id": "good-text", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]},
+        {
+            "id": "good-text",
+            "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}],
+        },
         {"id": "bad-truncated", "messages": chat, "images": ["truncated.jpg"]},
         {"id": "bad-noise", "messages": chat, "images": ["noise.png"]},
         {"id": "bad-video", "messages": video, "videos": ["noise.mp4"]},
@@ -222,16 +276,23 @@ def test_corrupt_media_is_rejected_listed_and_counted(e2e: Harness, tmp_path: Pa
     body = _packjob("corrupt", source={"paths": [str(tmp_path / "corrupt-src" / "data.json")]})
     e2e.cp.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(body))
     assert e2e.wait_phase("packjobs", ns, "corrupt", ("Succeeded", "Failed"), PACK_TIMEOUT) == "Succeeded", (
-        e2e.diagnostics(ns))
+        e2e.diagnostics(ns)
+    )
     stats = e2e.get("packjobs", ns, "corrupt")["status"]["stats"]
     assert (stats["samplesIn"], stats["samplesPacked"], stats["samplesRejected"]) == (5, 2, 3), stats
     pack = e2e.pvc_dir(ns, "packtrain-data") / "corrupt"
-    rejects = {r["id"]: r["reason"] for r in map(json.loads, (pack / "rejects.jsonl").read_text().splitlines())}
+    rejects = {
+        r["id"]: r["reason"] for r in map(json.loads, (pack / "rejects.jsonl").read_text().splitlines())
+    }
     assert rejects == expected
-    assert json.loads((pack / "manifest.json").read_text())["counts"]["rejected_by_reason"] == {"corrupt_media": 3}
+    assert json.loads((pack / "manifest.json").read_text())["counts"]["rejected_by_reason"] == {
+        "corrupt_media": 3
+    }
 
 
-def test_killed_convert_worker_is_retried_with_identical_result(e2e: Harness, quickstart: QuickstartRun) -> None:
+def test_killed_convert_worker_is_retried_with_identical_result(
+    e2e: Harness, quickstart: QuickstartRun
+) -> None:
     ns = "killed"
     e2e.namespace_with_claims(ns)
     out_root = e2e.pvc_dir(ns, "packtrain-data")
@@ -239,20 +300,29 @@ def test_killed_convert_worker_is_retried_with_identical_result(e2e: Harness, qu
 
     def worker_zero() -> int | None:
         e2e.check_operator()
-        return next((pid for pid, env in convert_processes(out_root) if env.get("JOB_COMPLETION_INDEX") == "0"),
-                    None)
+        return next(
+            (pid for pid, env in convert_processes(out_root) if env.get("JOB_COMPLETION_INDEX") == "0"), None
+        )
 
-    pid = wait_for("convert worker 0 to start", worker_zero, timeout=120, every=0.05,
-                   diagnostics=lambda: e2e.diagnostics(ns))
+    pid = wait_for(
+        "convert worker 0 to start",
+        worker_zero,
+        timeout=120,
+        every=0.05,
+        diagnostics=lambda: e2e.diagnostics(ns),
+    )
     time.sleep(1.0)  # let it get into the work
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pytest.fail(f"convert worker 0 (pid {pid}) finished before it could be killed\n{e2e.diagnostics(ns)}")
     assert e2e.wait_phase("packjobs", ns, NAME, ("Succeeded", "Failed"), PACK_TIMEOUT) == "Succeeded", (
-        e2e.diagnostics(ns))
+        e2e.diagnostics(ns)
+    )
     pods = pods_of(e2e, ns, f"batch.kubernetes.io/job-name={NAME}-convert")
-    index0 = [p for p in pods if p.metadata.annotations.get("batch.kubernetes.io/job-completion-index") == "0"]
+    index0 = [
+        p for p in pods if p.metadata.annotations.get("batch.kubernetes.io/job-completion-index") == "0"
+    ]
     assert exit_codes(index0) == [137, 0], (exit_codes(pods), e2e.diagnostics(ns))
     job = e2e.batch.read_namespaced_job(f"{NAME}-convert", ns)
     assert (job.status.failed, job.status.succeeded) == (1, 2), job.status
@@ -262,7 +332,9 @@ def test_killed_convert_worker_is_retried_with_identical_result(e2e: Harness, qu
     assert status["stats"] == quickstart.packjob["status"]["stats"]
 
 
-def test_operator_killed_mid_pipeline_finishes_without_duplicates(e2e: Harness, quickstart: QuickstartRun) -> None:
+def test_operator_killed_mid_pipeline_finishes_without_duplicates(
+    e2e: Harness, quickstart: QuickstartRun
+) -> None:
     ns = "restart"
     e2e.namespace_with_claims(ns)
     e2e.cp.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(_packjob(NAME)))
@@ -272,14 +344,19 @@ def test_operator_killed_mid_pipeline_finishes_without_duplicates(e2e: Harness, 
     e2e.operator.wait()
     e2e.operator = None
     try:
-        wait_for("the convert Job to finish without the operator",
-                 lambda: (e2e.batch.read_namespaced_job(f"{NAME}-convert", ns).status.succeeded or 0) == 2,
-                 timeout=PACK_TIMEOUT, every=1, diagnostics=lambda: e2e.diagnostics(ns))
+        wait_for(
+            "the convert Job to finish without the operator",
+            lambda: (e2e.batch.read_namespaced_job(f"{NAME}-convert", ns).status.succeeded or 0) == 2,
+            timeout=PACK_TIMEOUT,
+            every=1,
+            diagnostics=lambda: e2e.diagnostics(ns),
+        )
         assert e2e.phase("packjobs", ns, NAME) == "Converting"  # nobody moved it on
     finally:
         e2e.start_operator()
     assert e2e.wait_phase("packjobs", ns, NAME, ("Succeeded", "Failed"), PACK_TIMEOUT) == "Succeeded", (
-        e2e.diagnostics(ns))
+        e2e.diagnostics(ns)
+    )
     jobs = sorted(j.metadata.name for j in e2e.batch.list_namespaced_job(ns).items)
     assert jobs == [f"{NAME}-convert", f"{NAME}-materialize", f"{NAME}-plan"], jobs
     for stage, count in (("convert", 2), ("plan", 1), ("materialize", 2)):
@@ -309,12 +386,19 @@ class ProgressWatch(Background):
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                for ev in watch.Watch().stream(self.h.custom.list_namespaced_custom_object, GROUP, VERSION,
-                                               self.ns, "sftjobs", field_selector=f"metadata.name={self.name}",
-                                               timeout_seconds=2):
+                for ev in watch.Watch().stream(
+                    self.h.custom.list_namespaced_custom_object,
+                    GROUP,
+                    VERSION,
+                    self.ns,
+                    "sftjobs",
+                    field_selector=f"metadata.name={self.name}",
+                    timeout_seconds=2,
+                ):
                     status = ev["object"].get("status") or {}
-                    self.seen.append((time.monotonic() - self._t0, status.get("phase"),
-                                      dict(status.get("progress") or {})))
+                    self.seen.append(
+                        (time.monotonic() - self._t0, status.get("phase"), dict(status.get("progress") or {}))
+                    )
                     if self._stop.is_set():
                         return
             except Exception:  # a dropped watch: list again
@@ -343,19 +427,33 @@ def test_live_progress_is_scraped_from_the_running_trainer(
     with ProgressWatch(e2e, ns, NAME) as seen:
         e2e.cp.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all(docs))
         assert e2e.wait_phase("packjobs", ns, NAME, ("Succeeded", "Failed"), PACK_TIMEOUT) == "Succeeded", (
-            e2e.diagnostics(ns))
+            e2e.diagnostics(ns)
+        )
         assert e2e.wait_phase("sftjobs", ns, NAME, ("Succeeded", "Failed"), TRAIN_TIMEOUT) == "Succeeded", (
-            e2e.diagnostics(ns))
+            e2e.diagnostics(ns)
+        )
     live = [(t, p) for t, phase, p in seen.seen if phase == "Running" and 1 <= p.get("step", 0) < max_steps]
-    assert live, (f"no status.progress while Running: {[(round(t), ph, p.get('step')) for t, ph, p in seen.seen]}"
-                  f"\n{e2e.diagnostics(ns)}")
+    assert live, (
+        f"no status.progress while Running: {[(round(t), ph, p.get('step')) for t, ph, p in seen.seen]}"
+        f"\n{e2e.diagnostics(ns)}"
+    )
     first, last = live[0], live[-1]
     assert first[1]["maxSteps"] == max_steps and first[1]["loss"] > 0 and first[1]["updatedAt"], first
     done = next(t for t, phase, _ in seen.seen if phase == "Succeeded")
     final = e2e.get("sftjobs", ns, NAME)["status"]["progress"]
     assert final["step"] == max_steps, final
     with capsys.disabled():
-        print("\n" + table(("live status.progress (scrape every 1 s)", ""), [
-            (f"updates while Running with 1 <= step < {max_steps}", len(live)),
-            ("first / last live step", f"{first[1]['step']} at {first[0]:.1f} s / {last[1]['step']} at {last[0]:.1f} s"),
-            (f"Succeeded (step {final['step']})", f"{done:.1f} s")]))
+        print(
+            "\n"
+            + table(
+                ("live status.progress (scrape every 1 s)", ""),
+                [
+                    (f"updates while Running with 1 <= step < {max_steps}", len(live)),
+                    (
+                        "first / last live step",
+                        f"{first[1]['step']} at {first[0]:.1f} s / {last[1]['step']} at {last[0]:.1f} s",
+                    ),
+                    (f"Succeeded (step {final['step']})", f"{done:.1f} s"),
+                ],
+            )
+        )

@@ -55,8 +55,10 @@ def _build_gitops_sync() -> Path:
         return Path(res.stdout.strip().splitlines()[-1])
     why = res.stderr.strip().splitlines()[-1:] or [f"exit {res.returncode}"]
     # Exit 3: building is impossible here (no go command, no module proxy), recorded in UNAVAILABLE.
-    raise ClusterUnavailable(f"gitops-sync cannot be built: {why[0]} (`bash {BUILD.relative_to(REPO)}`)",
-                             impossible=res.returncode == 3)
+    raise ClusterUnavailable(
+        f"gitops-sync cannot be built: {why[0]} (`bash {BUILD.relative_to(REPO)}`)",
+        impossible=res.returncode == 3,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -94,15 +96,29 @@ class Repo:
         self.transcript.append(f"# commit: {message}")
 
     def sync(self, prune: bool = False) -> Sync:
-        args = [str(self.binary), "--kubeconfig", str(self.h.cp.kubeconfig), "--namespace", self.ns, "--app", APP]
-        res = subprocess.run([*args, *(["--prune"] if prune else []), str(self.folder)],
-                             capture_output=True, text=True, timeout=300)
+        args = [
+            str(self.binary),
+            "--kubeconfig",
+            str(self.h.cp.kubeconfig),
+            "--namespace",
+            self.ns,
+            "--app",
+            APP,
+        ]
+        res = subprocess.run(
+            [*args, *(["--prune"] if prune else []), str(self.folder)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert res.returncode in (0, 1), f"gitops-sync failed to run:\n{res.stderr[-4000:]}"
         out = json.loads(res.stdout)
         sync = Sync(res.returncode, out["resources"], out.get("error", ""))
         self.transcript.append(f"$ gitops-sync{' --prune' if prune else ''}  -> exit {sync.rc} {sync.error}")
-        self.transcript += [f"  {r['kind']}/{r['name']}: {r['status']}: {' / '.join(r['message'].splitlines())}"
-                            for r in sync.resources]
+        self.transcript += [
+            f"  {r['kind']}/{r['name']}: {r['status']}: {' / '.join(r['message'].splitlines())}"
+            for r in sync.resources
+        ]
         return sync
 
     def diagnostics(self) -> str:
@@ -116,8 +132,9 @@ class Repo:
 
 
 @pytest.fixture()
-def new_repo(e2e: Harness, gitops_sync: Path, tmp_path: Path,
-             capsys: pytest.CaptureFixture[str]) -> Iterator[Callable[[str], Repo]]:
+def new_repo(
+    e2e: Harness, gitops_sync: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> Iterator[Callable[[str], Repo]]:
     """``new_repo(ns)``: a namespace with the quickstart's claims and an empty application folder."""
     repos: list[Repo] = []
 
@@ -137,7 +154,10 @@ def new_repo(e2e: Harness, gitops_sync: Path, tmp_path: Path,
 def packjob(name: str, max_length: int, sync_options: str | None = None) -> dict[str, Any]:
     """The quickstart's PackJob on its text chats only (a pack in seconds), one convert worker."""
     doc = next(d for d in quickstart_docs() if d["kind"] == "PackJob")
-    doc["metadata"] = {"name": name, **({"annotations": {SYNC_OPTIONS: sync_options}} if sync_options else {})}
+    doc["metadata"] = {
+        "name": name,
+        **({"annotations": {SYNC_OPTIONS: sync_options}} if sync_options else {}),
+    }
     doc["spec"]["source"] = {"paths": ["../shared/datasets/text-sft/fastchat/*.json"]}
     doc["spec"]["packing"]["maxLength"] = max_length
     doc["spec"]["workers"] = {"count": 1}
@@ -158,18 +178,26 @@ def sftjob(repo: Repo, name: str, pack: str, suspend: bool) -> dict[str, Any]:
 def owned(repo: Repo, owner_uid: str) -> list[str]:
     """Kind/name of the namespace's Jobs, ConfigMaps and PyTorchJobs whose owner has this uid."""
     h, ns = repo.h, repo.ns
-    objs = [("Job", j.metadata.name, j.metadata.owner_references) for j in h.batch.list_namespaced_job(ns).items]
-    objs += [("ConfigMap", c.metadata.name, c.metadata.owner_references)
-             for c in h.core.list_namespaced_config_map(ns).items]
+    objs = [
+        ("Job", j.metadata.name, j.metadata.owner_references) for j in h.batch.list_namespaced_job(ns).items
+    ]
+    objs += [
+        ("ConfigMap", c.metadata.name, c.metadata.owner_references)
+        for c in h.core.list_namespaced_config_map(ns).items
+    ]
     owners = lambda m: [o.get("uid") for o in m.get("ownerReferences") or []]  # noqa: E731
     pytorchjobs = h.custom.list_namespaced_custom_object("kubeflow.org", "v1", ns, "pytorchjobs")["items"]
-    return sorted([f"{kind}/{name}" for kind, name, refs in objs if any(o.uid == owner_uid for o in refs or [])]
-                  + [f"PyTorchJob/{p['metadata']['name']}" for p in pytorchjobs if owner_uid in owners(p["metadata"])])
+    return sorted(
+        [f"{kind}/{name}" for kind, name, refs in objs if any(o.uid == owner_uid for o in refs or [])]
+        + [f"PyTorchJob/{p['metadata']['name']}" for p in pytorchjobs if owner_uid in owners(p["metadata"])]
+    )
 
 
 def pack_max_length(repo: Repo, folder: str) -> int:
     """``max_length`` in the manifest of the pack in `folder` on the data claim, as the PackJob's pods wrote it."""
-    return int(json.loads((repo.h.pvc_dir(repo.ns, DATA_CLAIM) / folder / "manifest.json").read_text())["max_length"])
+    return int(
+        json.loads((repo.h.pvc_dir(repo.ns, DATA_CLAIM) / folder / "manifest.json").read_text())["max_length"]
+    )
 
 
 def ready(repo: Repo, plural: str, name: str) -> dict[str, str]:
@@ -188,8 +216,12 @@ def force_replace(repo: Repo, message: str, kind: str, name: str, *docs: dict[st
     assert "replaced" in replaced.result(kind, name)["message"]
     new_uid = str(repo.get(plural, name)["metadata"]["uid"])
     assert new_uid != old_uid
-    wait_for(f"the old {kind}'s children to be garbage-collected", lambda: not owned(repo, old_uid), timeout=60,
-             diagnostics=repo.diagnostics)
+    wait_for(
+        f"the old {kind}'s children to be garbage-collected",
+        lambda: not owned(repo, old_uid),
+        timeout=60,
+        diagnostics=repo.diagnostics,
+    )
     return new_uid
 
 
@@ -199,7 +231,9 @@ def run_pack(repo: Repo, *docs: dict[str, Any]) -> Sync:
     sync = repo.sync()
     assert sync.rc == 0 and {r["status"] for r in sync.resources} == {"Synced"}, repo.diagnostics()
     name = docs[0]["metadata"]["name"]
-    assert repo.wait_phase("packjobs", name, ("Succeeded", "Failed"), PACK_TIMEOUT) == "Succeeded", repo.diagnostics()
+    assert repo.wait_phase("packjobs", name, ("Succeeded", "Failed"), PACK_TIMEOUT) == "Succeeded", (
+        repo.diagnostics()
+    )
     return sync
 
 
@@ -215,10 +249,13 @@ def test_suspend_is_synced_in_place(new_repo: Callable[[str], Repo]) -> None:
     after = repo.get("sftjobs", "train")["metadata"]
     assert (after["uid"], after["generation"]) == (before["uid"], before["generation"] + 1)
     assert repo.wait_phase("sftjobs", "train", ("Succeeded", "Failed"), TRAIN_TIMEOUT) == "Succeeded", (
-        repo.diagnostics())
+        repo.diagnostics()
+    )
 
 
-def test_an_edit_of_an_immutable_field_fails_to_sync_and_changes_nothing(new_repo: Callable[[str], Repo]) -> None:
+def test_an_edit_of_an_immutable_field_fails_to_sync_and_changes_nothing(
+    new_repo: Callable[[str], Repo],
+) -> None:
     repo = new_repo("gitops-refused")
     run_pack(repo, packjob("pack", 1024))
     old = repo.get("packjobs", "pack")
@@ -227,8 +264,12 @@ def test_an_edit_of_an_immutable_field_fails_to_sync_and_changes_nothing(new_rep
     for options in (None, "Replace=true"):
         repo.commit(f"maxLength 2048, sync-options {options}", packjob("pack", 2048, options))
         refused = repo.sync()
-        assert refused.rc == 1 and refused.result("PackJob", "pack")["status"] == "SyncFailed", repo.diagnostics()
-        assert IMMUTABLE.format(field="packing", kind="PackJob") in refused.result("PackJob", "pack")["message"]
+        assert refused.rc == 1 and refused.result("PackJob", "pack")["status"] == "SyncFailed", (
+            repo.diagnostics()
+        )
+        assert (
+            IMMUTABLE.format(field="packing", kind="PackJob") in refused.result("PackJob", "pack")["message"]
+        )
         live = repo.get("packjobs", "pack")
         assert live["metadata"]["uid"] == old["metadata"]["uid"]
         assert live["metadata"]["generation"] == old["metadata"]["generation"]
@@ -244,9 +285,12 @@ def test_force_replace_recreates_the_job_from_scratch(new_repo: Callable[[str], 
     # The new PackJob runs its stages anew, but the pack folder on the claim (by default the
     # PackJob's name) outlives the object, and the packer will not write a pack of another
     # configuration over it: the edit fails, saying so, and the old pack is left intact.
-    force_replace(repo, "maxLength 2048 with Force=true,Replace=true", "PackJob", "pack",
-                  packjob("pack", 2048, REPLACE))
-    assert repo.wait_phase("packjobs", "pack", ("Succeeded", "Failed"), PACK_TIMEOUT) == "Failed", repo.diagnostics()
+    force_replace(
+        repo, "maxLength 2048 with Force=true,Replace=true", "PackJob", "pack", packjob("pack", 2048, REPLACE)
+    )
+    assert repo.wait_phase("packjobs", "pack", ("Succeeded", "Failed"), PACK_TIMEOUT) == "Failed", (
+        repo.diagnostics()
+    )
     refused = ready(repo, "packjobs", "pack")
     assert refused["reason"] == "InvalidConfiguration", refused
     assert "already holds a pack made with a different configuration" in refused["message"], refused
@@ -255,10 +299,12 @@ def test_force_replace_recreates_the_job_from_scratch(new_repo: Callable[[str], 
     # So the edit names a new folder as well; then the re-created PackJob packs with the new length.
     edited = packjob("pack", 2048, REPLACE)
     edited["spec"]["output"]["subPath"] = "pack-2048"
-    new_uid = force_replace(repo, "maxLength 2048 into subPath pack-2048, Force=true,Replace=true", "PackJob", "pack",
-                            edited)
+    new_uid = force_replace(
+        repo, "maxLength 2048 into subPath pack-2048, Force=true,Replace=true", "PackJob", "pack", edited
+    )
     assert repo.wait_phase("packjobs", "pack", ("Succeeded", "Failed"), PACK_TIMEOUT) == "Succeeded", (
-        repo.diagnostics())
+        repo.diagnostics()
+    )
     assert repo.get("packjobs", "pack")["status"]["outputPath"] == "/data/pack-2048"
     assert pack_max_length(repo, "pack-2048") == 2048 and pack_max_length(repo, "pack") == 1024
     assert owned(repo, new_uid) == children  # every stage ran again, under the new object
@@ -270,23 +316,30 @@ def test_force_replace_retrains_an_sftjob(new_repo: Callable[[str], Repo]) -> No
     train["metadata"]["annotations"] = {SYNC_OPTIONS: REPLACE}
     run_pack(repo, packjob("pack", 1024), train)
     assert repo.wait_phase("sftjobs", "train", ("Succeeded", "Failed"), TRAIN_TIMEOUT) == "Succeeded", (
-        repo.diagnostics())
+        repo.diagnostics()
+    )
     children = owned(repo, repo.get("sftjobs", "train")["metadata"]["uid"])
     assert "PyTorchJob/train" in children
 
     train["spec"]["training"]["maxSteps"] = 3
-    new_uid = force_replace(repo, "maxSteps 3 with Force=true,Replace=true", "SFTJob", "train",
-                            packjob("pack", 1024), train)
+    new_uid = force_replace(
+        repo, "maxSteps 3 with Force=true,Replace=true", "SFTJob", "train", packjob("pack", 1024), train
+    )
     assert repo.wait_phase("sftjobs", "train", ("Succeeded", "Failed"), TRAIN_TIMEOUT) == "Succeeded", (
-        repo.diagnostics())
+        repo.diagnostics()
+    )
     assert owned(repo, new_uid) == children, repo.diagnostics()  # a new PyTorchJob trained the new spec
     progress = repo.get("sftjobs", "train")["status"]["progress"]
     assert (progress["step"], progress["maxSteps"]) == (3, 3), progress
     # Same name, same checkpoint folder: the new job continues from the old one's newest checkpoint
     # (training.resume, on by default) rather than from step 0.
     logs = sorted(repo.h.pod_dir(repo.ns, "train-master-0").glob("*.log"))
-    summaries = [json.loads(line) for log in logs for line in log.read_text().splitlines()
-                 if line.startswith("{") and '"steps_this_run"' in line]
+    summaries = [
+        json.loads(line)
+        for log in logs
+        for line in log.read_text().splitlines()
+        if line.startswith("{") and '"steps_this_run"' in line
+    ]
     assert summaries and summaries[-1]["steps_this_run"] == 1 and summaries[-1]["resumed_from"], summaries
 
 
@@ -294,35 +347,59 @@ def test_name_by_content_runs_beside_the_old_job_until_pruned(new_repo: Callable
     repo = new_repo("gitops-rename")
     run_pack(repo, packjob("pack", 1024), sftjob(repo, "train", "pack", suspend=True))
     assert repo.wait_phase("sftjobs", "train", ("Suspended",), 120) == "Suspended"
-    old = {kind: repo.get(plural, name)["metadata"]["uid"]
-           for kind, plural, name in (("PackJob", "packjobs", "pack"), ("SFTJob", "sftjobs", "train"))}
+    old = {
+        kind: repo.get(plural, name)["metadata"]["uid"]
+        for kind, plural, name in (("PackJob", "packjobs", "pack"), ("SFTJob", "sftjobs", "train"))
+    }
     assert owned(repo, old["SFTJob"]) == ["ConfigMap/train-train-config", "PyTorchJob/train"]
 
     # Re-pointing the SFTJob at a new PackJob is itself an edit of an immutable field...
-    repo.commit("pack-v2, train re-pointed at it", packjob("pack-v2", 4096), sftjob(repo, "train", "pack-v2", suspend=False))
+    repo.commit(
+        "pack-v2, train re-pointed at it",
+        packjob("pack-v2", 4096),
+        sftjob(repo, "train", "pack-v2", suspend=False),
+    )
     repointed = repo.sync()
-    assert repointed.rc == 1 and repointed.result("SFTJob", "train")["status"] == "SyncFailed", repo.diagnostics()
+    assert repointed.rc == 1 and repointed.result("SFTJob", "train")["status"] == "SyncFailed", (
+        repo.diagnostics()
+    )
     assert IMMUTABLE.format(field="data", kind="SFTJob") in repointed.result("SFTJob", "train")["message"]
     # ... so the SFTJob is named by content too. Without pruning the old jobs stay, beside the new ones.
-    repo.commit("pack-v2 and train-v2", packjob("pack-v2", 4096), sftjob(repo, "train-v2", "pack-v2", suspend=False))
+    repo.commit(
+        "pack-v2 and train-v2", packjob("pack-v2", 4096), sftjob(repo, "train-v2", "pack-v2", suspend=False)
+    )
     beside = repo.sync()
     assert beside.rc == 0, repo.diagnostics()
-    assert {beside.result(k, n)["status"] for k, n in (("PackJob", "pack"), ("SFTJob", "train"))} == {"PruneSkipped"}
+    assert {beside.result(k, n)["status"] for k, n in (("PackJob", "pack"), ("SFTJob", "train"))} == {
+        "PruneSkipped"
+    }
     assert repo.wait_phase("packjobs", "pack-v2", ("Succeeded", "Failed"), PACK_TIMEOUT) == "Succeeded", (
-        repo.diagnostics())
+        repo.diagnostics()
+    )
     assert pack_max_length(repo, "pack-v2") == 4096 and pack_max_length(repo, "pack") == 1024
     assert repo.wait_phase("sftjobs", "train-v2", ("Succeeded", "Failed"), TRAIN_TIMEOUT) == "Succeeded", (
-        repo.diagnostics())
+        repo.diagnostics()
+    )
     assert all(owned(repo, uid) for uid in old.values())
-    kept = {n: repo.get(p, n)["metadata"]["uid"] for p, n in (("packjobs", "pack-v2"), ("sftjobs", "train-v2"))}
+    kept = {
+        n: repo.get(p, n)["metadata"]["uid"] for p, n in (("packjobs", "pack-v2"), ("sftjobs", "train-v2"))
+    }
 
     pruned = repo.sync(prune=True)
     assert pruned.rc == 0, repo.diagnostics()
-    assert {pruned.result(k, n)["status"] for k, n in (("PackJob", "pack"), ("SFTJob", "train"))} == {"Pruned"}
-    wait_for("the pruned jobs and their children to be deleted",
-             lambda: not any(owned(repo, uid) for uid in old.values()), timeout=60, diagnostics=repo.diagnostics)
-    assert sorted(o["metadata"]["name"] for o in repo.h.custom.list_namespaced_custom_object(
-        GROUP, VERSION, repo.ns, "packjobs")["items"]) == ["pack-v2"]
+    assert {pruned.result(k, n)["status"] for k, n in (("PackJob", "pack"), ("SFTJob", "train"))} == {
+        "Pruned"
+    }
+    wait_for(
+        "the pruned jobs and their children to be deleted",
+        lambda: not any(owned(repo, uid) for uid in old.values()),
+        timeout=60,
+        diagnostics=repo.diagnostics,
+    )
+    assert sorted(
+        o["metadata"]["name"]
+        for o in repo.h.custom.list_namespaced_custom_object(GROUP, VERSION, repo.ns, "packjobs")["items"]
+    ) == ["pack-v2"]
     for plural, name in (("packjobs", "pack-v2"), ("sftjobs", "train-v2")):
         live = repo.get(plural, name)
         assert live["metadata"]["uid"] == kept[name] and live["status"]["phase"] == "Succeeded"

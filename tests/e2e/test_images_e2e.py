@@ -48,6 +48,7 @@ KUBECONFIG_MOUNT = "/var/run/packtrain/kubeconfig"
 
 def local_tag_values() -> dict[str, object]:
     """Chart values that point the operator and its workloads at the local tags."""
+
     def ref(name: str) -> dict[str, str]:
         repository, _, tag = rootfs.IMAGE_TAGS[name].rpartition(":")
         return {"repository": repository, "tag": tag}
@@ -63,29 +64,46 @@ class ImageHarness(Harness):
     images: dict[str, rootfs.Image] = field(default_factory=dict)
 
     def start_operator(self) -> None:
-        assert self.operator_kubeconfig is not None and self.operator_image is not None, "install_chart() first"
+        assert self.operator_kubeconfig is not None and self.operator_image is not None, (
+            "install_chart() first"
+        )
         image = self.operator_image
         pod = self.deployment["spec"]["template"]["spec"]
         container = pod["containers"][0]
         uid, gid = pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]
         os.chown(self.operator_kubeconfig, uid, gid)
-        env = {**image.env, **{e["name"]: e["value"] for e in container["env"] if "value" in e},
-               "KUBECONFIG": KUBECONFIG_MOUNT, "POD_NAMESPACE": RELEASE_NS}
+        env = {
+            **image.env,
+            **{e["name"]: e["value"] for e in container["env"] if "value" in e},
+            "KUBECONFIG": KUBECONFIG_MOUNT,
+            "POD_NAMESPACE": RELEASE_NS,
+        }
         self.operator_starts += 1
         argv = rootfs.container_argv(
-            image, [*image.entrypoint, *container["args"]], scratch=self.work / f"operator-rootfs{self.operator_starts}",
-            env=env, mounts=[rootfs.Mount(str(self.operator_kubeconfig), KUBECONFIG_MOUNT, read_only=True)],
-            uid=uid, gid=gid)
+            image,
+            [*image.entrypoint, *container["args"]],
+            scratch=self.work / f"operator-rootfs{self.operator_starts}",
+            env=env,
+            mounts=[rootfs.Mount(str(self.operator_kubeconfig), KUBECONFIG_MOUNT, read_only=True)],
+            uid=uid,
+            gid=gid,
+        )
         with self.operator_log.open("ab") as log:
             log.write(f"--- operator start #{self.operator_starts} at {stamp()} in {image.ref}\n".encode())
             log.flush()
-            self.operator = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                             preexec_fn=_die_with_parent)
+            self.operator = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
 
 
 @pytest.fixture(scope="module")
-def e2e_images(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-               shared_dir: Path) -> Iterator[ImageHarness]:
+def e2e_images(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, shared_dir: Path
+) -> Iterator[ImageHarness]:
     if os.environ.get("PACKTRAIN_SKIP_CLUSTER") == "1" and not in_ci():
         pytest.skip("cluster tests skipped because PACKTRAIN_SKIP_CLUSTER=1")
     try:
@@ -101,21 +119,33 @@ def e2e_images(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     workdir = str(shared_dir.parent / REPO.name)
     agent_args = ["--run-all", "--images", "--workdir", workdir, "--mount", f"{shared_dir}:{shared_dir}"]
     cp = ControlPlane(bin_dir, crd_dir, node_agent_args=agent_args)
-    yield from running(request, tmp_path_factory.mktemp("e2e-images"), cp, ImageHarness,
-                       chart_values=local_tag_values(), operator_image=images["operator"], images=images)
+    yield from running(
+        request,
+        tmp_path_factory.mktemp("e2e-images"),
+        cp,
+        ImageHarness,
+        chart_values=local_tag_values(),
+        operator_image=images["operator"],
+        images=images,
+    )
 
 
-def test_quickstart_runs_in_the_images(e2e_images: ImageHarness, tmp_path: Path,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_quickstart_runs_in_the_images(
+    e2e_images: ImageHarness, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     h, ns = e2e_images, "quickstart-images"
     docs = quickstart_docs()
     free_trainer_port(of_kind(docs, "SFTJob"))
     h.namespace_with_claims(ns)
     t0 = time.monotonic()
     h.cp.kubectl("apply", "-n", ns, "-f", str(QUICKSTART))
-    assert h.wait_phase("packjobs", ns, NAME, ("Succeeded", "Failed"), PACK_TIMEOUT) == "Succeeded", h.diagnostics(ns)
+    assert h.wait_phase("packjobs", ns, NAME, ("Succeeded", "Failed"), PACK_TIMEOUT) == "Succeeded", (
+        h.diagnostics(ns)
+    )
     pack_seconds = time.monotonic() - t0
-    assert h.wait_phase("sftjobs", ns, NAME, ("Succeeded", "Failed"), TRAIN_TIMEOUT) == "Succeeded", h.diagnostics(ns)
+    assert h.wait_phase("sftjobs", ns, NAME, ("Succeeded", "Failed"), TRAIN_TIMEOUT) == "Succeeded", (
+        h.diagnostics(ns)
+    )
     seconds = time.monotonic() - t0
 
     # Every container of every pod ran inside its image's files, as the pod's user.
@@ -138,9 +168,25 @@ def test_quickstart_runs_in_the_images(e2e_images: ImageHarness, tmp_path: Path,
     pack = h.pvc_dir(ns, "packtrain-data") / Path(packjob["status"]["outputPath"]).relative_to(mount)
     config = tmp_path / "packjob.yaml"
     config.write_text(yaml.safe_dump(of_kind(docs, "PackJob")))
-    host = subprocess.run([str(Path(sys.executable).with_name("packtrain")), "pack", "run", "-c", str(config),
-                           "-o", str(tmp_path / "host"), "--workers", "1", "--no-progress"],
-                          capture_output=True, text=True, cwd=REPO, timeout=600, check=False)
+    host = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("packtrain")),
+            "pack",
+            "run",
+            "-c",
+            str(config),
+            "-o",
+            str(tmp_path / "host"),
+            "--workers",
+            "1",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+        check=False,
+    )
     assert host.returncode == 0, host.stderr[-3000:]
     assert (pack / "manifest.json").read_bytes() == (tmp_path / "host" / "manifest.json").read_bytes()
 
@@ -149,5 +195,7 @@ def test_quickstart_runs_in_the_images(e2e_images: ImageHarness, tmp_path: Path,
     assert progress["step"] == max_steps and progress["loss"] > 0, progress
     assert "in localhost/packtrain/operator:dev" in h.operator_log.read_text()
     with capsys.disabled():
-        print(f"\nquickstart in the images: {len(ran)} containers, pack {pack_seconds:.0f} s, "
-              f"apply -> SFTJob Succeeded {seconds:.0f} s, {progress['step']} steps, loss {progress['loss']:.4f}")
+        print(
+            f"\nquickstart in the images: {len(ran)} containers, pack {pack_seconds:.0f} s, "
+            f"apply -> SFTJob Succeeded {seconds:.0f} s, {progress['step']} steps, loss {progress['loss']:.4f}"
+        )

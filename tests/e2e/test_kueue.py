@@ -34,7 +34,9 @@ PACKS = ("pack-a", "pack-b")
 def _packjob(name: str) -> dict[str, Any]:
     """A small text-only pack on the `packs` queue: one stage pod at a time, with fixed requests."""
     return {
-        "apiVersion": "packtrain.dev/v1alpha1", "kind": "PackJob", "metadata": {"name": name},
+        "apiVersion": "packtrain.dev/v1alpha1",
+        "kind": "PackJob",
+        "metadata": {"name": name},
         "spec": {
             "queueName": "packs",
             "source": {"paths": ["../shared/datasets/text-sft/fastchat/*.json"]},
@@ -51,15 +53,36 @@ def _queues() -> list[dict[str, Any]]:
     api = f"{group}/{version}"
 
     def cluster_queue(name: str, cpu: str, memory: str) -> dict[str, Any]:
-        return {"apiVersion": api, "kind": "ClusterQueue", "metadata": {"name": name}, "spec": {
-            "namespaceSelector": {},
-            "resourceGroups": [{"coveredResources": ["cpu", "memory"], "flavors": [
-                {"name": "default", "resources": [{"name": "cpu", "nominalQuota": cpu},
-                                                  {"name": "memory", "nominalQuota": memory}]}]}]}}
+        return {
+            "apiVersion": api,
+            "kind": "ClusterQueue",
+            "metadata": {"name": name},
+            "spec": {
+                "namespaceSelector": {},
+                "resourceGroups": [
+                    {
+                        "coveredResources": ["cpu", "memory"],
+                        "flavors": [
+                            {
+                                "name": "default",
+                                "resources": [
+                                    {"name": "cpu", "nominalQuota": cpu},
+                                    {"name": "memory", "nominalQuota": memory},
+                                ],
+                            }
+                        ],
+                    }
+                ],
+            },
+        }
 
     def local_queue(name: str) -> dict[str, Any]:
-        return {"apiVersion": api, "kind": "LocalQueue", "metadata": {"name": name, "namespace": NS},
-                "spec": {"clusterQueue": name}}
+        return {
+            "apiVersion": api,
+            "kind": "LocalQueue",
+            "metadata": {"name": name, "namespace": NS},
+            "spec": {"clusterQueue": name},
+        }
 
     return [
         {"apiVersion": api, "kind": "ResourceFlavor", "metadata": {"name": "default"}, "spec": {}},
@@ -85,8 +108,12 @@ class QueueWatch(Background):
         group, version = KUEUE
         while not self._stop.wait(0.3):
             try:
-                workloads = self.h.custom.list_namespaced_custom_object(group, version, NS, "workloads")["items"]
-                pods = self.h.core.list_namespaced_pod(NS, label_selector="app.kubernetes.io/component!=training").items
+                workloads = self.h.custom.list_namespaced_custom_object(group, version, NS, "workloads")[
+                    "items"
+                ]
+                pods = self.h.core.list_namespaced_pod(
+                    NS, label_selector="app.kubernetes.io/component!=training"
+                ).items
             except Exception as e:  # a failed poll is recorded, the next one tries again
                 self.errors.append(repr(e))
                 continue
@@ -102,9 +129,16 @@ class QueueWatch(Background):
                         self.admitted_order.append(name)
             for w in workloads:
                 name = w["metadata"]["name"]
-                reserved = {c["type"]: c for c in (w.get("status") or {}).get("conditions", [])}.get("QuotaReserved")
-                if (admitted and name not in admitted and reserved and reserved["status"] == "False"
-                        and "quota" in reserved.get("message", "")):
+                reserved = {c["type"]: c for c in (w.get("status") or {}).get("conditions", [])}.get(
+                    "QuotaReserved"
+                )
+                if (
+                    admitted
+                    and name not in admitted
+                    and reserved
+                    and reserved["status"] == "False"
+                    and "quota" in reserved.get("message", "")
+                ):
                     self.pending_on_quota.setdefault(name, reserved["message"])
 
 
@@ -118,19 +152,32 @@ def test_second_job_waits_for_quota_then_runs(e2e: Harness, capsys: pytest.Captu
     e2e.namespace_with_claims(NS)
     e2e.cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(_queues()))
     group, version = KUEUE
-    wait_for("the LocalQueues to be active", lambda: all(
-        any(c["type"] == "Active" and c["status"] == "True" for c in (q.get("status") or {}).get("conditions", []))
-        for q in e2e.custom.list_namespaced_custom_object(group, version, NS, "localqueues")["items"]), timeout=60)
+    wait_for(
+        "the LocalQueues to be active",
+        lambda: all(
+            any(
+                c["type"] == "Active" and c["status"] == "True"
+                for c in (q.get("status") or {}).get("conditions", [])
+            )
+            for q in e2e.custom.list_namespaced_custom_object(group, version, NS, "localqueues")["items"]
+        ),
+        timeout=60,
+    )
 
     t0 = time.monotonic()
     with QueueWatch(e2e) as watch:
         e2e.cp.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump_all([_packjob(n) for n in PACKS]))
+
         # Every stage Job carries the queue label (the operator creates it suspended: Kueue admits it).
         def convert_jobs() -> list[Any] | None:
-            jobs = [j for j in e2e.batch.list_namespaced_job(NS).items if j.metadata.name.endswith("-convert")]
+            jobs = [
+                j for j in e2e.batch.list_namespaced_job(NS).items if j.metadata.name.endswith("-convert")
+            ]
             return jobs if len(jobs) == len(PACKS) else None
 
-        first_jobs = wait_for("both convert Jobs", convert_jobs, timeout=120, diagnostics=lambda: e2e.diagnostics(NS))
+        first_jobs = wait_for(
+            "both convert Jobs", convert_jobs, timeout=120, diagnostics=lambda: e2e.diagnostics(NS)
+        )
         for job in first_jobs:
             assert job.metadata.labels["kueue.x-k8s.io/queue-name"] == "packs", job.metadata.labels
         for name in PACKS:
@@ -147,22 +194,28 @@ def test_second_job_waits_for_quota_then_runs(e2e: Harness, capsys: pytest.Captu
         admission = (w.get("status") or {}).get("admission") or {}
         assert admission.get("clusterQueue") == "packs", w
     # One admitted at a time: the quota holds one stage pod, so a second Job waited on quota...
-    assert watch.pending_on_quota, f"no Workload was ever seen pending on quota; admitted: {watch.admitted_order}"
+    assert watch.pending_on_quota, (
+        f"no Workload was ever seen pending on quota; admitted: {watch.admitted_order}"
+    )
     waited = {owners[w][1] for w in watch.pending_on_quota if w in owners}
     assert waited, watch.pending_on_quota
     # ...and then ran: each of the waiting Jobs was admitted later and succeeded.
     for name in waited:
         job = e2e.batch.read_namespaced_job(name, NS)
         assert job.status.succeeded == 1 and not job.spec.suspend, (name, job.status)
-    assert watch.max_running_pods == 1, f"{watch.max_running_pods} stage pods ran at once under a one-pod quota"
+    assert watch.max_running_pods == 1, (
+        f"{watch.max_running_pods} stage pods ran at once under a one-pod quota"
+    )
 
-    rows = [("Kueue", "sigs.k8s.io/kueue controller manager, built from its module"),
-            ("stage Jobs admitted through ClusterQueue packs", str(len(workloads))),
-            ("admission order", ", ".join(owners[w][1] for w in watch.admitted_order if w in owners)),
-            ("Jobs that waited on quota", ", ".join(sorted(waited))),
-            ("a pending Workload's message", next(iter(watch.pending_on_quota.values()))),
-            ("most stage pods running at once", str(watch.max_running_pods)),
-            ("wall time (apply → both PackJobs Succeeded)", f"{seconds:.0f} s")]
+    rows = [
+        ("Kueue", "sigs.k8s.io/kueue controller manager, built from its module"),
+        ("stage Jobs admitted through ClusterQueue packs", str(len(workloads))),
+        ("admission order", ", ".join(owners[w][1] for w in watch.admitted_order if w in owners)),
+        ("Jobs that waited on quota", ", ".join(sorted(waited))),
+        ("a pending Workload's message", next(iter(watch.pending_on_quota.values()))),
+        ("most stage pods running at once", str(watch.max_running_pods)),
+        ("wall time (apply → both PackJobs Succeeded)", f"{seconds:.0f} s"),
+    ]
     with capsys.disabled():
         print("\n" + table(("Kueue admission (two PackJobs, quota for one pod)", ""), rows))
 
@@ -180,12 +233,17 @@ def test_queued_sftjob_runs_once_kueue_admits_its_pytorchjob(e2e: Harness) -> No
     sft["spec"]["training"].update(maxSteps=4, checkpointEvery=4)
     sft["spec"]["metricsPort"] = free_port()
     e2e.cp.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump(sft))
-    child = wait_for("the PyTorchJob", lambda: (e2e.get("sftjobs", NS, "queued-sft").get("status") or {})
-                     .get("trainingJob", {}).get("name"), timeout=120, diagnostics=lambda: e2e.diagnostics(NS))
+    child = wait_for(
+        "the PyTorchJob",
+        lambda: (e2e.get("sftjobs", NS, "queued-sft").get("status") or {}).get("trainingJob", {}).get("name"),
+        timeout=120,
+        diagnostics=lambda: e2e.diagnostics(NS),
+    )
     pj = e2e.custom.get_namespaced_custom_object("kubeflow.org", "v1", NS, "pytorchjobs", child)
     assert pj["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "training"
     assert e2e.wait_phase("sftjobs", NS, "queued-sft", ("Succeeded", "Failed"), 480) == "Succeeded", (
-        e2e.diagnostics(NS))
+        e2e.diagnostics(NS)
+    )
     group, version = KUEUE
     workloads = e2e.custom.list_namespaced_custom_object(group, version, NS, "workloads")["items"]
     mine = [w for w in workloads if _workload_owner(w) == ("PyTorchJob", child)]

@@ -47,8 +47,12 @@ NS = "observed"
 NAME = "quickstart"
 SCRAPE = "2s"
 # Short windows, so the alerts evaluate over the few minutes of a quickstart.
-RULE_VALUES = {"enabled": True, "stalledTraining": {"window": "1m", "for": "0s"},
-               "dataWait": {"window": "1m", "for": "0s"}, "smUtilization": {"window": "1m", "for": "0s"}}
+RULE_VALUES = {
+    "enabled": True,
+    "stalledTraining": {"window": "1m", "for": "0s"},
+    "dataWait": {"window": "1m", "for": "0s"},
+    "smUtilization": {"window": "1m", "for": "0s"},
+}
 GPU_METRIC = re.compile(r"\bpacktrain_gpu_[a-z0-9_]+")
 COMPARISON = re.compile(r"^(?P<signal>.+?)\s*(?:==|!=|<=|>=|<|>)\s*[0-9.]+$")
 
@@ -77,26 +81,44 @@ def _quickstart(metrics_port: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def observed(e2e: Harness, prometheus_tools: tuple[Path, Path],
-             tmp_path_factory: pytest.TempPathFactory) -> Any:
+def observed(
+    e2e: Harness, prometheus_tools: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Any:
     exe, _ = prometheus_tools
     monitors = {"interval": SCRAPE, "scrapeTimeout": "1s"}
-    objects = render({"metrics": {"serviceMonitor": {"enabled": True, **monitors},
-                                  "podMonitor": {"enabled": True, **monitors},
-                                  "prometheusRule": RULE_VALUES}}, release=RELEASE, namespace=RELEASE_NS)
+    objects = render(
+        {
+            "metrics": {
+                "serviceMonitor": {"enabled": True, **monitors},
+                "podMonitor": {"enabled": True, **monitors},
+                "prometheusRule": RULE_VALUES,
+            }
+        },
+        release=RELEASE,
+        namespace=RELEASE_NS,
+    )
     service_monitor, pod_monitor = of_kind(objects, "ServiceMonitor"), of_kind(objects, "PodMonitor")
     rule = of_kind(objects, "PrometheusRule")
     work = tmp_path_factory.mktemp("prometheus")
     rules_file = work / "rules.yaml"
     rules_file.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
     operator_sd, trainer_sd = work / "operator.json", work / "trainer.json"
-    prom = Prometheus(exe, work, [service_monitor_scrape_config(service_monitor, operator_sd),
-                                  pod_monitor_scrape_config(pod_monitor, trainer_sd)], rule_files=[rules_file])
+    prom = Prometheus(
+        exe,
+        work,
+        [
+            service_monitor_scrape_config(service_monitor, operator_sd),
+            pod_monitor_scrape_config(pod_monitor, trainer_sd),
+        ],
+        rule_files=[rules_file],
+    )
     container = e2e.deployment["spec"]["template"]["spec"]["containers"][0]
     operator_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics")
     service = of_kind(objects, "Service")["metadata"]["name"]
-    prom.discover(operator_sd, lambda: service_targets(e2e.core, service_monitor,
-                                                       {service: f"127.0.0.1:{operator_port}"}))
+    prom.discover(
+        operator_sd,
+        lambda: service_targets(e2e.core, service_monitor, {service: f"127.0.0.1:{operator_port}"}),
+    )
     prom.discover(trainer_sd, lambda: pod_targets(e2e.core, pod_monitor))
     prom.start()
     try:
@@ -104,14 +126,21 @@ def observed(e2e: Harness, prometheus_tools: tuple[Path, Path],
         start = time.time()
         targets_seen: list[dict[str, Any]] = []
         e2e.cp.kubectl("apply", "-n", NS, "-f", "-", input=_quickstart(free_port()))
-        assert e2e.wait_phase("packjobs", NS, NAME, ("Succeeded", "Failed"), 300) == "Succeeded", e2e.diagnostics(NS)
+        assert e2e.wait_phase("packjobs", NS, NAME, ("Succeeded", "Failed"), 300) == "Succeeded", (
+            e2e.diagnostics(NS)
+        )
 
         def trained() -> bool:
             targets_seen.extend(t for t in prom.active_targets() if t["health"] == "up")
             return e2e.phase("sftjobs", NS, NAME) in ("Succeeded", "Failed")
 
-        wait_for(f"sftjobs {NS}/{NAME} to finish", trained, timeout=480, every=1,
-                 diagnostics=lambda: e2e.diagnostics(NS))
+        wait_for(
+            f"sftjobs {NS}/{NAME} to finish",
+            trained,
+            timeout=480,
+            every=1,
+            diagnostics=lambda: e2e.diagnostics(NS),
+        )
         assert e2e.phase("sftjobs", NS, NAME) == "Succeeded", e2e.diagnostics(NS)
         time.sleep(2 * seconds(SCRAPE))  # the last scrapes and rule evaluations land
         run = ObservedRun(prom, start, time.time(), seconds(SCRAPE), targets_seen, prom.rule_groups())
@@ -126,7 +155,9 @@ def dashboard() -> dict[str, Any]:
 
 def grafana(expr: str, namespace: str, scrape: float) -> str:
     """Substitute the dashboard's variables as Grafana does for one selected namespace."""
-    rate_interval = f"{int(max(4 * scrape, scrape + scrape))}s"  # max(4 x scrape, step + scrape), step = scrape
+    rate_interval = (
+        f"{int(max(4 * scrape, scrape + scrape))}s"  # max(4 x scrape, step + scrape), step = scrape
+    )
     return expr.replace("$__rate_interval", rate_interval).replace("$namespace", re.escape(namespace))
 
 
@@ -135,7 +166,10 @@ def _gpu_scraped(run: ObservedRun) -> bool:
 
 
 def test_prometheus_scrapes_what_the_chart_monitors_select(e2e: Harness, observed: ObservedRun) -> None:
-    up = {(t["labels"].get("job"), t["labels"].get("namespace"), t["labels"].get("pod")) for t in observed.targets_seen}
+    up = {
+        (t["labels"].get("job"), t["labels"].get("namespace"), t["labels"].get("pod"))
+        for t in observed.targets_seen
+    }
     assert ("packtrain-metrics", RELEASE_NS, None) in up, observed.targets_seen
     trainer = [t for t in observed.targets_seen if t["labels"].get("namespace") == NS]
     assert trainer, f"the trainer pod was never scraped: {observed.targets_seen}"
@@ -147,13 +181,16 @@ def test_prometheus_scrapes_what_the_chart_monitors_select(e2e: Harness, observe
         assert host and ipaddress.ip_address(host).is_loopback, t["scrapeUrl"]
 
 
-def test_every_dashboard_query_returns_series(observed: ObservedRun, capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_dashboard_query_returns_series(
+    observed: ObservedRun, capsys: pytest.CaptureFixture[str]
+) -> None:
     board = dashboard()
     variable = next(v for v in board["templating"]["list"] if v["name"] == "namespace")
     metric = re.fullmatch(r"label_values\((\w+), namespace\)", variable["definition"])
     assert metric, variable["definition"]
-    values = observed.prom.api("label/namespace/values", **{"match[]": metric.group(1)},
-                               start=observed.start, end=observed.end)
+    values = observed.prom.api(
+        "label/namespace/values", **{"match[]": metric.group(1)}, start=observed.start, end=observed.end
+    )
     assert NS in values, f"the namespace variable does not offer {NS}: {values}"
 
     gpu = _gpu_scraped(observed)
@@ -174,11 +211,15 @@ def test_every_dashboard_query_returns_series(observed: ObservedRun, capsys: pyt
     assert not empty, "dashboard queries that returned no series:\n" + "\n".join(empty)
 
 
-def test_alert_rules_evaluate_against_the_scrape(observed: ObservedRun,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_alert_rules_evaluate_against_the_scrape(
+    observed: ObservedRun, capsys: pytest.CaptureFixture[str]
+) -> None:
     rules = [r for g in observed.rules for r in g["rules"]]
-    assert {r["name"] for r in rules} == {"PacktrainTrainingStalled", "PacktrainDataWaitDominating",
-                                          "PacktrainLowSMUtilization"}
+    assert {r["name"] for r in rules} == {
+        "PacktrainTrainingStalled",
+        "PacktrainDataWaitDominating",
+        "PacktrainLowSMUtilization",
+    }
     gpu = _gpu_scraped(observed)
     mid = (observed.start + observed.end) / 2
     rows = []

@@ -55,8 +55,12 @@ def test_quickstart_runs_through_trainer_v2(e2e: Harness, capsys: pytest.Capture
     e2e.cp.kubectl("label", "namespace", NS, "--overwrite", "pod-security.kubernetes.io/enforce=baseline")
     t0 = time.monotonic()
     e2e.cp.kubectl("apply", "-n", NS, "-f", "-", input=_quickstart())
-    assert e2e.wait_phase("packjobs", NS, NAME, ("Succeeded", "Failed"), 300) == "Succeeded", e2e.diagnostics(NS)
-    assert e2e.wait_phase("sftjobs", NS, NAME, ("Succeeded", "Failed"), 480) == "Succeeded", e2e.diagnostics(NS)
+    assert e2e.wait_phase("packjobs", NS, NAME, ("Succeeded", "Failed"), 300) == "Succeeded", e2e.diagnostics(
+        NS
+    )
+    assert e2e.wait_phase("sftjobs", NS, NAME, ("Succeeded", "Failed"), 480) == "Succeeded", e2e.diagnostics(
+        NS
+    )
     seconds = time.monotonic() - t0
 
     sftjob = e2e.get("sftjobs", NS, NAME)
@@ -71,10 +75,15 @@ def test_quickstart_runs_through_trainer_v2(e2e: Harness, capsys: pytest.Capture
     # Trainer made the JobSet, JobSet the Job, the Job the pod.
     jobset = e2e.custom.get_namespaced_custom_object(*JOBSET, NS, "jobsets", child["name"])
     assert _owner(jobset) == ("TrainJob", child["name"])
-    jobs = [j for j in e2e.batch.list_namespaced_job(NS).items
-            if j.metadata.owner_references and j.metadata.owner_references[0].kind == "JobSet"]
+    jobs = [
+        j
+        for j in e2e.batch.list_namespaced_job(NS).items
+        if j.metadata.owner_references and j.metadata.owner_references[0].kind == "JobSet"
+    ]
     assert len(jobs) == 1 and jobs[0].status.succeeded == 1, [j.status for j in jobs]
-    pods = e2e.core.list_namespaced_pod(NS, label_selector=f"batch.kubernetes.io/job-name={jobs[0].metadata.name}").items
+    pods = e2e.core.list_namespaced_pod(
+        NS, label_selector=f"batch.kubernetes.io/job-name={jobs[0].metadata.name}"
+    ).items
     assert len(pods) == 1, [p.metadata.name for p in pods]
     pod = pods[0]
     container = next(c for c in pod.spec.containers if c.name == "node")
@@ -88,12 +97,17 @@ def test_quickstart_runs_through_trainer_v2(e2e: Harness, capsys: pytest.Capture
     max_steps = of_kind(quickstart_docs(), "SFTJob")["spec"]["training"]["maxSteps"]
     assert progress["step"] == max_steps and progress["loss"] > 0, sftjob["status"]
 
-    rows = [("controllers", "Trainer v2 controller manager + JobSet controller, built from their modules"),
-            ("runtime", "ClusterTrainingRuntime torch-distributed from the trainer module's manifests"),
-            ("chain", f"SFTJob → TrainJob {child['name']} → JobSet → Job {jobs[0].metadata.name} → pod "
-                      f"{pod.metadata.name} on {pod.spec.node_name}"),
-            ("TrainJob conditions", ", ".join(f"{k}={v}" for k, v in conditions.items())),
-            ("steps / final loss", f"{progress['step']} / {progress['loss']:.4f}"),
-            ("wall time (apply → SFTJob Succeeded)", f"{seconds:.0f} s")]
+    rows = [
+        ("controllers", "Trainer v2 controller manager + JobSet controller, built from their modules"),
+        ("runtime", "ClusterTrainingRuntime torch-distributed from the trainer module's manifests"),
+        (
+            "chain",
+            f"SFTJob → TrainJob {child['name']} → JobSet → Job {jobs[0].metadata.name} → pod "
+            f"{pod.metadata.name} on {pod.spec.node_name}",
+        ),
+        ("TrainJob conditions", ", ".join(f"{k}={v}" for k, v in conditions.items())),
+        ("steps / final loss", f"{progress['step']} / {progress['loss']:.4f}"),
+        ("wall time (apply → SFTJob Succeeded)", f"{seconds:.0f} s"),
+    ]
     with capsys.disabled():
         print("\n" + table(("quickstart with backend: trainjob", ""), rows))

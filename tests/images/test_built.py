@@ -20,9 +20,16 @@ USER = "65532:65532"
 SIZE_BUDGET_MB = {"operator": 600, "packer": 850, "trainer": 11000}
 ENTRYPOINTS = {"operator": ("packtrain", "operator"), "packer": ("packtrain",), "trainer": ("torchrun",)}
 # The environment the lock's markers are evaluated in: the images' interpreter on amd64.
-MARKER_ENV = {"python_version": "3.11", "python_full_version": "3.11.2", "sys_platform": "linux",
-              "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
-              "implementation_name": "cpython", "platform_python_implementation": "CPython"}
+MARKER_ENV = {
+    "python_version": "3.11",
+    "python_full_version": "3.11.2",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+}
 
 
 def locked(image: str) -> dict[str, str]:
@@ -81,7 +88,9 @@ def test_image_size_within_budget(built_images: dict[str, rootfs.Image], name: s
 
 
 @pytest.mark.parametrize("name", sorted(rootfs.IMAGE_TAGS))
-def test_image_holds_exactly_its_lock_and_no_build_tools(built_images: dict[str, rootfs.Image], name: str) -> None:
+def test_image_holds_exactly_its_lock_and_no_build_tools(
+    built_images: dict[str, rootfs.Image], name: str
+) -> None:
     image = built_images[name]
     uid, gid = rootfs.numeric_user(image.user)
     proc = rootfs.run(image, ["python3", "-c", PROBE], env=image.env, uid=uid, gid=gid, timeout=120)

@@ -51,16 +51,22 @@ def pins(path: Path) -> dict[str, list[tuple[str, int]]]:
 def test_lock_was_made_from_the_current_pyproject(image: str | None) -> None:
     path = LOCK.BUILD_LOCK if image is None else LOCK.lock_path(image)
     assert LOCK.recorded_hash(path) == LOCK.inputs_hash(image), (
-        f"{path.relative_to(REPO)} is stale: pyproject changed; run `python images/lock.py`")
+        f"{path.relative_to(REPO)} is stale: pyproject changed; run `python images/lock.py`"
+    )
 
 
 @pytest.mark.parametrize("image", sorted(LOCK.IMAGE_EXTRAS))
 def test_lock_pins_every_pyproject_requirement_with_hashes(image: str) -> None:
     locked = pins(LOCK.lock_path(image))
     project = PYPROJECT["project"]
-    wanted = [*project["dependencies"], *(r for e in LOCK.IMAGE_EXTRAS[image] for r in project["optional-dependencies"][e])]
+    wanted = [
+        *project["dependencies"],
+        *(r for e in LOCK.IMAGE_EXTRAS[image] for r in project["optional-dependencies"][e]),
+    ]
     omitted = {canonicalize_name(n) for n in LOCK.IMAGE_OMITS.get(image, {})}
-    assert omitted <= {canonicalize_name(Requirement(r).name) for r in project["dependencies"]}, "omit core deps only"
+    assert omitted <= {canonicalize_name(Requirement(r).name) for r in project["dependencies"]}, (
+        "omit core deps only"
+    )
     for text in wanted:
         req = Requirement(text)
         if canonicalize_name(req.name) in omitted:
@@ -69,7 +75,9 @@ def test_lock_pins_every_pyproject_requirement_with_hashes(image: str) -> None:
         versions = locked.get(canonicalize_name(req.name))
         assert versions, f"{image}: {req.name} is not in the lock"
         for version, hashes in versions:
-            assert req.specifier.contains(version, prereleases=True), f"{image}: {req.name}=={version} breaks {req}"
+            assert req.specifier.contains(version, prereleases=True), (
+                f"{image}: {req.name}=={version} breaks {req}"
+            )
             assert hashes >= 1
     assert "packtrain" not in locked  # the wheel goes in with --no-deps
     if image != "trainer":
@@ -89,7 +97,10 @@ def test_dockerfile_takes_the_base_as_an_argument(image: str) -> None:
     text = (IMAGES / image / "Dockerfile").read_text()
     assert re.search(r"^ARG BASE_IMAGE=python:3\.11\.\d+-slim-bookworm$", text, re.M), image
     assert [ln for ln in text.splitlines() if ln.startswith("FROM ")] == [
-        "FROM ${BASE_IMAGE} AS tools", "FROM tools AS builder", "FROM ${BASE_IMAGE}"]
+        "FROM ${BASE_IMAGE} AS tools",
+        "FROM tools AS builder",
+        "FROM ${BASE_IMAGE}",
+    ]
     assert "org.opencontainers.image.licenses" in text and "ARG SOURCE_DATE_EPOCH" in text
 
 
@@ -100,6 +111,12 @@ def test_hadolint_is_clean() -> None:
     proc = subprocess.run([hadolint, *files], capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # It does find problems: an unpinned apt-get install is one.
-    bad = subprocess.run([hadolint, "-"], input="FROM debian:12.11\nRUN apt-get install -y curl\n",
-                         capture_output=True, text=True, timeout=120, check=False)
+    bad = subprocess.run(
+        [hadolint, "-"],
+        input="FROM debian:12.11\nRUN apt-get install -y curl\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert bad.returncode != 0 and "DL3008" in bad.stdout

@@ -29,21 +29,36 @@ def actionlint() -> Path:
     go = shutil.which("go") or ("/usr/local/go/bin/go" if Path("/usr/local/go/bin/go").is_file() else None)
     if go is None:
         pytest.skip("SKIPPED LOUDLY: no `go` command to build actionlint from the Go module proxy")
-    env = {**os.environ, "GOBIN": str(bin_dir), "GOMODCACHE": str(cache / "go" / "mod"),
-           "GOCACHE": str(cache / "go" / "build"), "GOFLAGS": "-mod=mod"}
-    proc = subprocess.run([go, "install", f"{ACTIONLINT}@{ACTIONLINT_VERSION}"], env=env, capture_output=True,
-                          text=True, timeout=900, check=False)
+    env = {
+        **os.environ,
+        "GOBIN": str(bin_dir),
+        "GOMODCACHE": str(cache / "go" / "mod"),
+        "GOCACHE": str(cache / "go" / "build"),
+        "GOFLAGS": "-mod=mod",
+    }
+    proc = subprocess.run(
+        [go, "install", f"{ACTIONLINT}@{ACTIONLINT_VERSION}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     assert proc.returncode == 0, f"building actionlint failed:\n{proc.stderr[-3000:]}"
     return binary
 
 
 def test_release_workflow_passes_actionlint(actionlint: Path, tmp_path: Path) -> None:
-    proc = subprocess.run([str(actionlint), str(WORKFLOW)], capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [str(actionlint), str(WORKFLOW)], capture_output=True, text=True, timeout=120, check=False
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # It does find problems: a job without runs-on, an unknown expression context.
     bad = tmp_path / "bad.yml"
     bad.write_text("on: push\njobs:\n  x:\n    steps:\n      - run: echo ${{ nope.value }}\n")
-    proc = subprocess.run([str(actionlint), str(bad)], capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [str(actionlint), str(bad)], capture_output=True, text=True, timeout=120, check=False
+    )
     assert proc.returncode != 0 and "runs-on" in proc.stdout
 
 
@@ -52,8 +67,11 @@ def test_release_pushes_what_the_chart_deploys_by_default() -> None:
     registry = workflow["env"]["REGISTRY"]
     images = workflow["jobs"]["images"]["strategy"]["matrix"]["image"]
     assert sorted(images) == ["operator", "packer", "trainer"]
-    build = next(s for s in workflow["jobs"]["images"]["steps"] if str(s.get("uses", "")).startswith(
-        "docker/build-push-action"))
+    build = next(
+        s
+        for s in workflow["jobs"]["images"]["steps"]
+        if str(s.get("uses", "")).startswith("docker/build-push-action")
+    )
     assert build["with"]["platforms"] == "linux/amd64,linux/arm64"
     assert "BASE_IMAGE" not in build["with"]["build-args"], "a release builds on the Dockerfiles' public base"
     app_version = yaml.safe_load((REPO / "charts" / "packtrain" / "Chart.yaml").read_text())["appVersion"]

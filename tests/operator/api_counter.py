@@ -19,8 +19,10 @@ from aiohttp import web
 
 _HOP = {"host", "connection", "keep-alive", "transfer-encoding", "content-length"}
 # /api/v1/namespaces/NS/pods/NAME, /apis/GROUP/VERSION/namespaces/NS/PLURAL/NAME/status, ...
-_PATH = re.compile(r"^/apis?(?:/[^/]+)?/v[^/]*(?:/namespaces/[^/]+)?/(?P<resource>[^/?]+)(?:/(?P<name>[^/?]+))?"
-                   r"(?:/(?P<sub>[^/?]+))?")
+_PATH = re.compile(
+    r"^/apis?(?:/[^/]+)?/v[^/]*(?:/namespaces/[^/]+)?/(?P<resource>[^/?]+)(?:/(?P<name>[^/?]+))?"
+    r"(?:/(?P<sub>[^/?]+))?"
+)
 
 
 def describe(method: str, path: str, query: str) -> str:
@@ -31,7 +33,11 @@ def describe(method: str, path: str, query: str) -> str:
         resource += f"/{m['sub']}"
     verb = method.lower()
     if method == "GET":
-        verb = "watch" if "watch=" in query and "watch=false" not in query else ("get" if m and m["name"] else "list")
+        verb = (
+            "watch"
+            if "watch=" in query and "watch=false" not in query
+            else ("get" if m and m["name"] else "list")
+        )
     return f"{verb} {resource}"
 
 
@@ -84,7 +90,8 @@ class ApiCounter:
 
     async def _serve(self) -> None:
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(ssl=self.ssl), timeout=aiohttp.ClientTimeout(total=None),
+            connector=aiohttp.TCPConnector(ssl=self.ssl),
+            timeout=aiohttp.ClientTimeout(total=None),
             auto_decompress=False,
         )
         app = web.Application(client_max_size=64 << 20)
@@ -101,13 +108,18 @@ class ApiCounter:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         body = await request.read()
         async with self._session.request(
-            request.method, self.upstream + request.path_qs, headers=headers, data=body or None,
+            request.method,
+            self.upstream + request.path_qs,
+            headers=headers,
+            data=body or None,
             allow_redirects=False,
             # As sent: a body without a Content-Type (the API server reads JSON) must not become octet-stream.
             skip_auto_headers=("Content-Type", "User-Agent", "Accept-Encoding"),
         ) as upstream:
-            response = web.StreamResponse(status=upstream.status, headers={
-                k: v for k, v in upstream.headers.items() if k.lower() not in _HOP})
+            response = web.StreamResponse(
+                status=upstream.status,
+                headers={k: v for k, v in upstream.headers.items() if k.lower() not in _HOP},
+            )
             await response.prepare(request)
             try:
                 async for chunk in upstream.content.iter_any():

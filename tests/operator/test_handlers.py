@@ -52,7 +52,9 @@ class FakeKube:
     def read(self, body: dict[str, Any]) -> dict[str, Any] | None:
         group, plural = RESOURCES[body["kind"]]
         assert rbac.allows(rbac.RULES, group, plural, "get"), f"RBAC lacks get {group}/{plural}"
-        return copy.deepcopy(self.objects.get((plural, body["metadata"]["namespace"], body["metadata"]["name"])))
+        return copy.deepcopy(
+            self.objects.get((plural, body["metadata"]["namespace"], body["metadata"]["name"]))
+        )
 
     def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         return self.pod_list.get(selector, [])
@@ -164,7 +166,10 @@ def test_sftjob_waits_for_its_packjob_then_creates_one_pytorchjob(
                     {
                         "name": "pytorch",
                         "state": {
-                            "terminated": {"exitCode": 0, "message": json.dumps({"steps": 1000, "final_loss": 0.5})}
+                            "terminated": {
+                                "exitCode": 0,
+                                "message": json.dumps({"steps": 1000, "final_loss": 0.5}),
+                            }
                         },
                     }
                 ]
@@ -327,7 +332,9 @@ class RefusingKube(FakeKube):
 
 
 @pytest.mark.parametrize("code", [403, 422])
-def test_a_refused_child_fails_the_packjob_with_the_servers_message(packjob: dict[str, Any], code: int) -> None:
+def test_a_refused_child_fails_the_packjob_with_the_servers_message(
+    packjob: dict[str, Any], code: int
+) -> None:
     kube = RefusingKube("Job", code, {**QUOTA_REFUSAL, "code": code})
     status = step(kube, packjob)
     assert status["phase"] == "Failed" and status["completionTime"]
@@ -343,7 +350,9 @@ def test_a_refused_child_fails_the_packjob_with_the_servers_message(packjob: dic
 def test_a_refused_training_job_fails_the_sftjob(sftjob: dict[str, Any]) -> None:
     sftjob["spec"]["data"] = {"path": "/data/packs/x"}
     sftjob["spec"]["volumes"]["data"] = {"claimName": "packs"}
-    kube = RefusingKube("PyTorchJob", 403, {**QUOTA_REFUSAL, "message": "pytorchjobs.kubeflow.org is forbidden"})
+    kube = RefusingKube(
+        "PyTorchJob", 403, {**QUOTA_REFUSAL, "message": "pytorchjobs.kubeflow.org is forbidden"}
+    )
     status = sft_step(kube, sftjob)
     failed = next(c for c in status["conditions"] if c["type"] == "Failed")
     assert status["phase"] == "Failed" and failed["reason"] == "ChildRefused"

@@ -430,12 +430,20 @@ def test_packjob_walks_its_stages(
     # One duration observation per stage of this pack, however many events each stage had.
     assert stage_counts(operator) == {stage: n + 1 for stage, n in observed.items()}
     assert {c["type"]: c["reason"] for c in pj["status"]["conditions"]} == {
-        "Ready": "PackReady", "Created": "StageJobCreated", "Running": "Succeeded", "Suspended": "NotSuspended",
-        "Succeeded": "PackReady", "Failed": "NoFailure", "Degraded": "AsExpected",
+        "Ready": "PackReady",
+        "Created": "StageJobCreated",
+        "Running": "Succeeded",
+        "Suspended": "NotSuspended",
+        "Succeeded": "PackReady",
+        "Failed": "NoFailure",
+        "Degraded": "AsExpected",
     }
     assert all(c["observedGeneration"] == 1 for c in pj["status"]["conditions"])
     assert pj["status"]["percentDone"] == 100 and set(pj["status"]["stageSeconds"]) == {
-        "convert", "plan", "materialize"}
+        "convert",
+        "plan",
+        "materialize",
+    }
     for job in children.values():
         assert job.spec.ttl_seconds_after_finished == 86400
 
@@ -622,15 +630,21 @@ def test_a_child_the_api_server_refuses_fails_the_packjob_with_its_message(
         body["spec"]["workers"]["resources"] = {"requests": {"cpu": "2"}, "limits": {"cpu": "1"}}
         said = "must be less than or equal to cpu limit"
     create(api, namespace, body)
-    wait_for(f"PackJob {name} to fail", lambda: phase(api, namespace, "packjobs", name) == "Failed", timeout=60)
+    wait_for(
+        f"PackJob {name} to fail", lambda: phase(api, namespace, "packjobs", name) == "Failed", timeout=60
+    )
     failed = condition(get(api, namespace, "packjobs", name), "Failed")
     code = refusal[-3:]
     assert failed["status"] == "True" and failed["reason"] == "ChildRefused", failed
-    assert failed["message"].startswith(f"the API server refused to create Job {name}-convert ({code} "), failed
+    assert failed["message"].startswith(f"the API server refused to create Job {name}-convert ({code} "), (
+        failed
+    )
     assert said in failed["message"], failed
     warnings = wait_for(
         "the Warning event",
-        lambda: [e for e in events(api, namespace, name) if e.type == "Warning" and e.reason == "ChildRefused"],
+        lambda: [
+            e for e in events(api, namespace, name) if e.type == "Warning" and e.reason == "ChildRefused"
+        ],
     )
     assert said in warnings[0].message
     assert jobs(api, namespace, name) == []
@@ -657,7 +671,10 @@ def test_unschedulable_pods_are_explained(api: client.ApiClient, namespace: str,
         return data[0]["message"] if data and "Unschedulable" in data[0]["message"] else None
 
     said = wait_for("the PackJob's blocking reason on the SFTJob", data_message, timeout=60)
-    assert said.startswith("waiting for PackJob stuck: Converting (convert 0/1): Unschedulable: ") and "no-such-claim" in said
+    assert (
+        said.startswith("waiting for PackJob stuck: Converting (convert 0/1): Unschedulable: ")
+        and "no-such-claim" in said
+    )
 
 
 def test_deleting_a_packjob_deletes_its_children(
@@ -689,8 +706,10 @@ def test_a_packjob_recreated_under_its_name_waits_for_the_old_children(
     wait_for("the old convert Job", lambda: jobs(api, namespace, "again"))
     batch = client.BatchV1Api(api)
     batch.patch_namespaced_job("again-convert", namespace, hold)
-    wait_for("the old convert to finish",
-             lambda: phase(api, namespace, "packjobs", "again") in ("Planning", "Materializing", "Succeeded"))
+    wait_for(
+        "the old convert to finish",
+        lambda: phase(api, namespace, "packjobs", "again") in ("Planning", "Materializing", "Succeeded"),
+    )
     custom(api).delete_namespaced_custom_object(
         GROUP, VERSION, namespace, "packjobs", "again", propagation_policy="Background"
     )
@@ -718,14 +737,19 @@ def test_a_packjob_recreated_under_its_name_waits_for_the_old_children(
     describe(kube_cluster, namespace, "packjob", "again")
 
     batch.patch_namespaced_job("again-convert", namespace, {"metadata": {"finalizers": None}})
-    wait_for("PackJob again to succeed", lambda: phase(api, namespace, "packjobs", "again") == "Succeeded",
-             timeout=120)
+    wait_for(
+        "PackJob again to succeed",
+        lambda: phase(api, namespace, "packjobs", "again") == "Succeeded",
+        timeout=120,
+    )
     children = jobs(api, namespace, "again")
     assert sorted(j.metadata.name for j in children) == ["again-convert", "again-materialize", "again-plan"]
     assert {j.metadata.owner_references[0].uid for j in children} == {new_uid}
     convert = next(j for j in children if j.metadata.name == "again-convert")
     assert convert.spec.completions == 2  # the new spec's workers, not the old one's single worker
-    cms = client.CoreV1Api(api).list_namespaced_config_map(namespace, label_selector="packtrain.dev/packjob=again")
+    cms = client.CoreV1Api(api).list_namespaced_config_map(
+        namespace, label_selector="packtrain.dev/packjob=again"
+    )
     assert [(c.metadata.name, c.metadata.owner_references[0].uid) for c in cms.items] == [
         ("again-pack-config", new_uid)
     ]
@@ -736,7 +760,9 @@ def test_a_packjob_whose_configmap_name_is_taken_fails_with_what_to_do(
 ) -> None:
     """A user's own ConfigMap under the name the PackJob gives its config: neither adopted nor overwritten."""
     core = client.CoreV1Api(api)
-    core.create_namespaced_config_map(namespace, {"metadata": {"name": "taken-pack-config"}, "data": {"k": "v"}})
+    core.create_namespaced_config_map(
+        namespace, {"metadata": {"name": "taken-pack-config"}, "data": {"k": "v"}}
+    )
     create(api, namespace, packjob("taken", count=1))
     wait_for("PackJob taken to fail", lambda: phase(api, namespace, "packjobs", "taken") == "Failed")
     failed = condition(get(api, namespace, "packjobs", "taken"), "Failed")
@@ -828,12 +854,20 @@ def report_pytorchjob(api: client.ApiClient, ns: str, name: str, *conds: tuple[s
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     status = {
         "conditions": [
-            {"type": t, "status": "True", "reason": r, "message": m, "lastTransitionTime": now,
-             "lastUpdateTime": now}
+            {
+                "type": t,
+                "status": "True",
+                "reason": r,
+                "message": m,
+                "lastTransitionTime": now,
+                "lastUpdateTime": now,
+            }
             for t, r, m in conds
         ],
     }
-    custom(api).patch_namespaced_custom_object_status("kubeflow.org", "v1", ns, "pytorchjobs", name, {"status": status})
+    custom(api).patch_namespaced_custom_object_status(
+        "kubeflow.org", "v1", ns, "pytorchjobs", name, {"status": status}
+    )
 
 
 def pytorchjob_of(api: client.ApiClient, ns: str, name: str) -> dict[str, Any] | None:
@@ -858,30 +892,52 @@ def test_a_failed_trainer_pod_is_explained_after_the_pod_is_gone(
     wait_for("the PyTorchJob", lambda: pytorchjob_of(api, namespace, "boom"))
     report_pytorchjob(api, namespace, "boom", ("Running", "PyTorchJobRunning", "PyTorchJob boom is running."))
     core = client.CoreV1Api(api)
-    core.create_namespaced_pod(namespace, {
-        "metadata": {
-            "name": "boom-master-0",
-            "labels": {"packtrain.dev/sftjob": "boom", "training.kubeflow.org/replica-type": "master"},
-            "annotations": {"packtrain.dev/node-agent": "run"},
+    core.create_namespaced_pod(
+        namespace,
+        {
+            "metadata": {
+                "name": "boom-master-0",
+                "labels": {"packtrain.dev/sftjob": "boom", "training.kubeflow.org/replica-type": "master"},
+                "annotations": {"packtrain.dev/node-agent": "run"},
+            },
+            "spec": {
+                "restartPolicy": "Never",
+                "nodeSelector": {"packtrain.dev/pool": "cpu"},
+                "containers": [
+                    {
+                        "name": "pytorch",
+                        "image": "ghcr.io/packtrain/trainer:test",
+                        # The real trainer entry point, given a config that is not there.
+                        "command": [
+                            "python",
+                            "-m",
+                            "packtrain.trainer",
+                            "-c",
+                            "/etc/packtrain/missing-sftjob.yaml",
+                        ],
+                        "env": [{"name": "PACKTRAIN_TERMINATION_LOG", "value": "/dev/termination-log"}],
+                        "terminationMessagePolicy": "FallbackToLogsOnError",
+                    }
+                ],
+            },
         },
-        "spec": {
-            "restartPolicy": "Never",
-            "nodeSelector": {"packtrain.dev/pool": "cpu"},
-            "containers": [{
-                "name": "pytorch",
-                "image": "ghcr.io/packtrain/trainer:test",
-                # The real trainer entry point, given a config that is not there.
-                "command": ["python", "-m", "packtrain.trainer", "-c", "/etc/packtrain/missing-sftjob.yaml"],
-                "env": [{"name": "PACKTRAIN_TERMINATION_LOG", "value": "/dev/termination-log"}],
-                "terminationMessagePolicy": "FallbackToLogsOnError",
-            }],
-        },
-    })
-    wait_for("the trainer pod to fail",
-             lambda: core.read_namespaced_pod("boom-master-0", namespace).status.phase == "Failed", timeout=60)
+    )
+    wait_for(
+        "the trainer pod to fail",
+        lambda: core.read_namespaced_pod("boom-master-0", namespace).status.phase == "Failed",
+        timeout=60,
+    )
     core.delete_namespaced_pod("boom-master-0", namespace, grace_period_seconds=0)
-    report_pytorchjob(api, namespace, "boom", ("Failed", "BackoffLimitExceeded",
-                                               "Job boom has failed because it has reached the specified backoff limit"))
+    report_pytorchjob(
+        api,
+        namespace,
+        "boom",
+        (
+            "Failed",
+            "BackoffLimitExceeded",
+            "Job boom has failed because it has reached the specified backoff limit",
+        ),
+    )
     wait_for("SFTJob boom to fail", lambda: phase(api, namespace, "sftjobs", "boom") == "Failed")
     sft = get(api, namespace, "sftjobs", "boom")
     failed = condition(sft, "Failed")
@@ -889,8 +945,12 @@ def test_a_failed_trainer_pod_is_explained_after_the_pod_is_gone(
     assert "exited with code 2 in pod boom-master-0: configuration error" in failed["message"], failed
     assert "missing-sftjob.yaml" in failed["message"] and "backoff limit" in failed["message"]
     assert sft["status"]["lastFailure"]["exitCode"] == 2
-    warnings = wait_for("the Warning event", lambda: [
-        e for e in events(api, namespace, "boom") if e.type == "Warning" and e.reason == "TrainerFailed"])
+    warnings = wait_for(
+        "the Warning event",
+        lambda: [
+            e for e in events(api, namespace, "boom") if e.type == "Warning" and e.reason == "TrainerFailed"
+        ],
+    )
     assert "missing-sftjob.yaml" in warnings[0].message
     text = describe(kube_cluster, namespace, "sftjob", "boom")
     assert "TrainerFailed" in text and "missing-sftjob.yaml" in text
@@ -902,13 +962,16 @@ def test_gauges_drop_deleted_jobs(api: client.ApiClient, namespace: str, operato
     create(api, namespace, body)
     wait_for("PackJob doomed to convert", lambda: phase(api, namespace, "packjobs", "doomed") == "Converting")
     converting = wait_for(
-        "the gauge", lambda: metric(operator.metrics(), "packtrain_operator_jobs", kind="PackJob", phase="Converting")
+        "the gauge",
+        lambda: metric(operator.metrics(), "packtrain_operator_jobs", kind="PackJob", phase="Converting"),
     )
     custom(api).delete_namespaced_custom_object(GROUP, VERSION, namespace, "packjobs", "doomed")
     wait_for(
         "the deleted PackJob to leave the gauge",
-        lambda: metric(operator.metrics(), "packtrain_operator_jobs", kind="PackJob", phase="Converting")
-        == converting - 1,
+        lambda: (
+            metric(operator.metrics(), "packtrain_operator_jobs", kind="PackJob", phase="Converting")
+            == converting - 1
+        ),
     )
 
 
@@ -930,12 +993,18 @@ def test_a_packjob_deleted_under_a_running_sftjob_is_surfaced(
 
     said = wait_for("DataReady=False PackJobDeleted", data)
     assert said["status"] == "False" and "PackJob src was deleted" in said["message"]
-    wait_for("the Warning event", lambda: [
-        e for e in events(api, namespace, "user") if e.type == "Warning" and e.reason == "PackJobDeleted"])
+    wait_for(
+        "the Warning event",
+        lambda: [
+            e for e in events(api, namespace, "user") if e.type == "Warning" and e.reason == "PackJobDeleted"
+        ],
+    )
     assert phase(api, namespace, "sftjobs", "user") == "Running"  # the pack stays on the claim
 
 
-def test_a_queued_packjob_starts_each_stage_suspended(api: client.ApiClient, namespace: str, operator: Operator) -> None:
+def test_a_queued_packjob_starts_each_stage_suspended(
+    api: client.ApiClient, namespace: str, operator: Operator
+) -> None:
     """Created suspended with Kueue's label; what unsuspends it (Kueue admitting it) is played here by hand."""
     body = packjob("queued", count=1)
     body["spec"]["queueName"] = "cpu-queue"
@@ -963,16 +1032,25 @@ TRAINING_STALL_FAIL = 60
 
 
 @pytest.fixture
-def strict_operator(
-    operator: Operator, operator_kubeconfig: Path, tmp_path: Path
-) -> Iterator[Operator]:
+def strict_operator(operator: Operator, operator_kubeconfig: Path, tmp_path: Path) -> Iterator[Operator]:
     """The operator with deadlines of seconds, alone on the cluster while the test runs."""
     operator.stop()
-    strict = Operator(operator_kubeconfig, tmp_path / "operator.log", env={
-        "PACKTRAIN_DEADLINES": json.dumps({"dataWaitSeconds": 4, "unschedulableSeconds": 4, "stallSeconds": 4,
-                                           "trainingStallSeconds": 4, "trainingStallFailSeconds": TRAINING_STALL_FAIL}),
-        "PACKTRAIN_PROGRESS_INTERVAL": "1",  # the live progress scrape every second
-    })
+    strict = Operator(
+        operator_kubeconfig,
+        tmp_path / "operator.log",
+        env={
+            "PACKTRAIN_DEADLINES": json.dumps(
+                {
+                    "dataWaitSeconds": 4,
+                    "unschedulableSeconds": 4,
+                    "stallSeconds": 4,
+                    "trainingStallSeconds": 4,
+                    "trainingStallFailSeconds": TRAINING_STALL_FAIL,
+                }
+            ),
+            "PACKTRAIN_PROGRESS_INTERVAL": "1",  # the live progress scrape every second
+        },
+    )
     strict.start()
     try:
         yield strict
@@ -1003,13 +1081,19 @@ def test_waits_are_bounded(
     assert phase(api, namespace, "packjobs", "nowhere") == "Converting"  # an autoscaler may still place it
     stalled = wait_for("Degraded: StageStalled", lambda: degraded("slow"), timeout=60)
     assert stalled["reason"] == "StageStalled" and "convert 0/1" in stalled["message"]
-    wait_for("SFTJob orphan to give up", lambda: phase(api, namespace, "sftjobs", "orphan") == "Failed", timeout=60)
+    wait_for(
+        "SFTJob orphan to give up", lambda: phase(api, namespace, "sftjobs", "orphan") == "Failed", timeout=60
+    )
     failed = condition(get(api, namespace, "sftjobs", "orphan"), "Failed")
     assert failed["reason"] == "PackJobNotFound" and "gave up after" in failed["message"]
     # The deadlines passed in the operator's sweep, not in an event handler: their Events are posted too.
     for name, said in (("nowhere", "4s deadline"), ("slow", "4s deadline"), ("orphan", "gave up after")):
-        wait_for(f"the Warning event of {name}", lambda name=name, said=said: [
-            e for e in events(api, namespace, name) if e.type == "Warning" and said in e.message])
+        wait_for(
+            f"the Warning event of {name}",
+            lambda name=name, said=said: [
+                e for e in events(api, namespace, name) if e.type == "Warning" and said in e.message
+            ],
+        )
     describe(kube_cluster, namespace, "packjob", "nowhere")
     describe(kube_cluster, namespace, "sftjob", "orphan")
 
@@ -1032,8 +1116,14 @@ while True:
 """
 
 
-def running_sftjob(api: client.ApiClient, namespace: str, name: str, port: int, container: dict[str, Any],
-                   annotations: dict[str, str]) -> None:
+def running_sftjob(
+    api: client.ApiClient,
+    namespace: str,
+    name: str,
+    port: int,
+    container: dict[str, Any],
+    annotations: dict[str, str],
+) -> None:
     """An SFTJob Running on a PyTorchJob whose master pod (owned by it, as the training-operator makes
     it) runs `container` on the node agent; the SFTJob's metrics port is `port`."""
     body = sftjob(name, "unused")
@@ -1043,18 +1133,33 @@ def running_sftjob(api: client.ApiClient, namespace: str, name: str, port: int, 
     del body["spec"]["queueName"]
     create(api, namespace, body)
     child = wait_for(f"the PyTorchJob {name}", lambda: pytorchjob_of(api, namespace, name))
-    report_pytorchjob(api, namespace, name, ("Running", "PyTorchJobRunning", f"PyTorchJob {name} is running."))
-    client.CoreV1Api(api).create_namespaced_pod(namespace, {
-        "metadata": {
-            "name": f"{name}-master-0",
-            "labels": {"packtrain.dev/sftjob": name, "training.kubeflow.org/replica-type": "master"},
-            "annotations": annotations,
-            "ownerReferences": [{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "name": name,
-                                 "uid": child["metadata"]["uid"], "controller": True}],
+    report_pytorchjob(
+        api, namespace, name, ("Running", "PyTorchJobRunning", f"PyTorchJob {name} is running.")
+    )
+    client.CoreV1Api(api).create_namespaced_pod(
+        namespace,
+        {
+            "metadata": {
+                "name": f"{name}-master-0",
+                "labels": {"packtrain.dev/sftjob": name, "training.kubeflow.org/replica-type": "master"},
+                "annotations": annotations,
+                "ownerReferences": [
+                    {
+                        "apiVersion": "kubeflow.org/v1",
+                        "kind": "PyTorchJob",
+                        "name": name,
+                        "uid": child["metadata"]["uid"],
+                        "controller": True,
+                    }
+                ],
+            },
+            "spec": {
+                "restartPolicy": "Never",
+                "nodeSelector": {"packtrain.dev/pool": "cpu"},
+                "containers": [{"name": "pytorch", "image": "ghcr.io/packtrain/trainer:test", **container}],
+            },
         },
-        "spec": {"restartPolicy": "Never", "nodeSelector": {"packtrain.dev/pool": "cpu"},
-                 "containers": [{"name": "pytorch", "image": "ghcr.io/packtrain/trainer:test", **container}]},
-    })
+    )
     wait_for(f"SFTJob {name} Running", lambda: phase(api, namespace, "sftjobs", name) == "Running")
 
 
@@ -1071,8 +1176,14 @@ def test_a_training_whose_step_stands_still_is_degraded_then_failed(
     go = tmp_path / "go"
     go.touch()
     port = _free_port()
-    running_sftjob(api, namespace, "hangs", port, {"command": ["python", "-c", STEPPER, str(port), str(go)]},
-                   {"packtrain.dev/node-agent": "run"})
+    running_sftjob(
+        api,
+        namespace,
+        "hangs",
+        port,
+        {"command": ["python", "-c", STEPPER, str(port), str(go)]},
+        {"packtrain.dev/node-agent": "run"},
+    )
     running_sftjob(api, namespace, "dark", _free_port(), {}, {DURATION: "900"})
 
     def sft(name: str) -> dict[str, Any]:
@@ -1093,7 +1204,8 @@ def test_a_training_whose_step_stands_still_is_degraded_then_failed(
     stalled = wait_for("Degraded: TrainingStalled", lambda: degraded("hangs", "TrainingStalled"), timeout=60)
     still = progress()
     assert stalled["message"].startswith(
-        f"training step {still['step']} has not advanced since {still['lastAdvanceTime']}, longer than the 4s ")
+        f"training step {still['step']} has not advanced since {still['lastAdvanceTime']}, longer than the 4s "
+    )
     assert f"kubectl logs -n {namespace} hangs-master-0" in stalled["message"]
     assert "packtrain_train_data_wait_seconds" in stalled["message"]
     assert phase(api, namespace, "sftjobs", "hangs") == "Running"
@@ -1109,18 +1221,27 @@ def test_a_training_whose_step_stands_still_is_degraded_then_failed(
     assert (again["status"], again["lastTransitionTime"]) == ("True", stalled["lastTransitionTime"])
 
     go.touch()  # training moves again: Degraded clears
-    wait_for("Degraded to clear", lambda: condition(sft("hangs"), "Degraded")["status"] == "False", timeout=60)
+    wait_for(
+        "Degraded to clear", lambda: condition(sft("hangs"), "Degraded")["status"] == "False", timeout=60
+    )
     assert condition(sft("hangs"), "Degraded")["reason"] == "AsExpected"
     go.unlink()  # ...and stops for good: Degraded, then Failed, the PyTorchJob deleted
     wait_for("Degraded again", lambda: degraded("hangs", "TrainingStalled"), timeout=60)
-    wait_for("SFTJob hangs Failed", lambda: phase(api, namespace, "sftjobs", "hangs") == "Failed",
-             timeout=TRAINING_STALL_FAIL + 60, every=1)
+    wait_for(
+        "SFTJob hangs Failed",
+        lambda: phase(api, namespace, "sftjobs", "hangs") == "Failed",
+        timeout=TRAINING_STALL_FAIL + 60,
+        every=1,
+    )
     failed = condition(sft("hangs"), "Failed")
     assert failed["reason"] == "TrainingStalled" and "Failed after 1m without a step" in failed["message"]
     wait_for("the PyTorchJob deleted", lambda: pytorchjob_of(api, namespace, "hangs") is None)
     core = client.CoreV1Api(api)
-    wait_for("its pod gone with it", lambda: not core.list_namespaced_pod(
-        namespace, label_selector="packtrain.dev/sftjob=hangs").items, timeout=60)
+    wait_for(
+        "its pod gone with it",
+        lambda: not core.list_namespaced_pod(namespace, label_selector="packtrain.dev/sftjob=hangs").items,
+        timeout=60,
+    )
     assert len(warned("hangs", "TrainingStalled")) >= 2
     describe(kube_cluster, namespace, "sftjob", "hangs")
 
@@ -1145,8 +1266,12 @@ def test_a_pack_with_no_packed_sample_fails_and_names_the_reasons(
     body["spec"]["packing"] = {"maxLength": 16, "overlong": "drop"}
     create(api, namespace, body)
     create(api, namespace, sftjob("on-empty", "empty"))
-    wait_for("PackJob empty to fail", lambda: phase(api, namespace, "packjobs", "empty") == "Failed",
-             timeout=300, every=1)
+    wait_for(
+        "PackJob empty to fail",
+        lambda: phase(api, namespace, "packjobs", "empty") == "Failed",
+        timeout=300,
+        every=1,
+    )
     pj = get(api, namespace, "packjobs", "empty")
     failed = condition(pj, "Failed")
     assert failed["reason"] == "NoSamples", failed
@@ -1170,8 +1295,12 @@ def test_a_pack_with_no_packed_sample_fails_and_names_the_reasons(
 
 
 def test_api_requests_of_one_quickstart(
-    kube_cluster: Any, api: client.ApiClient, namespace: str, operator: Operator,
-    operator_kubeconfig: Path, tmp_path: Path,
+    kube_cluster: Any,
+    api: client.ApiClient,
+    namespace: str,
+    operator: Operator,
+    operator_kubeconfig: Path,
+    tmp_path: Path,
 ) -> None:
     """What one quickstart (a PackJob of 2 workers, an SFTJob training on it) costs the API server,
     counted by a proxy between the operator and the API server; reads come from the watch cache."""
@@ -1205,6 +1334,8 @@ def test_api_requests_of_one_quickstart(
         operator.start()
     rows = "\n".join(f"  {n:4d}  {what}" for what, n in sorted(run.items(), key=lambda kv: -kv[1]))
     print(f"API requests: startup {sum(startup.values())}, one quickstart {sum(run.values())}\n{rows}")
-    assert not any(what.startswith(("get ", "list ")) and "packjobs" in what or what.startswith("list pods")
-                   for what in run), run
+    assert not any(
+        what.startswith(("get ", "list ")) and "packjobs" in what or what.startswith("list pods")
+        for what in run
+    ), run
     assert sum(run.values()) < 60, rows

@@ -13,11 +13,16 @@ OLD_UID = "0b1c2d3e-0000-4000-8000-00000000dead"
 
 
 def _owned_by(kind: str, name: str, uid: str) -> list[dict[str, Any]]:
-    return [{"apiVersion": "packtrain.dev/v1alpha1", "kind": kind, "name": name, "uid": uid, "controller": True}]
+    return [
+        {"apiVersion": "packtrain.dev/v1alpha1", "kind": kind, "name": name, "uid": uid, "controller": True}
+    ]
 
 
 def _child(kind: str, name: str, owners: list[dict[str, Any]] | None = None, **meta: Any) -> dict[str, Any]:
-    return {"kind": kind, "metadata": {"name": name, "namespace": "ml", "ownerReferences": owners or [], **meta}}
+    return {
+        "kind": kind,
+        "metadata": {"name": name, "namespace": "ml", "ownerReferences": owners or [], **meta},
+    }
 
 
 def _previous(body: dict[str, Any]) -> dict[str, Any]:
@@ -37,20 +42,29 @@ def _condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
 def test_a_child_is_ours_only_by_uid(packjob: dict[str, Any]) -> None:
     uid = packjob["metadata"]["uid"]
     assert ownership.claim(_child("Job", "demo-convert", _owned_by("PackJob", "demo", uid)), packjob) is (
-        ownership.Claim.OURS)
+        ownership.Claim.OURS
+    )
     assert ownership.claim(_child("Job", "demo-convert", _owned_by("PackJob", "demo", OLD_UID)), packjob) is (
-        ownership.Claim.LEFTOVER)
+        ownership.Claim.LEFTOVER
+    )
     # Someone else's: no owner, another PackJob, another kind of the same name.
     assert ownership.claim(_child("Job", "demo-convert"), packjob) is ownership.Claim.FOREIGN
-    assert ownership.claim(_child("Job", "demo-convert", _owned_by("PackJob", "other", OLD_UID)), packjob) is (
-        ownership.Claim.FOREIGN)
+    assert ownership.claim(
+        _child("Job", "demo-convert", _owned_by("PackJob", "other", OLD_UID)), packjob
+    ) is (ownership.Claim.FOREIGN)
     assert ownership.claim(_child("Job", "demo-convert", _owned_by("SFTJob", "demo", OLD_UID)), packjob) is (
-        ownership.Claim.FOREIGN)
+        ownership.Claim.FOREIGN
+    )
 
 
 def test_someone_elses_object_fails_before_a_leftover_waits(packjob: dict[str, Any]) -> None:
-    leftover = _child("Job", "demo-convert", _owned_by("PackJob", "demo", OLD_UID),
-                      deletionTimestamp="2026-11-30T22:00:00Z", finalizers=["example.com/hold"])
+    leftover = _child(
+        "Job",
+        "demo-convert",
+        _owned_by("PackJob", "demo", OLD_UID),
+        deletionTimestamp="2026-11-30T22:00:00Z",
+        finalizers=["example.com/hold"],
+    )
     mine = _child("Job", "demo-plan", _owned_by("PackJob", "demo", packjob["metadata"]["uid"]))
     assert ownership.blocker(packjob, [None, mine]) is None
     wait = ownership.blocker(packjob, [leftover, mine, None])
@@ -63,23 +77,35 @@ def test_someone_elses_object_fails_before_a_leftover_waits(packjob: dict[str, A
     conflict = ownership.blocker(packjob, [leftover, _child("ConfigMap", "demo-pack-config")])
     assert conflict is not None and not conflict.waiting and conflict.reason == "NameConflict"
     assert conflict.message.startswith(
-        "ConfigMap ml/demo-pack-config already exists and is not this PackJob's (its owners: nothing)")
+        "ConfigMap ml/demo-pack-config already exists and is not this PackJob's (its owners: nothing)"
+    )
     assert "Delete or rename that ConfigMap, then delete and re-create the PackJob" in conflict.message
 
 
 def test_pods_of_an_earlier_child_are_not_read_as_the_new_ones(packjob: dict[str, Any]) -> None:
     job = _child("Job", "demo-plan", uid="new-job")
-    ours = {"metadata": {"name": "a", "ownerReferences": [{"kind": "Job", "uid": "new-job", "controller": True}]}}
-    old = {"metadata": {"name": "b", "namespace": "ml",
-                        "ownerReferences": [{"kind": "Job", "name": "demo-plan", "uid": "old-job", "controller": True}]}}
+    ours = {
+        "metadata": {"name": "a", "ownerReferences": [{"kind": "Job", "uid": "new-job", "controller": True}]}
+    }
+    old = {
+        "metadata": {
+            "name": "b",
+            "namespace": "ml",
+            "ownerReferences": [{"kind": "Job", "name": "demo-plan", "uid": "old-job", "controller": True}],
+        }
+    }
     bare = {"status": {}}  # no owner to tell by: kept
-    other_kind = {"metadata": {"name": "c", "ownerReferences": [{"kind": "JobSet", "uid": "x", "controller": True}]}}
+    other_kind = {
+        "metadata": {"name": "c", "ownerReferences": [{"kind": "JobSet", "uid": "x", "controller": True}]}
+    }
     assert ownership.pods_of(job, [ours, old, bare, other_kind]) == [ours, bare, other_kind]
     assert ownership.leftover_pod(packjob, "Job demo-plan", [bare]) is None
     wait = ownership.leftover_pod(packjob, "Job demo-plan", [old])
     assert wait is not None and wait.waiting
-    assert wait.message == ("waiting for pod ml/b of the previous Job demo-plan (uid old-job) to be deleted; "
-                            "this PackJob then creates its own Job demo-plan")
+    assert wait.message == (
+        "waiting for pod ml/b of the previous Job demo-plan (uid old-job) to be deleted; "
+        "this PackJob then creates its own Job demo-plan"
+    )
 
 
 # The reconcilers
@@ -90,7 +116,9 @@ def test_a_recreated_packjob_waits_for_the_old_jobs_then_runs_its_own_stages(pac
     old = _previous(packjob)
     step(kube, old)
     kube.objects[("jobs", "ml", "demo-convert")]["status"] = {
-        "succeeded": 4, "conditions": [{"type": "Complete", "status": "True"}]}
+        "succeeded": 4,
+        "conditions": [{"type": "Complete", "status": "True"}],
+    }
     assert step(kube, old)["phase"] == "Planning"
     created_before = list(kube.created)
     packjob["spec"]["packing"]["maxLength"] = 8192  # the edit the replace carries
@@ -104,13 +132,16 @@ def test_a_recreated_packjob_waits_for_the_old_jobs_then_runs_its_own_stages(pac
 
     del kube.objects[("jobs", "ml", "demo-convert")], kube.objects[("jobs", "ml", "demo-plan")]
     status = step(kube, packjob)  # the ConfigMap is still there, still the old PackJob's
-    assert status["phase"] == "Pending" and "ConfigMap ml/demo-pack-config" in _condition(status, "Ready")["message"]
+    assert (
+        status["phase"] == "Pending"
+        and "ConfigMap ml/demo-pack-config" in _condition(status, "Ready")["message"]
+    )
     assert kube.created == created_before
 
     del kube.objects[("configmaps", "ml", "demo-pack-config")]
     status = step(kube, packjob)
     assert status["phase"] == "Converting" and _condition(status, "Ready")["reason"] == "Converting"
-    assert kube.created[len(created_before):] == ["ConfigMap/demo-pack-config", "Job/demo-convert"]
+    assert kube.created[len(created_before) :] == ["ConfigMap/demo-pack-config", "Job/demo-convert"]
     config = kube.objects[("configmaps", "ml", "demo-pack-config")]
     assert config["metadata"]["ownerReferences"][0]["uid"] == packjob["metadata"]["uid"]
     assert "maxLength: 8192" in next(iter(config["data"].values()))
@@ -119,25 +150,41 @@ def test_a_recreated_packjob_waits_for_the_old_jobs_then_runs_its_own_stages(pac
 def test_pods_of_the_old_stage_job_are_waited_for(packjob: dict[str, Any]) -> None:
     kube = FakeKube()
     kube.pod_list[f"{builders.JOB_NAME_LABEL}=demo-convert"] = [
-        {"metadata": {"name": "demo-convert-0-x", "namespace": "ml",
-                      "ownerReferences": [{"kind": "Job", "name": "demo-convert", "uid": "old", "controller": True}]}}
+        {
+            "metadata": {
+                "name": "demo-convert-0-x",
+                "namespace": "ml",
+                "ownerReferences": [
+                    {"kind": "Job", "name": "demo-convert", "uid": "old", "controller": True}
+                ],
+            }
+        }
     ]
     status = step(kube, packjob)
     assert status["phase"] == "Pending" and kube.created == []
-    assert "pod ml/demo-convert-0-x of the previous Job demo-convert" in _condition(status, "Ready")["message"]
+    assert (
+        "pod ml/demo-convert-0-x of the previous Job demo-convert" in _condition(status, "Ready")["message"]
+    )
     kube.pod_list.clear()
     assert step(kube, packjob)["phase"] == "Converting"
 
 
 def test_someone_elses_configmap_fails_the_packjob_and_is_left_alone(packjob: dict[str, Any]) -> None:
     kube = FakeKube()
-    theirs = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "demo-pack-config", "namespace": "ml"},
-              "data": {"mine": "yes"}}
+    theirs = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "demo-pack-config", "namespace": "ml"},
+        "data": {"mine": "yes"},
+    }
     kube.put("configmaps", theirs)
     status = step(kube, packjob)
     assert status["phase"] == "Failed" and kube.created == []
     failed = _condition(status, "Failed")
-    assert failed["reason"] == "NameConflict" and "ConfigMap ml/demo-pack-config already exists" in failed["message"]
+    assert (
+        failed["reason"] == "NameConflict"
+        and "ConfigMap ml/demo-pack-config already exists" in failed["message"]
+    )
     assert kube.objects[("configmaps", "ml", "demo-pack-config")] == theirs
 
 
@@ -152,19 +199,30 @@ def test_a_recreated_sftjob_waits_for_the_old_pytorchjob(sftjob: dict[str, Any])
     created_before = list(kube.created)
 
     status = sft_step(kube, sftjob)
-    assert status["phase"] == "Pending" and kube.created == created_before  # not Succeeded with the old result
+    assert (
+        status["phase"] == "Pending" and kube.created == created_before
+    )  # not Succeeded with the old result
     assert "PyTorchJob ml/demo-sft of the previous SFTJob demo-sft" in _condition(status, "Ready")["message"]
     del kube.objects[("pytorchjobs", "ml", "demo-sft")]
     kube.pod_list[f"{builders.SFTJOB_LABEL}=demo-sft"] = [
-        {"metadata": {"name": "demo-sft-master-0", "namespace": "ml", "ownerReferences": [
-            {"kind": "PyTorchJob", "name": "demo-sft", "uid": "old-ptj", "controller": True}]}}
+        {
+            "metadata": {
+                "name": "demo-sft-master-0",
+                "namespace": "ml",
+                "ownerReferences": [
+                    {"kind": "PyTorchJob", "name": "demo-sft", "uid": "old-ptj", "controller": True}
+                ],
+            }
+        }
     ]
     status = sft_step(kube, sftjob)
-    assert status["phase"] == "Pending" and "pod ml/demo-sft-master-0" in _condition(status, "Ready")["message"]
+    assert (
+        status["phase"] == "Pending" and "pod ml/demo-sft-master-0" in _condition(status, "Ready")["message"]
+    )
     kube.pod_list.clear()
     del kube.objects[("configmaps", "ml", "demo-sft-train-config")]
     status = sft_step(kube, sftjob)
-    assert kube.created[len(created_before):] == ["ConfigMap/demo-sft-train-config", "PyTorchJob/demo-sft"]
+    assert kube.created[len(created_before) :] == ["ConfigMap/demo-sft-train-config", "PyTorchJob/demo-sft"]
     ptj = kube.objects[("pytorchjobs", "ml", "demo-sft")]
     assert ptj["metadata"]["ownerReferences"][0]["uid"] == sftjob["metadata"]["uid"]
 
@@ -173,8 +231,14 @@ def test_someone_elses_pytorchjob_fails_the_sftjob(sftjob: dict[str, Any]) -> No
     sftjob["spec"]["data"] = {"path": "/data/packs/x"}
     sftjob["spec"]["volumes"]["data"] = {"claimName": "packs"}
     kube = FakeKube()
-    kube.put("pytorchjobs", {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
-                             "metadata": {"name": "demo-sft", "namespace": "ml"}})
+    kube.put(
+        "pytorchjobs",
+        {
+            "apiVersion": "kubeflow.org/v1",
+            "kind": "PyTorchJob",
+            "metadata": {"name": "demo-sft", "namespace": "ml"},
+        },
+    )
     status = sft_step(kube, sftjob)
     failed = _condition(status, "Failed")
     assert status["phase"] == "Failed" and failed["reason"] == "NameConflict" and kube.created == []
@@ -188,8 +252,11 @@ def test_the_cached_view_remembers_a_create_only_for_the_same_owner(packjob: dic
     api = FakeKube()
     view = CachedKube(api, {})  # type: ignore[arg-type]
     old_owner = _owned_by("PackJob", "demo", OLD_UID)
-    config = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "demo-pack-config", "namespace": "ml",
-                                                                    "ownerReferences": old_owner}}
+    config = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "demo-pack-config", "namespace": "ml", "ownerReferences": old_owner},
+    }
     assert view.create(copy.deepcopy(config)) is True
     assert view.create(copy.deepcopy(config)) is False and api.created == ["ConfigMap/demo-pack-config"]
     assert view.read(config) == config  # this process made it: no API read needed
@@ -202,8 +269,10 @@ def test_the_cached_view_remembers_a_create_only_for_the_same_owner(packjob: dic
     del api.objects[("configmaps", "ml", "demo-pack-config")]  # the garbage collector got to it
     assert view.read(new) is None
     assert view.create(copy.deepcopy(new)) is True
-    assert api.objects[("configmaps", "ml", "demo-pack-config")]["metadata"]["ownerReferences"][0]["uid"] == (
-        packjob["metadata"]["uid"])
+    assert (
+        api.objects[("configmaps", "ml", "demo-pack-config")]["metadata"]["ownerReferences"][0]["uid"]
+        == (packjob["metadata"]["uid"])
+    )
 
 
 def test_a_waiting_parent_is_rechecked_until_it_stops_waiting(packjob: dict[str, Any]) -> None:
@@ -214,8 +283,18 @@ def test_a_waiting_parent_is_rechecked_until_it_stops_waiting(packjob: dict[str,
 
     memo = kopf.Memo(leftovers=set())
     kube = FakeKube()
-    kube.put("configmaps", {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {
-        "name": "demo-pack-config", "namespace": "ml", "ownerReferences": _owned_by("PackJob", "demo", OLD_UID)}})
+    kube.put(
+        "configmaps",
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": "demo-pack-config",
+                "namespace": "ml",
+                "ownerReferences": _owned_by("PackJob", "demo", OLD_UID),
+            },
+        },
+    )
     waiting = step(kube, packjob)
     handlers._track_leftovers(memo, "packjobs", packjob["metadata"], waiting)
     assert memo.leftovers == {("packjobs", "ml", "demo")}

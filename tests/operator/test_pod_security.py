@@ -128,7 +128,9 @@ def restricted_violations(pod: dict[str, Any], annotations: dict[str, str] | Non
 
 def _specs() -> tuple[PackJobSpec, SFTJobSpec]:
     pack = copy.deepcopy(PACKJOB["spec"])
-    pack["volumes"] = [{"name": "datasets", "claimName": "datasets", "mountPath": "/datasets", "subPath": "a"}]
+    pack["volumes"] = [
+        {"name": "datasets", "claimName": "datasets", "mountPath": "/datasets", "subPath": "a"}
+    ]
     return PackJobSpec.model_validate(pack), SFTJobSpec.model_validate(SFTJOB["spec"])
 
 
@@ -150,7 +152,9 @@ def test_built_pods_meet_the_restricted_profile(where: str, template: dict[str, 
     assert spec["automountServiceAccountToken"] is False
     for c in spec["containers"]:
         assert c["securityContext"]["readOnlyRootFilesystem"] is True
-        assert {m["mountPath"] for m in c["volumeMounts"]} >= {"/tmp"}, "a read-only root needs a writable /tmp"
+        assert {m["mountPath"] for m in c["volumeMounts"]} >= {"/tmp"}, (
+            "a read-only root needs a writable /tmp"
+        )
         assert {"cpu", "memory"} <= set(c["resources"]["requests"]), c["resources"]
 
 
@@ -234,8 +238,14 @@ def test_spec_resources_keep_their_own_values_and_gain_requests() -> None:
 def test_the_api_server_admits_every_built_pod_in_a_restricted_namespace(kube_cluster: Any) -> None:
     ns = f"pss-{uuid.uuid4().hex[:8]}"
     labels = {"pod-security.kubernetes.io/enforce": "restricted"}
-    kube_cluster.kubectl("create", "-f", "-", input=yaml.safe_dump(
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": labels}}))
+    kube_cluster.kubectl(
+        "create",
+        "-f",
+        "-",
+        input=yaml.safe_dump(
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": labels}}
+        ),
+    )
 
     def dry_run(spec: dict[str, Any], metadata: dict[str, Any]) -> Any:
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {**metadata, "name": "probe"}, "spec": spec}
@@ -271,8 +281,11 @@ def test_the_chart_values_set_the_identity_and_default_requests() -> None:
         "pools": {"cpu": {"resources": {"requests": {"cpu": "250m", "memory": "1Gi"}}}},
     }
     deployment = next(o for o in render(values) if o["kind"] == "Deployment")
-    env = {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
-           if "value" in e}
+    env = {
+        e["name"]: e["value"]
+        for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+        if "value" in e
+    }
     defaults = builders.OperatorDefaults.from_env(env)
     pack, _ = _specs()
     pack = pack.model_copy(update={"workers": pack.workers.model_copy(update={"resources": None})})

@@ -24,13 +24,24 @@ QUICKSTART = REPO / "examples" / "quickstart.yaml"
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "custom": {
-        "workloadImages": {"packer": {"repository": "registry.example.com/pt/packer", "tag": "2"},
-                           "trainer": {"repository": "registry.example.com/pt/trainer"}},
-        "pools": {"cpu": {"nodeSelector": {"pool": "batch"}, "tolerations": [{"key": "batch", "operator": "Exists"}],
-                          "resources": {"requests": {"cpu": "3", "memory": "5Gi"}}},
-                  "gpu": {"nodeSelector": {"packtrain.dev/pool": None, "gpu": "h100"}, "tolerations": []}},
+        "workloadImages": {
+            "packer": {"repository": "registry.example.com/pt/packer", "tag": "2"},
+            "trainer": {"repository": "registry.example.com/pt/trainer"},
+        },
+        "pools": {
+            "cpu": {
+                "nodeSelector": {"pool": "batch"},
+                "tolerations": [{"key": "batch", "operator": "Exists"}],
+                "resources": {"requests": {"cpu": "3", "memory": "5Gi"}},
+            },
+            "gpu": {"nodeSelector": {"packtrain.dev/pool": None, "gpu": "h100"}, "tolerations": []},
+        },
         "workloadSecurityContext": {"runAsUser": 1234},
-        "policy": {"allowedImages": ["registry.example.com/*"], "allowTolerations": True, "maxPackWorkers": 4},
+        "policy": {
+            "allowedImages": ["registry.example.com/*"],
+            "allowTolerations": True,
+            "maxPackWorkers": 4,
+        },
     },
 }
 
@@ -102,7 +113,9 @@ def test_values_that_allow_it_render_it(tmp_path: Path, capsys: pytest.CaptureFi
     values.write_text("policy:\n  allowedImages: ['evil.example.com/*']\n")
     assert cli.main(["render", str(hostile(tmp_path)), "--values", str(values)]) == 0
     jobs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d["kind"] == "Job"]
-    assert {d["spec"]["template"]["spec"]["containers"][0]["image"] for d in jobs} == {"evil.example.com/miner:1"}
+    assert {d["spec"]["template"]["spec"]["containers"][0]["image"] for d in jobs} == {
+        "evil.example.com/miner:1"
+    }
 
 
 def test_values_override_the_chart_defaults(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -126,7 +139,9 @@ def test_values_override_the_chart_defaults(tmp_path: Path, capsys: pytest.Captu
 def test_deep_merge_is_helms() -> None:
     base = {"a": {"b": 1, "c": [1, 2]}, "d": 1, "e": {"f": 1}}
     assert render.deep_merge(base, {"a": {"c": [3]}, "d": None, "e": {"g": 2}}) == {
-        "a": {"b": 1, "c": [3]}, "e": {"f": 1, "g": 2}}
+        "a": {"b": 1, "c": [3]},
+        "e": {"f": 1, "g": 2},
+    }
 
 
 def test_configuration_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -151,12 +166,18 @@ def test_render_loads_neither_kopf_nor_kubernetes_nor_torch(tmp_path: Path) -> N
     assert "kind: PyTorchJob" in out.read_text()
 
 
-@pytest.mark.parametrize(("values", "where"), [
-    ({"pools": {"cpu": 3}}, "at pools.cpu: 3 is not of type 'object'"),
-    ({"policy": None}, "'policy' is a required property"),
-    ({"policy": {"maxGpusPerNode": "8"}}, "at policy.maxGpusPerNode: '8' is not of type 'integer'"),
-    ({"policy": {"allowTolerance": True}}, "at policy: Additional properties are not allowed ('allowTolerance'"),
-])
+@pytest.mark.parametrize(
+    ("values", "where"),
+    [
+        ({"pools": {"cpu": 3}}, "at pools.cpu: 3 is not of type 'object'"),
+        ({"policy": None}, "'policy' is a required property"),
+        ({"policy": {"maxGpusPerNode": "8"}}, "at policy.maxGpusPerNode: '8' is not of type 'integer'"),
+        (
+            {"policy": {"allowTolerance": True}},
+            "at policy: Additional properties are not allowed ('allowTolerance'",
+        ),
+    ],
+)
 def test_values_helm_refuses_exit_2_naming_the_key(
     values: dict[str, Any], where: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -197,8 +218,12 @@ def test_an_sftjob_whose_packjob_is_elsewhere_needs_pack_claim(
 
 
 def test_other_objects_are_printed_unchanged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "packtrain-data"},
-             "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "10Gi"}}}}
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "packtrain-data"},
+        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "10Gi"}}},
+    }
     path = tmp_path / "with-claim.yaml"
     path.write_text(yaml.safe_dump_all([claim, *yaml.safe_load_all(QUICKSTART.read_text())], sort_keys=False))
     assert cli.main(["render", str(path)]) == 0

@@ -282,7 +282,7 @@ def test_scrapes_run_concurrently_up_to_the_bound(port_of: Callable[[str], int])
 def test_unparsable_metrics_give_no_progress() -> None:
     from packtrain.operator import progress as status
 
-    assert status.progress_from_metrics("packtrain_train_step{rank=\"0\"} NaN\n", 10, "t") is None
+    assert status.progress_from_metrics('packtrain_train_step{rank="0"} NaN\n', 10, "t") is None
     assert status.progress_from_metrics("\x00\x01 not prometheus {{{", 10, "t") is None
 
 
@@ -305,7 +305,9 @@ class IPv6Cluster(Cluster):
     """The same jobs, their master pods on an IPv6 (or dual-stack) cluster."""
 
     def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
-        return [{**pod, "status": {**pod["status"], "podIP": "::1"}} for pod in super().pods(namespace, selector)]
+        return [
+            {**pod, "status": {**pod["status"], "podIP": "::1"}} for pod in super().pods(namespace, selector)
+        ]
 
 
 def test_an_ipv6_pod_ip_is_scraped_in_brackets() -> None:

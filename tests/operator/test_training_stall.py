@@ -29,8 +29,13 @@ SHORTLY = "2026-01-01T01:10:00Z"  # 10 min after the last advance
 LATER = "2026-01-01T01:40:00Z"  # 40 min after: past the 30 min default
 MUCH_LATER = "2026-01-01T08:00:00Z"  # 7 h after: past the 6 h fail deadline
 RECENT = 90.0  # a reading older than this was not taken by a live scrape loop (`progress.RECENT`)
-WHERE = {"recent": RECENT, "namespace": "ml", "selector": "packtrain.dev/sftjob=demo-sft", "pod": "demo-sft-master-0",
-         "child": "PyTorchJob demo-sft"}
+WHERE = {
+    "recent": RECENT,
+    "namespace": "ml",
+    "selector": "packtrain.dev/sftjob=demo-sft",
+    "pod": "demo-sft-master-0",
+    "child": "PyTorchJob demo-sft",
+}
 
 
 def reading(step: int = 120, updated: str = ADVANCED) -> dict[str, Any]:
@@ -45,7 +50,9 @@ def test_the_clock_moves_only_when_the_step_changes() -> None:
     assert last_advance({"step": 5, "lastAdvanceTime": ADVANCED}, 3, LATER) == LATER
     assert scrape_error(None, "down", ADVANCED) == {"message": "down", "since": ADVANCED}
     assert scrape_error({"message": "down", "since": ADVANCED}, "still down", LATER) == {
-        "message": "still down", "since": ADVANCED}
+        "message": "still down",
+        "since": ADVANCED,
+    }
 
 
 def test_no_stall_within_the_deadline() -> None:
@@ -56,7 +63,9 @@ def test_no_stall_within_the_deadline() -> None:
 def test_a_step_that_stands_still_is_a_stall_that_says_where_to_look() -> None:
     stall = training_stall(reading(updated=LATER), RUNNING, LATER, Deadlines(), **WHERE)
     assert stall is not None and stall.reason == "TrainingStalled" and not stall.fail
-    assert stall.message.startswith(f"training step 120 has not advanced since {ADVANCED}, longer than the 30m ")
+    assert stall.message.startswith(
+        f"training step 120 has not advanced since {ADVANCED}, longer than the 30m "
+    )
     assert "kubectl logs -n ml demo-sft-master-0" in stall.message
     assert "kubectl logs -n ml -l packtrain.dev/sftjob=demo-sft --prefix" in stall.message
     assert TRAIN_DATA_WAIT in stall.message and TRAIN_DATA_WAIT == "packtrain_train_data_wait_seconds"
@@ -81,12 +90,18 @@ def test_a_trainer_that_never_steps_is_stalled_since_it_started_running() -> Non
 
 
 def test_unreadable_metrics_are_not_called_a_stall() -> None:
-    status = {**reading(updated=SHORTLY), "scrapeError": {
-        "message": "metrics endpoint http://10.0.0.5:9400/metrics could not be read: Connection refused",
-        "since": SHORTLY}}
+    status = {
+        **reading(updated=SHORTLY),
+        "scrapeError": {
+            "message": "metrics endpoint http://10.0.0.5:9400/metrics could not be read: Connection refused",
+            "since": SHORTLY,
+        },
+    }
     stall = training_stall(status, RUNNING, MUCH_LATER, Deadlines(), **WHERE)
     assert stall is not None and stall.reason == "NoLiveProgress" and not stall.fail  # never failed for it
-    assert stall.message.startswith("no live progress: metrics endpoint http://10.0.0.5:9400/metrics could not be read")
+    assert stall.message.startswith(
+        "no live progress: metrics endpoint http://10.0.0.5:9400/metrics could not be read"
+    )
     assert f"the last reading ({SHORTLY}) was step 120, unchanged since {ADVANCED}" in stall.message
     assert "NetworkPolicy" in stall.message and "kubectl logs -n ml demo-sft-master-0" in stall.message
     # Seen standing still past the deadline before the metrics went: that is a stall, unreadable or not.
@@ -97,19 +112,35 @@ def test_unreadable_metrics_are_not_called_a_stall() -> None:
 def test_an_operator_restart_does_not_stall_or_fail_a_healthy_training() -> None:
     """Step advancing, last scrape 10:00, the operator back at 10:40 or 16:30: its first reconcile runs before
     its first scrape, and time nobody observed is no stall."""
-    advancing = {"progress": {"step": 500, "maxSteps": 1000, "updatedAt": "2026-01-01T10:00:00Z",
-                              "lastAdvanceTime": "2026-01-01T10:00:00Z"}}
+    advancing = {
+        "progress": {
+            "step": 500,
+            "maxSteps": 1000,
+            "updatedAt": "2026-01-01T10:00:00Z",
+            "lastAdvanceTime": "2026-01-01T10:00:00Z",
+        }
+    }
     for back in ("2026-01-01T10:40:00Z", "2026-01-01T16:30:00Z"):
         stall = training_stall(advancing, RUNNING, back, Deadlines(), **WHERE)
         assert stall is not None and stall.reason == NO_LIVE_PROGRESS and not stall.fail
-        assert stall.message.startswith("no live progress: no reading in the last 1.5m (the operator reads again")
+        assert stall.message.startswith(
+            "no live progress: no reading in the last 1.5m (the operator reads again"
+        )
     # Its first scrape after the restart sees the step moved: the clock starts from there, nothing is called.
-    moved = {"progress": {**advancing["progress"], "step": 900, "updatedAt": "2026-01-01T16:30:30Z",
-                          "lastAdvanceTime": "2026-01-01T16:30:30Z"}}
+    moved = {
+        "progress": {
+            **advancing["progress"],
+            "step": 900,
+            "updatedAt": "2026-01-01T16:30:30Z",
+            "lastAdvanceTime": "2026-01-01T16:30:30Z",
+        }
+    }
     assert training_stall(moved, RUNNING, "2026-01-01T16:30:31Z", Deadlines(), **WHERE) is None
     # A reading just before a short restart (within `recent`) still counts: a seen stall stays a stall.
     seen = reading(updated=LATER)
-    assert training_stall(seen, RUNNING, "2026-01-01T01:41:00Z", Deadlines(), **WHERE).reason == TRAINING_STALLED  # type: ignore[union-attr]
+    assert (
+        training_stall(seen, RUNNING, "2026-01-01T01:41:00Z", Deadlines(), **WHERE).reason == TRAINING_STALLED
+    )  # type: ignore[union-attr]
 
 
 def test_a_stall_seen_and_then_unreadable_is_never_failed_on_time_nobody_observed() -> None:
@@ -119,12 +150,16 @@ def test_a_stall_seen_and_then_unreadable_is_never_failed_on_time_nobody_observe
     assert soon is not None and soon.reason == TRAINING_STALLED and not soon.fail
     late = training_stall(status, RUNNING, MUCH_LATER, Deadlines(), **WHERE)
     assert late is not None and late.reason == NO_LIVE_PROGRESS and not late.fail
-    assert late.message.startswith(f"no live progress: connection refused (since {LATER}); the last reading ({LATER})")
+    assert late.message.startswith(
+        f"no live progress: connection refused (since {LATER}); the last reading ({LATER})"
+    )
 
 
 def test_the_last_step_standing_still_is_not_a_stall() -> None:
     """The final checkpoint or a long evaluation keeps the step at maxSteps: not a hang."""
-    done = {"progress": {"step": 1000, "maxSteps": 1000, "updatedAt": MUCH_LATER, "lastAdvanceTime": ADVANCED}}
+    done = {
+        "progress": {"step": 1000, "maxSteps": 1000, "updatedAt": MUCH_LATER, "lastAdvanceTime": ADVANCED}
+    }
     assert training_stall(done, RUNNING, MUCH_LATER, Deadlines(), **WHERE) is None
     one_short = {"progress": {**done["progress"], "step": 999}}
     assert training_stall(one_short, RUNNING, MUCH_LATER, Deadlines(), **WHERE).fail  # type: ignore[union-attr]
@@ -141,7 +176,9 @@ def test_the_fail_deadline_fails_a_stall_and_zero_never_does() -> None:
     with pytest.raises(ValueError, match="trainingStallFailSeconds must be longer than trainingStallSeconds"):
         Deadlines.from_dict({"trainingStallSeconds": 600, "trainingStallFailSeconds": 600})
     env = {"PACKTRAIN_DEADLINES": json.dumps({"trainingStallSeconds": 5, "trainingStallFailSeconds": 30})}
-    assert builders.OperatorDefaults.from_env(env).deadlines == Deadlines(training_stall=5, training_stall_fail=30)
+    assert builders.OperatorDefaults.from_env(env).deadlines == Deadlines(
+        training_stall=5, training_stall_fail=30
+    )
 
 
 # The scrape's status patch
@@ -156,20 +193,36 @@ METRICS = 'packtrain_train_step{rank="0"} 120\npacktrain_train_loss{rank="0"} 1.
 
 def test_a_scrape_records_when_the_step_moved_and_why_it_failed() -> None:
     first = progress.reading(target({}), METRICS, None, ADVANCED)
-    assert first == {"progress": {"step": 120, "loss": 1.5, "maxSteps": 1000, "updatedAt": ADVANCED,
-                                  "lastAdvanceTime": ADVANCED}}
+    assert first == {
+        "progress": {
+            "step": 120,
+            "loss": 1.5,
+            "maxSteps": 1000,
+            "updatedAt": ADVANCED,
+            "lastAdvanceTime": ADVANCED,
+        }
+    }
     same = progress.reading(target(first), METRICS, None, LATER)
     assert same is not None and same["progress"]["updatedAt"] == LATER
     assert same["progress"]["lastAdvanceTime"] == ADVANCED
     failed = progress.reading(target(first), None, "metrics endpoint x could not be read: refused", LATER)
-    assert failed == {"scrapeError": {"message": "metrics endpoint x could not be read: refused", "since": LATER}}
+    assert failed == {
+        "scrapeError": {"message": "metrics endpoint x could not be read: refused", "since": LATER}
+    }
     down = {**first, **failed}
-    assert progress.reading(target(down), None, "metrics endpoint x could not be read: refused", MUCH_LATER) is None
+    assert (
+        progress.reading(target(down), None, "metrics endpoint x could not be read: refused", MUCH_LATER)
+        is None
+    )
     back = progress.reading(target(down), METRICS.replace("120", "121"), None, MUCH_LATER)
-    assert back is not None and back["scrapeError"] is None and back["progress"]["lastAdvanceTime"] == MUCH_LATER
+    assert (
+        back is not None and back["scrapeError"] is None and back["progress"]["lastAdvanceTime"] == MUCH_LATER
+    )
     SFTJobStatus.model_validate({**first, **failed})
     # Read, but no step gauge (not yet, or a restarted trainer): when it was read still counts.
-    assert progress.reading(target(first), "# nothing yet\n", None, LATER) == {"progress": {"updatedAt": LATER}}
+    assert progress.reading(target(first), "# nothing yet\n", None, LATER) == {
+        "progress": {"updatedAt": LATER}
+    }
     assert progress.reading(target(first), "<html>not metrics</html>", None, LATER) is None  # shows nothing
 
 
@@ -202,10 +255,15 @@ def running_sftjob(sftjob: dict[str, Any], now: str) -> tuple[DeletingKube, dict
     child = kube.objects[("pytorchjobs", "ml", "demo-sft")]
     child["metadata"]["uid"] = "pytorchjob-uid"  # the API server's, which the in-memory one does not assign
     child["status"] = {"conditions": [{"type": "Running", "status": "True", "reason": "PyTorchJobRunning"}]}
-    kube.pod_list[f"{builders.SFTJOB_LABEL}=demo-sft"] = [{
-        "metadata": {"name": "demo-sft-master-0", "labels": {"training.kubeflow.org/replica-type": "master"}},
-        "status": {"phase": "Running", "podIP": "10.0.0.5"},
-    }]
+    kube.pod_list[f"{builders.SFTJOB_LABEL}=demo-sft"] = [
+        {
+            "metadata": {
+                "name": "demo-sft-master-0",
+                "labels": {"training.kubeflow.org/replica-type": "master"},
+            },
+            "status": {"phase": "Running", "podIP": "10.0.0.5"},
+        }
+    ]
     status = handlers.reconcile_sftjob(kube, sftjob, builders.OperatorDefaults())  # type: ignore[arg-type]
     running = st.get_condition(status["conditions"], "Running")
     assert status["phase"] == "Running" and running is not None and running["status"] == "True"
@@ -222,10 +280,16 @@ def test_a_stalled_sftjob_turns_degraded_with_a_warning_and_clears(
     status = handlers.reconcile_sftjob(kube, copy.deepcopy(body), builders.OperatorDefaults())  # type: ignore[arg-type]
     degraded = st.get_condition(status["conditions"], "Degraded")
     assert status["phase"] == "Running" and degraded is not None and degraded["status"] == "True"
-    assert degraded["reason"] == TRAINING_STALLED and "kubectl logs -n ml demo-sft-master-0" in degraded["message"]
+    assert (
+        degraded["reason"] == TRAINING_STALLED
+        and "kubectl logs -n ml demo-sft-master-0" in degraded["message"]
+    )
     event = st.transition_event("Running", st.event_reason(body["status"]), status)
     assert event is not None and event[:2] == ("Warning", "TrainingStalled") and "step 120" in event[2]
-    moved = {**body, "status": {**status, "progress": {**status["progress"], "step": 121, "lastAdvanceTime": LATER}}}
+    moved = {
+        **body,
+        "status": {**status, "progress": {**status["progress"], "step": 121, "lastAdvanceTime": LATER}},
+    }
     cleared = handlers.reconcile_sftjob(kube, moved, builders.OperatorDefaults())  # type: ignore[arg-type]
     assert st.get_condition(cleared["conditions"], "Degraded")["status"] == "False"  # type: ignore[index]
     SFTJobStatus.model_validate(status)
@@ -251,15 +315,19 @@ def test_a_stall_past_the_fail_deadline_fails_and_deletes_the_training_job_once_
     assert kube.deleted == ["pytorchjobs/demo-sft"]
     assert kube.uids == [child_uid]  # pinned to the PyTorchJob that was checked (a delete precondition)
     # Terminal now: a later event neither creates the training job again nor deletes anything more.
-    handlers.write_status(kopf.Memo(kube=kube, defaults=builders.OperatorDefaults()), "sftjobs",
-                          kube.objects[("sftjobs", "ml", "demo-sft")])
+    handlers.write_status(
+        kopf.Memo(kube=kube, defaults=builders.OperatorDefaults()),
+        "sftjobs",
+        kube.objects[("sftjobs", "ml", "demo-sft")],
+    )
     assert kube.deleted == ["pytorchjobs/demo-sft"] and ("pytorchjobs", "ml", "demo-sft") not in kube.objects
 
 
 def test_a_restart_between_the_failed_write_and_the_delete_still_deletes(sftjob: dict[str, Any]) -> None:
     kube, body = running_sftjob(sftjob, RUNNING)
-    failed = st.lifecycle_conditions(body["status"]["conditions"], st.Outcome("Failed", "TrainingStalled", "stuck"),
-                                     MUCH_LATER, 1)
+    failed = st.lifecycle_conditions(
+        body["status"]["conditions"], st.Outcome("Failed", "TrainingStalled", "stuck"), MUCH_LATER, 1
+    )
     body = {**body, "status": {**body["status"], "phase": "Failed", "conditions": failed}}
     assert handlers.reconcile_sftjob(kube, body, builders.OperatorDefaults()) == body["status"]  # type: ignore[arg-type]
     assert kube.deleted == ["pytorchjobs/demo-sft"]

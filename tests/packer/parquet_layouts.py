@@ -33,7 +33,9 @@ LLAVA_OV_SCHEMA = pa.schema(
     ]
 )
 HF_FEATURES = {
-    "messages": [{"content": {"dtype": "string", "_type": "Value"}, "role": {"dtype": "string", "_type": "Value"}}],
+    "messages": [
+        {"content": {"dtype": "string", "_type": "Value"}, "role": {"dtype": "string", "_type": "Value"}}
+    ],
     "images": {"feature": {"_type": "Image"}, "_type": "Sequence"},
 }
 HF_SCHEMA = pa.schema(
@@ -95,7 +97,9 @@ def hf_rows() -> list[dict[str, Any]]:
     return rows
 
 
-def write(path: Path, rows: list[dict[str, Any]], schema: pa.Schema, row_group_size: int = 4, **kw: Any) -> Path:
+def write(
+    path: Path, rows: list[dict[str, Any]], schema: pa.Schema, row_group_size: int = 4, **kw: Any
+) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), path, row_group_size=row_group_size, **kw)
     return path

@@ -92,8 +92,13 @@ def _dataset(root: Path, corruption: str) -> Path:
     corrupt(DEMO_MEDIA / src, bad)
 
     def chat(n: int, prompt: str, **media: list[str]) -> dict:
-        return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": f"Answer {n}."}],
-                **media}
+        return {
+            "messages": [
+                {"role": "user", "content": prompt},
+                {"role": "assistant", "content": f"Answer {n}."},
+            ],
+            **media,
+        }
 
     rows = [
         {"id": "v1", **chat(1, "<video>What happens?", videos=["1.mp4"])},
@@ -111,11 +116,13 @@ def _dataset(root: Path, corruption: str) -> Path:
 
 
 def _config(data: Path, storage: str = "original", max_length: int = MAX_LENGTH) -> PackConfig:
-    return PackConfig.model_validate({
-        "source": {"paths": [str(data / "media.jsonl"), str(data / "text.jsonl")]},
-        "model": {"path": str(QWEN2), "maxPixels": 100_000, "videoMaxPixels": 60_000, "fps": 1.0},
-        "packing": {"maxLength": max_length, "mediaStorage": storage, "sequencesPerShard": 2},
-    })
+    return PackConfig.model_validate(
+        {
+            "source": {"paths": [str(data / "media.jsonl"), str(data / "text.jsonl")]},
+            "model": {"path": str(QWEN2), "maxPixels": 100_000, "videoMaxPixels": 60_000, "fps": 1.0},
+            "packing": {"maxLength": max_length, "mediaStorage": storage, "sequencesPerShard": 2},
+        }
+    )
 
 
 def _sequence_of(out: Path, sample_id: str) -> list[str]:
@@ -128,8 +135,11 @@ def _sequence_of(out: Path, sample_id: str) -> list[str]:
 
 
 def _files(out: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
-            if p.is_file() and p.relative_to(out).parts[0] != "work"}
+    return {
+        str(p.relative_to(out)): p.read_bytes()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and p.relative_to(out).parts[0] != "work"
+    }
 
 
 def _assert_one_reject(out: Path, manifest: dict, detail: str, bad_name: str) -> None:
@@ -206,8 +216,11 @@ def test_rerun_and_resumed_materialize_count_the_reject_once(
     assert again["pack"] is not None and again["pack"]["rejected_by_reason"] == {"corrupt_media": 1}
     assert _files(out) == _files(done)
     # A killed run: the reject's shard and the manifest are gone; materialize writes them again.
-    shard = next(p for p in sorted((out / "work" / "shards").glob("*.json"))
-                 if json.loads(p.read_text())[stages.SHARD_REJECTS])
+    shard = next(
+        p
+        for p in sorted((out / "work" / "shards").glob("*.json"))
+        if json.loads(p.read_text())[stages.SHARD_REJECTS]
+    )
     (out / MANIFEST).unlink()
     (out / json.loads(shard.read_text())["file"]).unlink()
     shard.unlink()
@@ -234,8 +247,9 @@ def test_inspect_and_verify_report_the_final_counts(
 def test_a_sequence_left_empty_is_dropped(tmp_path: Path) -> None:
     """At 320 tokens the corrupt video's sample (294) sits alone: its whole sequence goes."""
     out = tmp_path / "pack"
-    manifest = local.run_all(_config(_dataset(tmp_path, "noise_middle"), max_length=320), out, workers=1,
-                             show_progress=False)
+    manifest = local.run_all(
+        _config(_dataset(tmp_path, "noise_middle"), max_length=320), out, workers=1, show_progress=False
+    )
     assert _sequence_of(out, BAD) == [BAD]
     plan = json.loads((out / "work" / "plan.json").read_text())["summary"]
     assert manifest["sequences"] == plan["sequences"] - 1 == sum(s["rows"] for s in manifest["shards"])
@@ -330,7 +344,9 @@ def test_a_pack_left_without_samples_by_materialize_fails_no_samples(
     out, err = capsys.readouterr()
     line = json.loads(out.splitlines()[-1])  # the run's summary line
     assert (line["samples"], line["packed"], line["rejected"], line["sequences"]) == (1, 0, 1, 0)
-    assert line["sources"] == {str(data / "only.jsonl"): {"records": 1, "input": 1, "packed": 0, "rejected": 1}}
+    assert line["sources"] == {
+        str(data / "only.jsonl"): {"records": 1, "input": 1, "packed": 0, "rejected": 1}
+    }
     assert "no sample was packed" in err
     assert not (tmp_path / "run" / MANIFEST).exists()
     assert [json.loads(r)["reason"] for r in (tmp_path / "run" / REJECTS).read_text().splitlines()] == [
@@ -397,8 +413,10 @@ def test_a_read_error_while_decoding_is_a_config_error_not_a_reject(storage: str
     video = DEMO_MEDIA / "1.mp4"
     at = video.stat().st_size // 2
     decode = check_frames if storage == "original" else (lambda f, i, n: video_frames(f, i, 64, 64, n))
-    with _FailingRead(video, at, OSError(errno.EIO, "Input/output error")) as f, \
-            pytest.raises(ConfigError, match="could not be read while decoding") as err:
+    with (
+        _FailingRead(video, at, OSError(errno.EIO, "Input/output error")) as f,
+        pytest.raises(ConfigError, match="could not be read while decoding") as err,
+    ):
         decode(f, list(range(0, 60, 10)), "1.mp4")
     assert "Input/output error" in str(err.value) and "re-pack" in str(err.value)
     with _FailingRead(video, at, MemoryError()) as f, pytest.raises(MemoryError):
@@ -415,4 +433,6 @@ def test_decode_failure_tells_storage_errors_from_corrupt_content(tmp_path: Path
     assert isinstance(ffmpeg_os.value, OSError)
     for exc in (ffmpeg_os.value, ValueError("bad"), RuntimeError("decoder")):
         bad = decode_failure(exc, "v.mp4")
-        assert isinstance(bad, MediaError) and bad.reason == "corrupt_media" and "does not decode" in bad.detail
+        assert (
+            isinstance(bad, MediaError) and bad.reason == "corrupt_media" and "does not decode" in bad.detail
+        )

@@ -34,12 +34,19 @@ QWEN2 = SHARED / "models" / "qwen2-vl"
 def pack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Images, videos and text over several shards; media stored as file bytes or resized frames."""
     tmp = tmp_path_factory.mktemp(f"pack-{request.param}")
-    cfg = PackConfig.model_validate({
-        "source": {"paths": [str(DEMO / "mllm_demo.json"), str(DEMO / "mllm_video_demo.json"),
-                             str(TEXT / "glaive-toolcall" / "*.json")]},
-        "model": {"path": str(QWEN2), "maxPixels": 200_000, "videoMaxPixels": 50_000, "maxFrames": 8},
-        "packing": {"maxLength": 2048, "sequencesPerShard": 8, "mediaStorage": request.param},
-    })
+    cfg = PackConfig.model_validate(
+        {
+            "source": {
+                "paths": [
+                    str(DEMO / "mllm_demo.json"),
+                    str(DEMO / "mllm_video_demo.json"),
+                    str(TEXT / "glaive-toolcall" / "*.json"),
+                ]
+            },
+            "model": {"path": str(QWEN2), "maxPixels": 200_000, "videoMaxPixels": 50_000, "maxFrames": 8},
+            "packing": {"maxLength": 2048, "sequencesPerShard": 8, "mediaStorage": request.param},
+        }
+    )
     out = tmp / "pack"
     manifest = run_in_process(cfg, out, workers=1)
     assert len(manifest["shards"]) > 2 and manifest["counts"]["packed"] > 100
@@ -65,7 +72,9 @@ def _load(path: Path, decoder: Any = None) -> dict[str, dict[str, Any]]:
 
     @stateless
     def cook(crude: dict[str, Any]) -> Parts:
-        return Parts(**basic_sample_keys(crude), parts={k: v for k, v in crude.items() if not k.startswith("__")})
+        return Parts(
+            **basic_sample_keys(crude), parts={k: v for k, v in crude.items() if not k.startswith("__")}
+        )
 
     class Encoder(DefaultTaskEncoder):  # type: ignore[misc]
         cookers = [Cooker(cook)]
@@ -78,8 +87,9 @@ def _load(path: Path, decoder: Any = None) -> dict[str, dict[str, Any]]:
 
     Encoder.decoder = decoder
     worker_config = WorkerConfig(rank=0, world_size=1, num_workers=0)
-    dataset = get_val_dataset(str(path), split_part="train", worker_config=worker_config, batch_size=1,
-                              task_encoder=Encoder())
+    dataset = get_val_dataset(
+        str(path), split_part="train", worker_config=worker_config, batch_size=1, task_encoder=Encoder()
+    )
     got: dict[str, dict[str, Any]] = {}
     for batch in get_loader(dataset):
         for sample in batch:
@@ -92,8 +102,13 @@ def _npy(data: bytes) -> np.ndarray:
     return np.load(io.BytesIO(data), allow_pickle=False)
 
 
-def _check_media(parts: dict[str, Any], refs: list[dict[str, Any]], want: list[dict[str, Any]],
-                 reader: ShardReader, shard: int) -> None:
+def _check_media(
+    parts: dict[str, Any],
+    refs: list[dict[str, Any]],
+    want: list[dict[str, Any]],
+    reader: ShardReader,
+    shard: int,
+) -> None:
     """Each media reference keeps the pack's metadata, and its parts hold the pack's bytes."""
     assert [{k: v for k, v in r.items() if k != "parts"} for r in refs] == want
     for ref in refs:
@@ -128,7 +143,11 @@ def test_packed_sequences_round_trip_through_energon(pack: Path, tmp_path: Path)
         assert _npy(parts["labels.npy"]).tolist() == seq["labels"]
         assert meta["layout"] == "packed"
         assert (meta["seq_lens"], meta["sample_ids"], meta["sources"], meta["indices"]) == (
-            seq["seq_lens"], seq["sample_ids"], seq["sources"], seq["indices"])
+            seq["seq_lens"],
+            seq["sample_ids"],
+            seq["sources"],
+            seq["indices"],
+        )
         _check_media(parts, meta["media"], seq["media"], reader, shard)
         media_seen += len(meta["media"])
     assert not got and media_seen > 0
@@ -150,7 +169,11 @@ def test_unpacked_samples_round_trip_through_energon(pack: Path, tmp_path: Path)
             parts = got.pop(f"s{shard:05d}r{row:05d}n{sub:03d}")
             meta = json.loads(parts["json"])
             assert (meta["sample_id"], meta["source"], meta["index"], meta["length"]) == (
-                seq["sample_ids"][sub], seq["sources"][sub], seq["indices"][sub], n)
+                seq["sample_ids"][sub],
+                seq["sources"][sub],
+                seq["indices"][sub],
+                n,
+            )
             assert _npy(parts["input_ids.npy"]).tolist() == seq["input_ids"][start : start + n]
             labels = _npy(parts["labels.npy"]).tolist()
             assert labels == seq["labels"][start : start + n] and any(x != -100 for x in labels)
@@ -187,22 +210,30 @@ def test_energon_decoders_and_prepare_agree_with_the_export(pack: Path, tmp_path
     for name in info["shard_counts"]:
         (again / name).with_suffix(".tar.idx").unlink()
     (again / ".nv-meta" / ".info.json").unlink()
-    BaseWebdatasetFactory.prepare_dataset(again, list(info["shard_counts"]), split_parts_patterns=[("train", ".*")],
-                                          workers=1, shuffle_seed=None)
+    BaseWebdatasetFactory.prepare_dataset(
+        again,
+        list(info["shard_counts"]),
+        split_parts_patterns=[("train", ".*")],
+        workers=1,
+        shuffle_seed=None,
+    )
     prepared = json.loads((again / ".nv-meta" / ".info.json").read_text())
     assert prepared["shard_counts"] == info["shard_counts"]
     assert sum(info["shard_counts"].values()) == reader.num_sequences
     assert {name: (again / name).with_suffix(".tar.idx").read_bytes() for name in ours} == ours
 
 
-def test_export_refuses_a_used_folder_and_a_folder_inside_the_pack(pack: Path, tmp_path: Path,
-                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_export_refuses_a_used_folder_and_a_folder_inside_the_pack(
+    pack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     used = tmp_path / "used"
     used.mkdir()
     (used / "keep.txt").write_text("mine")
     assert pack_main(["export", "energon", str(pack), "-o", str(used)]) == 2
     assert "not an empty folder" in capsys.readouterr().err
-    assert (used / "keep.txt").read_text() == "mine" and sorted(p.name for p in used.iterdir()) == ["keep.txt"]
+    assert (used / "keep.txt").read_text() == "mine" and sorted(p.name for p in used.iterdir()) == [
+        "keep.txt"
+    ]
     assert pack_main(["export", "energon", str(pack), "-o", str(pack / "energon")]) == 2
     assert not (pack / "energon").exists()
     assert pack_main(["export", "energon", str(tmp_path / "no-pack"), "-o", str(tmp_path / "x")]) == 2

@@ -187,7 +187,9 @@ def test_qwen3_example_packs_and_verifies(shared_dir: Path, tmp_path: Path) -> N
         assert (manifest["counts"]["packed"], manifest["counts"]["rejected"]) == (9, 0), manifest["counts"]
 
 
-def test_video_sampling_settings_come_from_the_folder_unless_configured(shared_dir: Path, tmp_path: Path) -> None:
+def test_video_sampling_settings_come_from_the_folder_unless_configured(
+    shared_dir: Path, tmp_path: Path
+) -> None:
     folder = tmp_path / "m"
     shutil.copytree(MODELS / "qwen3-vl", folder)
     video = json.loads((folder / "video_preprocessor_config.json").read_text())
@@ -198,7 +200,10 @@ def test_video_sampling_settings_come_from_the_folder_unless_configured(shared_d
     configured = ModelConfig(family="qwen3-vl", path=str(folder), fps=3, maxFrames=16)
     vision = model_spec(folder, cfg=configured).vision
     assert (vision.fps, vision.min_frames, vision.max_frames) == (3.0, 2, 16)
-    assert (model_spec(MODELS / "qwen3-vl").vision.fps, model_spec(MODELS / "qwen3-vl").vision.max_frames) == (
+    assert (
+        model_spec(MODELS / "qwen3-vl").vision.fps,
+        model_spec(MODELS / "qwen3-vl").vision.max_frames,
+    ) == (
         2.0,
         768,
     )

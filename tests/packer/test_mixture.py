@@ -49,13 +49,20 @@ def _mix(tmp: Path, seed: int = 0) -> tuple[dict[str, Any], dict[str, str]]:
     rows.append({**rows[0], "id": "broken-image", "image": {"bytes": b"garbage", "path": "g.jpg"}})
     ov = write(tmp / "ov" / "part-0.parquet", rows[:7], LLAVA_OV_SCHEMA, row_group_size=3)
     write(tmp / "ov" / "part-1.parquet", rows[7:], LLAVA_OV_SCHEMA, row_group_size=3)
-    entries = {"ov": str(ov.parent / "*.parquet"), "glaive": str(GLAIVE), "fastchat": str(FASTCHAT),
-               "demo": str(DEMO / "mllm_demo.json")}
-    cfg = config(list(entries.values()), mixture=[
-        {"path": entries["ov"], "weight": 2.5},
-        {"path": entries["glaive"], "weight": 0.1},
-        {"path": entries["fastchat"], "maxSamples": 20},
-    ])
+    entries = {
+        "ov": str(ov.parent / "*.parquet"),
+        "glaive": str(GLAIVE),
+        "fastchat": str(FASTCHAT),
+        "demo": str(DEMO / "mllm_demo.json"),
+    }
+    cfg = config(
+        list(entries.values()),
+        mixture=[
+            {"path": entries["ov"], "weight": 2.5},
+            {"path": entries["glaive"], "weight": 0.1},
+            {"path": entries["fastchat"], "maxSamples": 20},
+        ],
+    )
     cfg["packing"]["seed"] = seed
     return cfg, entries
 
@@ -91,7 +98,9 @@ def test_repeats_are_the_drawn_records_with_their_own_ids(mixed: tuple) -> None:
     out, manifest, entries, _ = mixed
     samples = unpack(out)
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
-    taken = Counter((s["source"], s["index"]) for s in samples) + Counter((r["source"], r["index"]) for r in rejects)
+    taken = Counter((s["source"], s["index"]) for s in samples) + Counter(
+        (r["source"], r["index"]) for r in rejects
+    )
     drawn = draw(13, 33, seed=0, entry=entries["ov"])
     got = [taken[("part-0.parquet", i)] for i in range(7)] + [taken[("part-1.parquet", i)] for i in range(6)]
     assert got == drawn.tolist()

@@ -29,7 +29,12 @@ PACKTRAIN = Path(sys.executable).with_name("packtrain")
 def _chats(path: Path, n: int, ids: list[str] | None = None) -> Path:
     with path.open("w") as f:
         for i in range(n):
-            rec = {"messages": [{"role": "user", "content": f"Count to {i}."}, {"role": "assistant", "content": "Done."}]}
+            rec = {
+                "messages": [
+                    {"role": "user", "content": f"Count to {i}."},
+                    {"role": "assistant", "content": "Done."},
+                ]
+            }
             if ids:
                 rec["id"] = ids[i]
             f.write(json.dumps(rec) + "\n")
@@ -38,7 +43,11 @@ def _chats(path: Path, n: int, ids: list[str] | None = None) -> Path:
 
 def _cfg(paths: list[Path]) -> PackConfig:
     return PackConfig.model_validate(
-        {"source": {"paths": [str(p) for p in paths]}, "model": {"path": str(QWEN2)}, "packing": {"maxLength": 512}}
+        {
+            "source": {"paths": [str(p) for p in paths]},
+            "model": {"path": str(QWEN2)},
+            "packing": {"maxLength": 512},
+        }
     )
 
 
@@ -47,11 +56,16 @@ def test_a_sigkilled_convert_leaves_a_temp_file_the_next_run_removes(tmp_path: P
     job = tmp_path / "job.json"
     job.write_text(json.dumps(_cfg([data]).dump()))
     out = tmp_path / "out"
-    proc = subprocess.Popen([str(PACKTRAIN), "pack", "convert", "-c", str(job), "-o", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [str(PACKTRAIN), "pack", "convert", "-c", str(job), "-o", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     convert_dir = out / "work" / "convert"
     deadline = time.monotonic() + 120
-    while not list(convert_dir.glob(".rejects-*.tmp-*")) and proc.poll() is None and time.monotonic() < deadline:
+    while (
+        not list(convert_dir.glob(".rejects-*.tmp-*")) and proc.poll() is None and time.monotonic() < deadline
+    ):
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -65,7 +79,9 @@ def test_a_sigkilled_convert_leaves_a_temp_file_the_next_run_removes(tmp_path: P
 
 def test_only_temp_files_of_provably_dead_writers_or_own_slice_are_removed(tmp_path: Path) -> None:
     host = socket.gethostname()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     dead_pid = int(dead.stdout)
     live_pid = os.getppid()
     files = {
@@ -82,8 +98,9 @@ def test_only_temp_files_of_provably_dead_writers_or_own_slice_are_removed(tmp_p
     old.write_bytes(b"x")
     os.utime(old, (time.time() - 3600, time.time() - 3600))
     files[old.name] = False
-    remove_stale_temps(tmp_path, owned=lambda final: final.startswith("00002."),
-                       short_write=lambda final: final == MANIFEST)
+    remove_stale_temps(
+        tmp_path, owned=lambda final: final.startswith("00002."), short_write=lambda final: final == MANIFEST
+    )
     assert {name: (tmp_path / name).exists() for name in files} == files
 
 
@@ -95,13 +112,18 @@ def test_output_files_are_created_0666_less_the_umask(umask: int, tmp_path: Path
         run_in_process(_cfg([data]), tmp_path / "out")
     finally:
         os.umask(previous)
-    modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "out").rglob("*")
-             if p.is_file()}
+    modes = {
+        str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode)
+        for p in (tmp_path / "out").rglob("*")
+        if p.is_file()
+    }
     assert "out/shards/00000.arrow" in modes and "out/manifest.json" in modes
     assert set(modes.values()) == {0o666 & ~umask}, modes
 
 
-def test_duplicate_sample_ids_are_counted_and_warned_about(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_duplicate_sample_ids_are_counted_and_warned_about(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     data = _chats(tmp_path / "chats.jsonl", 5, ids=["a", "b", "a", "c", "a"])
     manifest = run_in_process(_cfg([data]), tmp_path / "out")
     assert manifest["counts"][stages.DUPLICATE_IDS] == 2

@@ -26,14 +26,22 @@ def _config(tmp: Path) -> PackConfig:
     chats = [("hi " * 900, "ok"), ("What is 2+2?", "4"), ("Name a colour.", "Blue.")]
     extra.write_text(
         "".join(
-            json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n"
+            json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
+            + "\n"
             for q, a in chats
         )
     )
     return PackConfig.model_validate(
         {
-            "source": {"paths": [str(DEMO / "mllm_demo.json"), str(DEMO / "mllm_video_demo.json"), str(extra)]},
-            "model": {"path": str(QWEN2), "maxPixels": 48 * 28 * 28, "videoMaxPixels": 16 * 28 * 28, "maxFrames": 8},
+            "source": {
+                "paths": [str(DEMO / "mllm_demo.json"), str(DEMO / "mllm_video_demo.json"), str(extra)]
+            },
+            "model": {
+                "path": str(QWEN2),
+                "maxPixels": 48 * 28 * 28,
+                "videoMaxPixels": 16 * 28 * 28,
+                "maxFrames": 8,
+            },
             "packing": {"maxLength": 512, "sequencesPerShard": 2},
         }
     )
@@ -108,7 +116,9 @@ def test_media_grids_must_match_the_vision_tokens(
     assert rc == 2 and f"{shard_file} row {row}: sub-sample" in err and "media grids" in err
 
 
-def test_edited_config_is_caught_by_its_hash(pack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_edited_config_is_caught_by_its_hash(
+    pack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = copy_pack(pack, tmp_path / "bad")
 
     def edit(m: dict) -> None:
@@ -120,7 +130,9 @@ def test_edited_config_is_caught_by_its_hash(pack: Path, tmp_path: Path, capsys:
     assert rc == 2 and "config_hash" in err and "manifest was edited" in err
 
 
-def test_edited_reject_reason_is_caught(pack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_edited_reject_reason_is_caught(
+    pack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = copy_pack(pack, tmp_path / "bad")
     line = json.loads((bad / REJECTS).read_text())
     (bad / REJECTS).write_text(json.dumps({**line, "reason": "corrupt_media"}) + "\n")
@@ -150,7 +162,9 @@ def test_truncated_manifest_exits_2(pack: Path, tmp_path: Path, capsys: pytest.C
     assert rc == 2 and "not readable JSON" in err and "Traceback" not in err
 
 
-def test_shard_entry_without_sha256_exits_2(pack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_shard_entry_without_sha256_exits_2(
+    pack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = copy_pack(pack, tmp_path / "bad")
     edit_manifest(bad, lambda m: m["shards"][0].pop("sha256"))
     rc, err = _verify(bad, capsys)
@@ -160,7 +174,10 @@ def test_shard_entry_without_sha256_exits_2(pack: Path, tmp_path: Path, capsys: 
 def test_model_facts_from_config_and_a_note_without_it(tmp_path: Path) -> None:
     facts, note = model_facts(QWEN2)
     assert (facts.vocab_size, facts.image_pad_id, facts.video_pad_id, facts.merge_size) == (
-        151936, 151655, 151656, 2,
+        151936,
+        151655,
+        151656,
+        2,
     )
     assert note is None
     facts, note = model_facts(tmp_path / "gone")
@@ -199,7 +216,9 @@ def test_stored_config_hash_is_the_packers_config_hash(tmp_path: Path) -> None:
     assert stored_config_hash(json.loads(json.dumps(cfg.dump()))) == cfg.config_hash()
 
 
-def test_a_shard_with_other_columns_exits_2(pack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_shard_with_other_columns_exits_2(
+    pack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import pyarrow as pa
 
     from packtrain.packer.core.pack.shards import read_table, write_table

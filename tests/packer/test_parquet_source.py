@@ -76,7 +76,9 @@ def test_llava_onevision_layout_packs_like_its_json_twin(tmp_path: Path) -> None
     ref, ref_manifest = _pack(tmp_path, "from-json", config([twin]), workers=1)
     c = manifest["counts"]
     assert c["input"] == c["packed"] == 24 and c["rejected"] == 0
-    assert c["sources"] == {str(tmp_path / "ov" / "*.parquet"): {"records": 24, "input": 24, "packed": 24, "rejected": 0}}
+    assert c["sources"] == {
+        str(tmp_path / "ov" / "*.parquet"): {"records": 24, "input": 24, "packed": 24, "rejected": 0}
+    }
     assert manifest["tokens"] == ref_manifest["tokens"]
     _same_tokens(out, ref)
     assert [s["id"] for s in unpack(out)][:2] == [rows[0]["id"], rows[1]["id"]]  # the `id` column
@@ -137,7 +139,11 @@ def test_bad_rows_are_rejects_with_reasons_and_counts_add_up(tmp_path: Path) -> 
     rows = [
         _row(_conv(), {"bytes": jpg, "path": "ok.jpg"}, "ok"),
         _row(_conv(), {"bytes": b"not an image at all", "path": "x.jpg"}, "garbage"),
-        _row(_conv(), {"bytes": (DEMO / "mllm_demo_data" / "1.mp4").read_bytes(), "path": "v.jpg"}, "video-as-image"),
+        _row(
+            _conv(),
+            {"bytes": (DEMO / "mllm_demo_data" / "1.mp4").read_bytes(), "path": "v.jpg"},
+            "video-as-image",
+        ),
         _row(_conv(), {"bytes": jpg[: len(jpg) // 3], "path": "cut.jpg"}, "truncated"),
         _row(None, None, "no-conversation"),
         _row(_conv("no placeholder"), {"bytes": jpg, "path": "p.jpg"}, "mismatch"),
@@ -203,7 +209,9 @@ def test_embedded_media_meet_the_same_caps_as_files(tmp_path: Path) -> None:
     reasons = Counter(json.loads(line)["reason"] for line in (out / "rejects.jsonl").read_text().splitlines())
     small = sum(len(r["image"]["bytes"]) < sizes[1] for r in rows)
     assert reasons == {"media_too_large": len(rows) - small} and manifest["counts"]["packed"] == small
-    with pytest.raises(stages.PackRefused, match="no sample was packed") as refused:  # every image over the cap
+    with pytest.raises(
+        stages.PackRefused, match="no sample was packed"
+    ) as refused:  # every image over the cap
         _pack(tmp_path, "pixel-cap", config([data], maxImageSourcePixels=1000))
     assert refused.value.manifest["counts"]["rejected_by_reason"] == {"media_too_large": len(rows)}
 
@@ -211,13 +219,20 @@ def test_embedded_media_meet_the_same_caps_as_files(tmp_path: Path) -> None:
 def test_embedded_struct_in_typed_content_parts(tmp_path: Path) -> None:
     """`messages` with typed parts whose image part holds the struct (`{"type": "image", "image": {...}}`)."""
     part = pa.struct([("type", pa.string()), ("text", pa.string()), ("image", IMAGE)])
-    schema = pa.schema([("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.list_(part))])))])
+    schema = pa.schema(
+        [("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.list_(part))])))]
+    )
     jpg = DEMO_IMAGES[2].read_bytes()
     rows = [
         {
             "messages": [
-                {"role": "user", "content": [{"type": "image", "image": {"bytes": jpg, "path": None}},
-                                             {"type": "text", "text": "What is shown?"}]},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "image": {"bytes": jpg, "path": None}},
+                        {"type": "text", "text": "What is shown?"},
+                    ],
+                },
                 {"role": "assistant", "content": [{"type": "text", "text": "A scene."}]},
             ]
         }
@@ -253,7 +268,10 @@ def test_embedded_videos_pack_like_the_json_video_demo(tmp_path: Path, storage: 
     allowed demuxers, and (resized) their sampled frames decoded from the kept bytes at materialize."""
     schema = pa.schema([("messages", HF_SCHEMA.field("messages").type), ("videos", pa.list_(IMAGE))])
     rows = [
-        {"messages": r["messages"], "videos": [{"bytes": (DEMO / v).read_bytes(), "path": None} for v in r["videos"]]}
+        {
+            "messages": r["messages"],
+            "videos": [{"bytes": (DEMO / v).read_bytes(), "path": None} for v in r["videos"]],
+        }
         for r in json.loads((DEMO / "mllm_video_demo.json").read_text())
     ]
     data = write(tmp_path / "v" / "videos.parquet", rows, schema, row_group_size=2)
@@ -267,9 +285,11 @@ def test_embedded_videos_pack_like_the_json_video_demo(tmp_path: Path, storage: 
     _same_tokens(out, ref)
     assert verify(out) == []
     if storage == "original":
-        assert _media_hash_to_keys(out) == {hashlib.sha256((DEMO / v).read_bytes()).hexdigest()
-                                            for r in json.loads((DEMO / "mllm_video_demo.json").read_text())
-                                            for v in r["videos"]}
+        assert _media_hash_to_keys(out) == {
+            hashlib.sha256((DEMO / v).read_bytes()).hexdigest()
+            for r in json.loads((DEMO / "mllm_video_demo.json").read_text())
+            for v in r["videos"]
+        }
 
 
 def test_columns_nested_deeper_than_records_may_be_are_one_reject(tmp_path: Path) -> None:

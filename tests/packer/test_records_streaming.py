@@ -24,12 +24,12 @@ MIXED: list[Any] = [
     {"messages": [{"role": "user", "content": 'quote " bracket ] brace } comma , colon :'}]},
     7,
     '"]}[{ a string item',
-    {"escapes": "back\\slash \\\" \\\\\" \\u0022 \n\t", "empty": "", "nested": [[[]], {}, [{"a": []}]]},
+    {"escapes": 'back\\slash \\" \\\\" \\u0022 \n\t', "empty": "", "nested": [[[]], {}, [{"a": []}]]},
     [1, {"x": "y"}],
     {"unicode": "é€😀 日本語", "pair": "\U0001f600"},
     {"numbers": [0, -0, 1.5, -2e-3, 1e300, 12345678901234567890, -1], "flags": [True, False, None]},
     None,
-    {"float_like": 1.0, "int_like": 10, "exp": 1E5},
+    {"float_like": 1.0, "int_like": 10, "exp": 1e5},
     {"id": "last", "nan": float("nan"), "inf": float("-inf")},
 ]
 
@@ -109,7 +109,7 @@ def _random_value(rng: random.Random, depth: int = 0) -> Any:
     if kind in (1, 2, 3):
         return "".join(rng.choice('ab "\\/[]{},:\n\té€😀\u2028') for _ in range(rng.randrange(12)))
     if kind in (4, 5):
-        return {rng.choice("kq]\"{"): _random_value(rng, depth + 1) for _ in range(rng.randrange(4))}
+        return {rng.choice('kq]"{'): _random_value(rng, depth + 1) for _ in range(rng.randrange(4))}
     return [_random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
 
 
@@ -290,7 +290,7 @@ def test_a_200_mb_array_read_by_one_of_three_workers_stays_small(tmp_path: Path)
     record = json.dumps(
         {
             "messages": [
-                {"role": "user", "content": "Describe \"this\" \\ carefully: [1, {2}]\n" * 20},
+                {"role": "user", "content": 'Describe "this" \\ carefully: [1, {2}]\n' * 20},
                 {"role": "assistant", "content": "Sure, é€😀. " * 60},
             ],
             "meta": {"tags": ["a", "b"], "score": 0.5},
@@ -319,7 +319,7 @@ def test_a_100_mb_record_is_rejected_within_the_cap(tmp_path: Path, suffix: str)
     """One 100 MB line without a newline, or one 100 MB array item: a reject, and the worker holds at
     most about MAX_RECORD_BYTES of it (it used to read, decode and parse all of it: ~5x its size)."""
     path = tmp_path / f"huge{suffix}"
-    piece = b"0123456789\\\"[]{}" * (2**20 // 16)
+    piece = b'0123456789\\"[]{}' * (2**20 // 16)
     with path.open("wb") as f:
         f.write(b'[{"n": 0}, {"t": "' if suffix == ".json" else b'{"n": 0}\n{"t": "')
         for _ in range(100):

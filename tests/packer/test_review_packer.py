@@ -83,8 +83,20 @@ def test_inspect_and_unpack_of_a_non_pack_exit_2_with_a_message(
 
 def test_run_with_zero_workers_is_a_config_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = _write_jsonl(tmp_path / "d.jsonl", [_chat(0)])
-    rc = pack_main(["run", "--input", str(src), "--model", str(QWEN2), "-o", str(tmp_path / "o"),
-                    "--workers", "0", "--no-progress"])
+    rc = pack_main(
+        [
+            "run",
+            "--input",
+            str(src),
+            "--model",
+            str(QWEN2),
+            "-o",
+            str(tmp_path / "o"),
+            "--workers",
+            "0",
+            "--no-progress",
+        ]
+    )
     assert rc == 2
     assert "--workers" in capsys.readouterr().err
 
@@ -92,16 +104,31 @@ def test_run_with_zero_workers_is_a_config_error(tmp_path: Path, capsys: pytest.
 def test_hostile_records_become_rejects_not_crashes(tmp_path: Path) -> None:
     ok = _chat(0)
     lines = [
-        json.dumps({**_chat(1), "conversations": [{"from": "human", "value": "<image>x"},
-                                                   {"from": "gpt", "value": "y"}], "images": ["a\u0000b.png"]}),
-        json.dumps({"conversations": [{"from": "human", "value": "lone \ud800 surrogate"},
-                                      {"from": "gpt", "value": "y"}]}),
+        json.dumps(
+            {
+                **_chat(1),
+                "conversations": [{"from": "human", "value": "<image>x"}, {"from": "gpt", "value": "y"}],
+                "images": ["a\u0000b.png"],
+            }
+        ),
+        json.dumps(
+            {
+                "conversations": [
+                    {"from": "human", "value": "lone \ud800 surrogate"},
+                    {"from": "gpt", "value": "y"},
+                ]
+            }
+        ),
         json.dumps({**ok, "id": "id-\udc80"}),
         json.dumps({**ok, "id": "paired \U0001f600 emoji"}),  # ensure_ascii: a valid surrogate pair
         '{"id": ' + "1" * 5000 + "}",  # int beyond Python's conversion limit
         '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}",  # nesting beyond the recursion limit
-        json.dumps({"conversations": [{"from": "human", "value": "<image>x"}, {"from": "gpt", "value": "y"}],
-                    "images": ["~no-such-user-4711/p.png"]}),
+        json.dumps(
+            {
+                "conversations": [{"from": "human", "value": "<image>x"}, {"from": "gpt", "value": "y"}],
+                "images": ["~no-such-user-4711/p.png"],
+            }
+        ),
         json.dumps(ok),
     ]
     src = tmp_path / "d.jsonl"
@@ -209,9 +236,15 @@ def test_media_changed_between_convert_and_materialize_is_refused(
     import media_factory as mf
 
     mf.image(tmp_path / "p.png", 64, 64)
-    src = _write_jsonl(tmp_path / "d.jsonl", [{"conversations": [{"from": "human", "value": "<image>x"},
-                                                                 {"from": "gpt", "value": "y"}],
-                                               "images": ["p.png"]}])
+    src = _write_jsonl(
+        tmp_path / "d.jsonl",
+        [
+            {
+                "conversations": [{"from": "human", "value": "<image>x"}, {"from": "gpt", "value": "y"}],
+                "images": ["p.png"],
+            }
+        ],
+    )
     out = tmp_path / "out"
     flags = ["--input", str(src), "--model", str(QWEN2), "-o", str(out), "--media-storage", storage]
     assert pack_main(["convert", *flags]) == 0
@@ -231,8 +264,10 @@ def test_media_changed_between_convert_and_materialize_is_refused(
     [
         ("kind: PackJob\nmetadata: {name: x\n", "not valid YAML"),
         ("- a\n- b\n", "must be a mapping"),
-        ("apiVersion: packtrain.dev/v1alpha1\nkind: SFTJob\nmetadata: {name: s}\nspec: {data: {path: /x}}\n",
-         "expected a PackJob manifest"),
+        (
+            "apiVersion: packtrain.dev/v1alpha1\nkind: SFTJob\nmetadata: {name: s}\nspec: {data: {path: /x}}\n",
+            "expected a PackJob manifest",
+        ),
     ],
 )
 def test_bad_config_files_exit_2_with_a_message(
@@ -263,7 +298,9 @@ def test_config_guard_holds_when_two_configs_race_for_one_folder(
     out = tmp_path / "out"
     stages.check_output_config(_cfg([src], maxLength=512), out, record=True)  # B got there first
     real_is_file = Path.is_file
-    monkeypatch.setattr(Path, "is_file", lambda self: False if self.name == "config.json" else real_is_file(self))
+    monkeypatch.setattr(
+        Path, "is_file", lambda self: False if self.name == "config.json" else real_is_file(self)
+    )
     with pytest.raises(ValueError, match="different configuration"):
         stages.check_output_config(_cfg([src], maxLength=256), out, record=True)
     monkeypatch.undo()
@@ -274,10 +311,23 @@ def test_config_guard_holds_when_two_configs_race_for_one_folder(
 def test_unknown_user_in_a_config_path_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = _write_jsonl(tmp_path / "d.jsonl", [_chat(0)])
     out = str(tmp_path / "out")
-    assert pack_main(["convert", "--input", "~no-such-user-4711/d.jsonl", "--model", str(QWEN2), "-o", out]) == 2
+    assert (
+        pack_main(["convert", "--input", "~no-such-user-4711/d.jsonl", "--model", str(QWEN2), "-o", out]) == 2
+    )
     assert "source.paths" in capsys.readouterr().err
-    rc = pack_main(["convert", "--input", str(src), "--model", str(QWEN2), "-o", out,
-                    "--media-root", "~no-such-user-4711/media"])
+    rc = pack_main(
+        [
+            "convert",
+            "--input",
+            str(src),
+            "--model",
+            str(QWEN2),
+            "-o",
+            out,
+            "--media-root",
+            "~no-such-user-4711/media",
+        ]
+    )
     assert rc == 2
     assert "source.mediaRoot" in capsys.readouterr().err
 
@@ -290,7 +340,10 @@ def test_a_config_error_does_not_lock_the_output_folder(tmp_path: Path) -> None:
     flags = ["-o", str(out), "--max-length", "256"]
     assert pack_main(["convert", "--input", str(src), "--model", str(tmp_path / "no-model"), *flags]) == 2
     assert pack_main(["convert", "--input", str(tmp_path / "typo.jsonl"), "--model", str(QWEN2), *flags]) == 2
-    assert pack_main(["plan", "--input", str(src), "--model", str(QWEN2), "--max-length", "512", "-o", str(out)]) == 2
+    assert (
+        pack_main(["plan", "--input", str(src), "--model", str(QWEN2), "--max-length", "512", "-o", str(out)])
+        == 2
+    )
     for stage in ("convert", "plan", "materialize"):
         assert pack_main([stage, "--input", str(src), "--model", str(QWEN2), *flags]) == 0
     assert verify(out) == []
@@ -315,7 +368,9 @@ def test_rejects_stream_in_input_order_whatever_the_worker_count(tmp_path: Path)
     assert [json.loads(t)["index"] for t in texts[0].splitlines()] == list(range(0, 30, 3))
 
 
-def test_overlong_error_does_not_lock_the_output_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_overlong_error_does_not_lock_the_output_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     long = {"conversations": [{"from": "human", "value": "word " * 400}, {"from": "gpt", "value": "y"}]}
     src = _write_jsonl(tmp_path / "d.jsonl", [_chat(0), long])
     out = str(tmp_path / "out")
@@ -335,10 +390,19 @@ def test_media_lookup_by_shard_is_not_quadratic(tmp_path: Path) -> None:
 
     n = 20_000
     keys = [f"{i:064x}" for i in range(n)]
-    media = [{"key": k, "kind": "image", "encoding": "original", "data": k[-4:].encode(), "frames": []}
-             for k in keys]
-    row = {"input_ids": [1], "labels": [1], "seq_lens": [1], "sample_ids": ["s"], "sources": ["d"],
-           "indices": [0], "media": []}
+    media = [
+        {"key": k, "kind": "image", "encoding": "original", "data": k[-4:].encode(), "frames": []}
+        for k in keys
+    ]
+    row = {
+        "input_ids": [1],
+        "labels": [1],
+        "seq_lens": [1],
+        "sample_ids": ["s"],
+        "sources": ["d"],
+        "indices": [0],
+        "media": [],
+    }
     entry = write_shard(tmp_path, 0, [row], media)
     (tmp_path / MANIFEST).write_text(json.dumps({"format_version": FORMAT_VERSION, "shards": [entry]}))
     reader = ShardReader(tmp_path)

@@ -31,8 +31,13 @@ QWEN2 = SHARED / "models" / "qwen2-vl"
 
 
 def _chat(image: str) -> dict:
-    return {"messages": [{"role": "user", "content": "<image>What is it?"},
-                         {"role": "assistant", "content": "A picture."}], "images": [image]}
+    return {
+        "messages": [
+            {"role": "user", "content": "<image>What is it?"},
+            {"role": "assistant", "content": "A picture."},
+        ],
+        "images": [image],
+    }
 
 
 def _png(path: Path, size: tuple[int, int] = (56, 56), colour: tuple[int, int, int] = (10, 20, 30)) -> Path:
@@ -41,11 +46,13 @@ def _png(path: Path, size: tuple[int, int] = (56, 56), colour: tuple[int, int, i
 
 
 def _cfg(data: Path, **source: object) -> PackConfig:
-    return PackConfig.model_validate({
-        "source": {"paths": [str(data)], **source},
-        "model": {"path": str(QWEN2), "maxPixels": 48 * 28 * 28},
-        "packing": {"maxLength": 512},
-    })
+    return PackConfig.model_validate(
+        {
+            "source": {"paths": [str(data)], **source},
+            "model": {"path": str(QWEN2), "maxPixels": 48 * 28 * 28},
+            "packing": {"maxLength": 512},
+        }
+    )
 
 
 @pytest.mark.parametrize(
@@ -53,7 +60,9 @@ def _cfg(data: Path, **source: object) -> PackConfig:
     [b"\x89PNG\r\n\x1a\n\x00\xff\xfe binary", b"kind: PackJob\nspec: null\n", b"kind: PackJob\nspec: [1]\n"],
     ids=["binary", "null-spec", "list-spec"],
 )
-def test_broken_config_files_exit_2(content: bytes, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_broken_config_files_exit_2(
+    content: bytes, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     cfg = tmp_path / "job.yaml"
     cfg.write_bytes(content)
     assert pack_main(["run", "-c", str(cfg), "-o", str(tmp_path / "out")]) == 2
@@ -68,7 +77,9 @@ def test_a_folder_as_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "cannot read the configuration" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("source", [{"mediaRoot": "/"}, {"mediaPathMap": {"imgs/": "/"}}], ids=["root", "map"])
+@pytest.mark.parametrize(
+    "source", [{"mediaRoot": "/"}, {"mediaPathMap": {"imgs/": "/"}}], ids=["root", "map"]
+)
 def test_filesystem_root_is_never_a_media_root(source: dict, tmp_path: Path) -> None:
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps(_chat("imgs/etc/passwd")) + "\n")
@@ -134,7 +145,9 @@ def _replace_blob(pack: Path, data: bytes) -> None:
 
 
 @pytest.mark.parametrize("storage", ["original", "resized"])
-def test_edited_media_blobs_fail_verify(storage: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_edited_media_blobs_fail_verify(
+    storage: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     pack = _media_pack(tmp_path, storage)
     assert pack_main(["verify", str(pack)]) == 0, capsys.readouterr().err
     bad = copy_pack(pack, tmp_path / "bad")

@@ -219,7 +219,11 @@ def test_media_path_map_packs_both_demo_layouts(tmp_path: Path) -> None:
     manifest = _run(cfg, tmp_path / "out", workers=1)
     per_source = {"records": 6, "input": 6, "packed": 6, "rejected": 0}
     assert manifest["counts"] == {
-        "input": 30, "packed": 30, "rejected": 0, "rejected_by_reason": {}, "duplicate_ids": 0,
+        "input": 30,
+        "packed": 30,
+        "rejected": 0,
+        "rejected_by_reason": {},
+        "duplicate_ids": 0,
         "sources": {
             str(DEMO / "mllm_demo.json"): per_source,
             str(DEMO / "v1_multimodal_demo.jsonl"): {k: v * 4 for k, v in per_source.items()},

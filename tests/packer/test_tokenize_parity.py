@@ -276,7 +276,10 @@ def test_qwen3_generated_video_ids_match_processor(tmp_path: Path, name: str) ->
     frames_n, fps, width, height = QWEN3_VIDEOS[name]
     path = mf.video(tmp_path / name, frames=frames_n, fps=fps, width=width, height=height)
     record = {
-        "messages": [{"role": "user", "content": "<video>Describe."}, {"role": "assistant", "content": "Ok."}],
+        "messages": [
+            {"role": "user", "content": "<video>Describe."},
+            {"role": "assistant", "content": "Ok."},
+        ],
         "videos": [name],
     }
     ours = _ours(_tokenizer("qwen3-vl"), record, tmp_path / "d.json")

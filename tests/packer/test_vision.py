@@ -183,7 +183,10 @@ def test_header_only_probe_equals_what_read_video_pyav_decodes(tmp_path: Path) -
     from packtrain.packer.core.pixels import sniff_container
 
     videos = [DEMO_MEDIA / n for n in ("1.mp4", "2.avi", "3.mp4", "4.mp4")]
-    videos += [mf.video(tmp_path / f"v{ext}", frames=7, fps=6, width=100, height=58) for ext in (".mp4", ".mkv", ".avi")]
+    videos += [
+        mf.video(tmp_path / f"v{ext}", frames=7, fps=6, width=100, height=58)
+        for ext in (".mp4", ".mkv", ".avi")
+    ]
     rotated = _rotated(tmp_path / "rotated.mp4", 90)
     for path in [*videos, rotated]:
         fmt = sniff_container(path.read_bytes()[:512])
@@ -229,8 +232,13 @@ def test_undecodable_video_is_counted_by_convert_and_rejected_by_materialize(tmp
     _undecodable(mf.video(tmp_path / "data" / "bad.mp4", frames=8))
     mf.video(tmp_path / "data" / "good.mp4", frames=8)
     lines = [
-        {"messages": [{"role": "user", "content": "<video>Describe."}, {"role": "assistant", "content": "OK."}],
-         "videos": [name]}
+        {
+            "messages": [
+                {"role": "user", "content": "<video>Describe."},
+                {"role": "assistant", "content": "OK."},
+            ],
+            "videos": [name],
+        }
         for name in ("good.mp4", "bad.mp4")
     ]
     dataset = tmp_path / "data" / "d.jsonl"
@@ -238,8 +246,11 @@ def test_undecodable_video_is_counted_by_convert_and_rejected_by_materialize(tmp
     model = DEMO_MEDIA.parents[2] / "models" / "qwen2-vl"
     for storage in ("original", "resized"):
         cfg = PackConfig.model_validate(
-            {"source": {"paths": [str(dataset)]}, "model": {"path": str(model)},
-             "packing": {"maxLength": 4096, "mediaStorage": storage}}
+            {
+                "source": {"paths": [str(dataset)]},
+                "model": {"path": str(model)},
+                "packing": {"maxLength": 4096, "mediaStorage": storage},
+            }
         )
         tok = SampleTokenizer(cfg.source, cfg.model, cfg.packing)
         assert all(isinstance(tok(r), TokenizedSample) for r in iter_records(cfg.source.paths))
@@ -287,7 +298,10 @@ def test_qwen3_sampling_video_size_and_timestamps_equal_transformers() -> None:
     from packtrain.packer.core.vision import VideoInfo, frame_timestamps, video_grid
 
     base = VisionSpec(
-        patch_size=16, frame_sampling="linspace", video_resize="volume", video_min_pixels=4096,
+        patch_size=16,
+        frame_sampling="linspace",
+        video_resize="volume",
+        video_min_pixels=4096,
         video_max_pixels=25165824,
     )
     for min_frames, max_frames in ((4, 768), (2, 16)):
@@ -295,7 +309,9 @@ def test_qwen3_sampling_video_size_and_timestamps_equal_transformers() -> None:
         for total, video_fps, fps in itertools.product(
             [2, 3, 7, 50, 243, 270, 1001, 5000], [24.0, 25.0, 29.916666, 59.94], [0.5, 2.0, 3.0]
         ):
-            spec = VisionSpec(**{**base.__dict__, "fps": fps, "min_frames": min_frames, "max_frames": max_frames})
+            spec = VisionSpec(
+                **{**base.__dict__, "fps": fps, "min_frames": min_frames, "max_frames": max_frames}
+            )
             metadata = VideoMetadata(total_num_frames=total, fps=video_fps)
             ref = processor.sample_frames(metadata, fps=fps).tolist()
             ours = sample_frame_indices(total, video_fps, spec)
@@ -305,7 +321,9 @@ def test_qwen3_sampling_video_size_and_timestamps_equal_transformers() -> None:
     processor = video_processing.Qwen3VLVideoProcessor()
     size = {"shortest_edge": 4096, "longest_edge": 25165824}
     sides = [20, 31, 32, 33, 100, 360, 720, 1080, 1920, 3840]
-    for (h, w), n, cap in itertools.product(itertools.product(sides, sides), [2, 3, 8, 19, 64, 301], [True, False]):
+    for (h, w), n, cap in itertools.product(
+        itertools.product(sides, sides), [2, 3, 8, 19, 64, 301], [True, False]
+    ):
         spec = VisionSpec(**{**base.__dict__, "cap_pixels_per_frame": cap})
         kwargs = {"size": size, "cap_pixels_per_frame": cap}
         try:

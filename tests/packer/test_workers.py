@@ -26,16 +26,21 @@ QWEN2 = SHARED / "models" / "qwen2-vl"
 
 
 def _config(**packing: object) -> PackConfig:
-    return PackConfig.model_validate({
-        "source": {"paths": [str(DEMO / "mllm_demo.json"), str(TEXT / "glaive-toolcall" / "*.json")]},
-        "model": {"path": str(QWEN2), "maxPixels": 200_000},
-        "packing": {"maxLength": 1024, **packing},
-    })
+    return PackConfig.model_validate(
+        {
+            "source": {"paths": [str(DEMO / "mllm_demo.json"), str(TEXT / "glaive-toolcall" / "*.json")]},
+            "model": {"path": str(QWEN2), "maxPixels": 200_000},
+            "packing": {"maxLength": 1024, **packing},
+        }
+    )
 
 
 def _files(out: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
-            if p.is_file() and p.relative_to(out).parts[0] != "work"}
+    return {
+        str(p.relative_to(out)): p.read_bytes()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and p.relative_to(out).parts[0] != "work"
+    }
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +90,13 @@ def test_two_forked_workers_load_the_tokenizer_once_and_write_the_same_pack(
     assert len(manifest1["shards"]) > 2  # a one-full-shard pack, split for the workers
     (tmp_path / "loads").mkdir()
     (tmp_path / "cfg.json").write_text(json.dumps(_config().dump()))
-    proc = subprocess.run([sys.executable, "-c", _FORKED_RUN, str(tmp_path)], capture_output=True, text=True,
-                          timeout=600, env=os.environ | {"TOKENIZERS_PARALLELISM": "false"})
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORKED_RUN, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=os.environ | {"TOKENIZERS_PARALLELISM": "false"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["fork"] is True
@@ -97,7 +107,10 @@ def test_two_forked_workers_load_the_tokenizer_once_and_write_the_same_pack(
     timings = result["timings"]
     assert len(timings["stages"]["convert"]["worker_peak_rss_mib"]) == 2
     assert set(timings["stages"]) == {"load", "convert", "plan", "materialize"}
-    assert set(info["stages"]) == set(timings["stages"]) and "worker_peak_rss_mib" not in info["stages"]["convert"]
+    assert (
+        set(info["stages"]) == set(timings["stages"])
+        and "worker_peak_rss_mib" not in info["stages"]["convert"]
+    )
 
 
 def test_fork_is_refused_where_torch_or_threads_are_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -114,7 +127,9 @@ def test_fork_is_refused_where_torch_or_threads_are_loaded(monkeypatch: pytest.M
     assert not local.fork_is_safe()
 
 
-def test_materialize_splits_a_small_pack_between_workers(one_worker: tuple[Path, dict], tmp_path: Path) -> None:
+def test_materialize_splits_a_small_pack_between_workers(
+    one_worker: tuple[Path, dict], tmp_path: Path
+) -> None:
     out1, info = one_worker
     cfg = _config()
     out = tmp_path / "pack"
@@ -142,14 +157,42 @@ def test_a_worker_error_stops_the_run_with_exit_2(tmp_path: Path, capsys: pytest
     cfg = _config(maxLength=64, overlong="error")
     with pytest.raises(ConfigError, match="raise packing.maxLength"):
         local.run_all(cfg, tmp_path / "a", workers=2, show_progress=False)
-    rc = pack_main(["run", "--input", str(DEMO / "mllm_demo.json"), "--model", str(QWEN2), "--max-length", "64",
-                    "--overlong", "error", "-o", str(tmp_path / "b"), "--workers", "2", "--no-progress"])
+    rc = pack_main(
+        [
+            "run",
+            "--input",
+            str(DEMO / "mllm_demo.json"),
+            "--model",
+            str(QWEN2),
+            "--max-length",
+            "64",
+            "--overlong",
+            "error",
+            "-o",
+            str(tmp_path / "b"),
+            "--workers",
+            "2",
+            "--no-progress",
+        ]
+    )
     assert rc == 2 and "raise packing.maxLength" in capsys.readouterr().err
 
 
 def test_pack_run_reports_stage_timings(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = pack_main(["run", "--input", str(DEMO / "mllm_demo.json"), "--model", str(QWEN2), "-o", str(tmp_path / "o"),
-                    "--workers", "2", "--no-progress"])
+    rc = pack_main(
+        [
+            "run",
+            "--input",
+            str(DEMO / "mllm_demo.json"),
+            "--model",
+            str(QWEN2),
+            "-o",
+            str(tmp_path / "o"),
+            "--workers",
+            "2",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     timings = summary["timings"]

@@ -241,7 +241,9 @@ def test_varlen_model_trains_like_sdpa(family, shared_dir, reference_varlen):
     and gradients equal SDPA's with the dense block mask (which test_equivalence proves equal to
     each sample alone), fp64."""
     samples = fx.demo_samples(family)
-    batch = collate_packed([fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], fx.spec(family))
+    batch = collate_packed(
+        [fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], fx.spec(family)
+    )
     batch = {k: (v.double() if k.startswith("pixel_values") else v) for k, v in batch.items()}
     results, grads = {}, {}
     for backend in ("varlen", "sdpa"):

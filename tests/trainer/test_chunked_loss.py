@@ -56,7 +56,9 @@ class Toy(torch.nn.Module):
         return token_losses(self.hidden(ids), self.lm_head, labels, chunk)[0]
 
 
-def batch(vocab: int, rows: int, length: int, labelled: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    vocab: int, rows: int, length: int, labelled: float, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (rows, length), generator=gen)
     labels = torch.randint(0, vocab, (rows, length), generator=gen)
@@ -68,13 +70,19 @@ def full_reference(model: Toy, ids: torch.Tensor, labels: torch.Tensor) -> tuple
     """Every token's logits, then cross-entropy with ignored positions (the Hugging Face way)."""
     logits = model.lm_head(model.hidden(ids))
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=IGNORE_INDEX)
+    losses = F.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=IGNORE_INDEX
+    )
     positions = torch.nonzero(labels.flatten() != IGNORE_INDEX).squeeze(-1)
     return losses.index_select(0, positions), positions
 
 
 def run(
-    model: Toy, ids: torch.Tensor, labels: torch.Tensor, loss_fn: Callable, weights: torch.Tensor | None = None
+    model: Toy,
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    loss_fn: Callable,
+    weights: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Losses and every parameter's gradient of Σ weight_i·loss_i (weights: the mean by default)."""
     model.zero_grad(set_to_none=True)
@@ -94,8 +102,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-CHUNKS = {"1": lambda n: 1, "7": lambda n: 7, "n-1": lambda n: n - 1, "n": lambda n: n,
-          "n+1": lambda n: n + 1, "10n": lambda n: 10 * n}
+CHUNKS = {
+    "1": lambda n: 1,
+    "7": lambda n: 7,
+    "n-1": lambda n: n - 1,
+    "n": lambda n: n,
+    "n+1": lambda n: n + 1,
+    "10n": lambda n: 10 * n,
+}
 
 
 @pytest.mark.parametrize("tied,bias", [(True, False), (False, False), (False, True), (True, True)])
@@ -131,7 +145,9 @@ def test_fp32_within_rounding_error(tied: bool) -> None:
             if key != "positions":
                 assert got[key].dtype == torch.float32
                 assert rel(today[key], truth[key]) <= tol, f"today's path {key}"
-                assert rel(got[key], truth[key]) <= tol, f"chunk {chunk} {key}: {rel(got[key], truth[key]):.2e}"
+                assert rel(got[key], truth[key]) <= tol, (
+                    f"chunk {chunk} {key}: {rel(got[key], truth[key]):.2e}"
+                )
 
 
 def test_bf16_autocast_matches_todays_path() -> None:
@@ -202,10 +218,15 @@ def test_real_model_chunked_equals_unchunked(family: str, shared_dir) -> None:  
     test_equivalence (default chunking = each sample alone) this makes chunked = each sample alone."""
     torch.set_num_threads(2)
     samples = fx.demo_samples(family)
-    model = build_model(fx.FOLDER[family], init="random", overrides=fx.TINY[family], dtype=torch.float64, seed=1)
+    model = build_model(
+        fx.FOLDER[family], init="random", overrides=fx.TINY[family], dtype=torch.float64, seed=1
+    )
     assert model.lm_head.weight is model.get_input_embeddings().weight  # Qwen's small models tie them
     rows = [fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)]
-    batch = {k: (v.double() if k.startswith("pixel_values") else v) for k, v in collate_packed(rows, fx.spec(family)).items()}
+    batch = {
+        k: (v.double() if k.startswith("pixel_values") else v)
+        for k, v in collate_packed(rows, fx.spec(family)).items()
+    }
     results = {}
     for chunk in (0, 7, 100):
         out = VLMForTraining(model, "sdpa", loss_chunk_tokens=chunk)(batch)

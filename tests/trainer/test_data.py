@@ -131,7 +131,9 @@ def _hard_images(folder):
     Image.fromarray(rng.integers(0, 256, (90, 150, 3), dtype=np.uint8)).save(
         folder / "exif6.jpg", quality=90, exif=exif.tobytes()
     )
-    Image.fromarray(rng.integers(0, 256, (301, 457, 3), dtype=np.uint8)).save(folder / "noise.jpg", quality=85)
+    Image.fromarray(rng.integers(0, 256, (301, 457, 3), dtype=np.uint8)).save(
+        folder / "noise.jpg", quality=85
+    )
     return sorted(p.name for p in folder.iterdir())
 
 
@@ -166,20 +168,33 @@ def test_pixels_equal_the_processor_in_both_storage_modes(tmp_path, family):
         SourceConfig(paths=["unused"]), ModelConfig(family=family, path=str(FOLDER[family])), PackingConfig()
     )
     record = {
-        "messages": [{"role": "user", "content": "<image>" * len(names)}, {"role": "assistant", "content": "x"}],
+        "messages": [
+            {"role": "user", "content": "<image>" * len(names)},
+            {"role": "assistant", "content": "x"},
+        ],
         "images": names,
     }
     sample = tok(RawRecord(tmp_path / "img" / "d.json", 0, record, None))
     assert isinstance(sample, TokenizedSample), sample
     refs = [
-        {"path": str(m.path), "kind": m.kind, "key": m.key, "height": m.height, "width": m.width,
-         "frames": [], "grid_t": m.grid_t, "grid_h": m.grid_h, "grid_w": m.grid_w}
+        {
+            "path": str(m.path),
+            "kind": m.kind,
+            "key": m.key,
+            "height": m.height,
+            "width": m.width,
+            "frames": [],
+            "grid_t": m.grid_t,
+            "grid_h": m.grid_h,
+            "grid_w": m.grid_w,
+        }
         for m in sample.media
     ]
     (tmp_path / "refs.json").write_text(json.dumps(refs))
     (tmp_path / "blobs").mkdir()
     subprocess.run(
-        [sys.executable, "-c", _RESIZED_BLOBS, str(tmp_path / "refs.json"), str(tmp_path / "blobs")], check=True
+        [sys.executable, "-c", _RESIZED_BLOBS, str(tmp_path / "refs.json"), str(tmp_path / "blobs")],
+        check=True,
     )
     spec = PixelSpec.from_folder(FOLDER[family])
     processor = AutoProcessor.from_pretrained(str(FOLDER[family])).image_processor
@@ -187,7 +202,11 @@ def test_pixels_equal_the_processor_in_both_storage_modes(tmp_path, family):
         want = processor(images=[str(tmp_path / "img" / name)], return_tensors="pt")
         assert want["image_grid_thw"][0].tolist() == [ref["grid_t"], ref["grid_h"], ref["grid_w"]], name
         original = {"encoding": "original", "data": (tmp_path / "img" / name).read_bytes(), "frames": []}
-        resized = {"encoding": "resized", "data": (tmp_path / "blobs" / f"{i}.png").read_bytes(), "frames": []}
+        resized = {
+            "encoding": "resized",
+            "data": (tmp_path / "blobs" / f"{i}.png").read_bytes(),
+            "frames": [],
+        }
         for mode, blob in (("original", original), ("resized", resized)):
             got = media_pixels(blob, ref, spec)
             assert torch.equal(got, want["pixel_values"]), (
@@ -217,13 +236,24 @@ def test_video_pixels_equal_the_processor_in_both_storage_modes(tmp_path, family
         ModelConfig(family=family, path=str(FOLDER[family]), video_max_pixels=budget, max_frames=8),
         PackingConfig(),
     )
-    record = {"messages": [{"role": "user", "content": "<video>"}, {"role": "assistant", "content": "x"}],
-              "videos": [video.name]}
+    record = {
+        "messages": [{"role": "user", "content": "<video>"}, {"role": "assistant", "content": "x"}],
+        "videos": [video.name],
+    }
     sample = tok(RawRecord(video.parent / "d.json", 0, record, None))
     assert isinstance(sample, TokenizedSample), sample
     (m,) = sample.media
-    ref = {"path": str(m.path), "kind": "video", "key": m.key, "height": m.height, "width": m.width,
-           "frames": m.frames, "grid_t": m.grid_t, "grid_h": m.grid_h, "grid_w": m.grid_w}
+    ref = {
+        "path": str(m.path),
+        "kind": "video",
+        "key": m.key,
+        "height": m.height,
+        "width": m.width,
+        "frames": m.frames,
+        "grid_t": m.grid_t,
+        "grid_h": m.grid_h,
+        "grid_w": m.grid_w,
+    }
     frames, metadata = load_video(str(video), backend="pyav")
     # Qwen3VLVideoProcessor samples with its own `max_frames` (a keyword does not reach it), as a
     # folder whose video_preprocessor_config.json said 8 would: packtrain reads that key the same way.
@@ -231,8 +261,14 @@ def test_video_pixels_equal_the_processor_in_both_storage_modes(tmp_path, family
     extra = {"cap_pixels_per_frame": True} if family == "qwen3-vl" else {}
     size = {"shortest_edge": processor.size["shortest_edge"], "longest_edge": budget}
     want = processor(
-        videos=[frames], video_metadata=[metadata], do_sample_frames=True, fps=2.0, max_frames=8, size=size,
-        return_tensors="pt", **extra,
+        videos=[frames],
+        video_metadata=[metadata],
+        do_sample_frames=True,
+        fps=2.0,
+        max_frames=8,
+        size=size,
+        return_tensors="pt",
+        **extra,
     )
     assert want["video_grid_thw"][0].tolist() == [m.grid_t, m.grid_h, m.grid_w]
     limits = MediaLimits.of(source)

@@ -31,7 +31,9 @@ def tiny_pack(tmp_path_factory: pytest.TempPathFactory, shared_dir: Path) -> Pat
     """27 short packed text sequences (40 chats of the shared text set, 128 tokens a row): whole
     epochs of a tiny model in seconds."""
     out = tmp_path_factory.mktemp("tiny")
-    chats = json.loads((fx.SHARED / "datasets" / "text-sft" / "fastchat" / "dummy_conversation.json").read_text())
+    chats = json.loads(
+        (fx.SHARED / "datasets" / "text-sft" / "fastchat" / "dummy_conversation.json").read_text()
+    )
     (out / "chats.json").write_text(json.dumps(chats[:40]))
     cfg = PackConfig.model_validate(
         {
@@ -55,7 +57,9 @@ def test_max_steps_and_epochs_are_exclusive_and_the_default_stays_100():
     assert TrainingSpec(epochs=2).fixed_steps() is None
     with pytest.raises(ValidationError, match="at most one of `maxSteps` or `epochs`"):
         TrainingSpec.model_validate({"maxSteps": 10, "epochs": 1})
-    with pytest.raises(ValidationError, match="at most one of `evalPath`, `evalPackJobRef` or `evalFraction`"):
+    with pytest.raises(
+        ValidationError, match="at most one of `evalPath`, `evalPackJobRef` or `evalFraction`"
+    ):
         SFTSpecCore.model_validate(
             {"data": {"path": "p", "evalPath": "e", "evalFraction": 0.1}, "model": {"path": "m"}}
         )
@@ -67,7 +71,14 @@ def test_max_steps_and_epochs_are_exclusive_and_the_default_stays_100():
 
 @pytest.mark.parametrize(
     ("units", "world", "micro", "accum", "per_epoch"),
-    [(72, 1, 1, 1, 72), (72, 2, 1, 4, 9), (72, 4, 2, 2, 4), (100, 8, 3, 1, 4), (54, 1, 9, 2, 3), (16, 8, 2, 1, 1)],
+    [
+        (72, 1, 1, 1, 72),
+        (72, 2, 1, 4, 9),
+        (72, 4, 2, 2, 4),
+        (100, 8, 3, 1, 4),
+        (54, 1, 9, 2, 3),
+        (16, 8, 2, 1, 1),
+    ],
 )
 def test_epochs_become_steps_over_the_global_batch(units, world, micro, accum, per_epoch):
     layout = Layout(0, world, micro, accum, "packed", units)
@@ -88,23 +99,38 @@ def test_eval_fraction_is_seeded_disjoint_and_never_trained(pack_dir):
     train_seqs, held = carve_eval(72, 0.25, seed=3)
     assert (train_seqs, held) == carve_eval(72, 0.25, seed=3)  # the same on every rank and rerun
     assert held != carve_eval(72, 0.25, seed=4)[1]
-    assert len(held) == 18 and not set(train_seqs) & set(held) and sorted(train_seqs + held) == list(range(72))
+    assert (
+        len(held) == 18 and not set(train_seqs) & set(held) and sorted(train_seqs + held) == list(range(72))
+    )
     assert carve_eval(72, 0.0, seed=3) == (list(range(72)), [])
     assert len(carve_eval(3, 0.01, seed=0)[1]) == 1  # at least one sequence
     with pytest.raises(ValueError, match="holds out all"):
         carve_eval(1, 0.5, seed=0)
 
-    ds = PackedDataset(pack_dir, fx.spec("qwen2-vl"), units_per_micro_batch=9, grad_accum=2, verify_checksums=False,
-                       eval_fraction=0.25, seed=3)
+    ds = PackedDataset(
+        pack_dir,
+        fx.spec("qwen2-vl"),
+        units_per_micro_batch=9,
+        grad_accum=2,
+        verify_checksums=False,
+        eval_fraction=0.25,
+        seed=3,
+    )
     assert ds.eval_sequences == held and {seq for seq, _ in ds.units} == set(train_seqs)
-    ev = eval_dataset(ds, SFTSpecCore.model_validate(
-        {"data": {"path": str(pack_dir), "evalFraction": 0.25}, "model": {"path": "m"}}).data)
+    ev = eval_dataset(
+        ds,
+        SFTSpecCore.model_validate(
+            {"data": {"path": str(pack_dir), "evalFraction": 0.25}, "model": {"path": "m"}}
+        ).data,
+    )
     assert isinstance(ev, EvalDataset) and sorted(seq for seq, _ in ev.units) == held
     trained = {s for b in ds.micro_batches() for s in b}
     assert {ds.units[u][0] for u in trained}.isdisjoint(held)
 
 
-@pytest.mark.parametrize(("units", "world", "micro"), [(18, 1, 4), (18, 2, 4), (7, 4, 1), (5, 3, 2), (4, 4, 3)])
+@pytest.mark.parametrize(
+    ("units", "world", "micro"), [(18, 1, 4), (18, 2, 4), (7, 4, 1), (5, 3, 2), (4, 4, 3)]
+)
 def test_every_eval_unit_counts_once_and_ranks_run_as_many_forwards(units, world, micro):
     shares = [eval_micro_batches(units, world, r, micro) for r in range(world)]
     counted = [u for mbs, n in shares for mb in mbs[:n] for u in mb]
@@ -115,8 +141,15 @@ def test_every_eval_unit_counts_once_and_ranks_run_as_many_forwards(units, world
 
 
 def test_one_epoch_trains_each_unit_exactly_once(pack_dir):
-    ds = PackedDataset(pack_dir, fx.spec("qwen2-vl"), PixelSpec.from_folder(fx.FOLDER["qwen2-vl"]),
-                       units_per_micro_batch=9, grad_accum=2, verify_checksums=False, eval_fraction=0.25)
+    ds = PackedDataset(
+        pack_dir,
+        fx.spec("qwen2-vl"),
+        PixelSpec.from_folder(fx.FOLDER["qwen2-vl"]),
+        units_per_micro_batch=9,
+        grad_accum=2,
+        verify_checksums=False,
+        eval_fraction=0.25,
+    )
     stream, seen = batches(ds, 0, 2, False), []
     for _ in range(ds.steps_per_epoch() * ds.grad_accum):
         batch = next(stream)
@@ -135,7 +168,9 @@ def test_eval_loss_is_the_token_mean_over_the_eval_set(pack_dir):
     model = VLMForTraining(hf, "sdpa")
     spec = PixelSpec.from_folder(fx.FOLDER["qwen2-vl"])
     held = [0, 5, 11, 30, 47, 70]  # text, images and video; micro-batches of 4 and 2 sequences
-    ev = EvalDataset(pack_dir, fx.spec("qwen2-vl"), spec, sequences=held, units_per_micro_batch=4, verify_checksums=False)
+    ev = EvalDataset(
+        pack_dir, fx.spec("qwen2-vl"), spec, sequences=held, units_per_micro_batch=4, verify_checksums=False
+    )
     # By hand: every sequence alone, all logits at once (no chunking), Σ token losses / Σ label tokens.
     alone = VLMForTraining(hf, "sdpa", loss_chunk_tokens=0).eval()
     sums, counts, means = 0.0, 0, []
@@ -156,8 +191,16 @@ def test_eval_loss_is_the_token_mean_over_the_eval_set(pack_dir):
 def test_epochs_report_steps_and_eval_loss_and_resume_exactly_across_an_epoch(tiny_pack, tmp_path):
     """27 sequences, 7 held out: 20 = 2 steps of 5 x 2 per epoch; two epochs, interrupted after
     step 1 and resumed across the epoch boundary."""
-    spec = job_spec(tiny_pack, tmp_path / "straight", microBatchSequences=5, gradAccum=2, epochs=2, evalEvery=2,
-                    checkpointEvery=1, keepCheckpoints=5)
+    spec = job_spec(
+        tiny_pack,
+        tmp_path / "straight",
+        microBatchSequences=5,
+        gradAccum=2,
+        epochs=2,
+        evalEvery=2,
+        checkpointEvery=1,
+        keepCheckpoints=5,
+    )
     del spec["spec"]["training"]["maxSteps"]
     spec["spec"]["data"]["evalFraction"] = 0.25
     lines: list[str] = []
@@ -167,11 +210,16 @@ def test_epochs_report_steps_and_eval_loss_and_resume_exactly_across_an_epoch(ti
     assert start["epochs"] == 2 and start["steps_per_epoch"] == 2 and start["eval_units"] == 7
     assert [s["step"] for s in steps if "eval_loss" in s] == [2, 4]  # every 2 steps, and after the last
     assert straight["steps"] == 4 and straight["epochs"] == 2.0 and straight["eval_units"] == 7
-    assert straight["eval_loss"] == pytest.approx(steps[-1]["eval_loss"], rel=1e-5) and 0 < straight["eval_loss"] < 20
+    assert (
+        straight["eval_loss"] == pytest.approx(steps[-1]["eval_loss"], rel=1e-5)
+        and 0 < straight["eval_loss"] < 20
+    )
     checkpoints = tmp_path / "straight" / "checkpoints"
     positions = [
         (d["data"]["epoch"], d["data"]["next"])
-        for d in (torch.load(checkpoints / f"step-0000000{n}" / "trainer.pt", weights_only=False) for n in (2, 4))
+        for d in (
+            torch.load(checkpoints / f"step-0000000{n}" / "trainer.pt", weights_only=False) for n in (2, 4)
+        )
     ]
     assert positions == [(1, 0), (2, 0)]  # each epoch trains every unit once, then rolls over
 

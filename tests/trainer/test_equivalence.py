@@ -57,7 +57,9 @@ def test_packed_equals_each_sample_alone(family, shared_dir):
         fx.FOLDER[family], init="random", overrides=fx.TINY[family], dtype=torch.float64, seed=1
     )
     batch = _double(
-        collate_packed([fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], fx.spec(family))
+        collate_packed(
+            [fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], fx.spec(family)
+        )
     )
     total = batch["num_label_tokens"]
 

@@ -103,7 +103,9 @@ def test_a_frozen_tower_builds_no_autograd_graph(freeze, merger_input_graph, mer
     model.model.visual.merger.register_forward_hook(
         lambda _m, args, out: seen.update(inp=args[0].grad_fn is not None, out=out.grad_fn is not None)
     )
-    model.model.visual.blocks[0].attn.register_forward_pre_hook(lambda *_: seen.update(grad=torch.is_grad_enabled()))
+    model.model.visual.blocks[0].attn.register_forward_pre_hook(
+        lambda *_: seen.update(grad=torch.is_grad_enabled())
+    )
     sample = fx.demo_samples("qwen2.5-vl")[1]
     model.model.visual(sample.hf["pixel_values"], grid_thw=sample.hf["image_grid_thw"])
     assert seen == {"inp": merger_input_graph, "out": merger_output_graph, "grad": merger_input_graph}
@@ -116,7 +118,8 @@ def test_lora_adapters_belong_to_the_module_they_sit_in(shared_dir):
     from peft import LoraConfig, get_peft_model
 
     peft_model = get_peft_model(
-        tiny("qwen2-vl"), LoraConfig(r=4, target_modules=r".*(blocks\.1\.attn\.qkv|layers\.\d+\.self_attn\.q_proj)")
+        tiny("qwen2-vl"),
+        LoraConfig(r=4, target_modules=r".*(blocks\.1\.attn\.qkv|layers\.\d+\.self_attn\.q_proj)"),
     )
     silenced = param_groups.freeze(peft_model, [])
     assert silenced == ["model.visual.patch_embed", "model.visual.blocks.0"]
@@ -172,7 +175,9 @@ def test_packed_equals_each_sample_alone_with_a_frozen_tower(family, shared_dir)
     model = tiny(family, torch.float64)
     param_groups.freeze(model, ["vision"])
     batch = _double(
-        collate_packed([fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], fx.spec(family))
+        collate_packed(
+            [fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], fx.spec(family)
+        )
     )
     total = batch["num_label_tokens"]
     out = VLMForTraining(model, "sdpa")(batch)
@@ -202,11 +207,17 @@ def test_freeze_and_multipliers_resume_bit_for_bit(pack_dir, tmp_path):
     a = load_file(tmp_path / "straight" / "final" / "model.safetensors")
     b = load_file(resumed_dir / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    init = build_model(fx.FOLDER["qwen2-vl"], init="random", overrides=fx.TINY["qwen2-vl"], seed=2).state_dict()
-    trained = AutoModelForImageTextToText.from_pretrained(resumed_dir / "final", dtype=torch.float32).state_dict()
+    init = build_model(
+        fx.FOLDER["qwen2-vl"], init="random", overrides=fx.TINY["qwen2-vl"], seed=2
+    ).state_dict()
+    trained = AutoModelForImageTextToText.from_pretrained(
+        resumed_dir / "final", dtype=torch.float32
+    ).state_dict()
     tower = [k for k in init if "visual" in k and ".merger." not in k]
     assert tower and all(torch.equal(trained[k], init[k].to(trained[k].dtype)) for k in tower)
-    unchanged = [k for k, v in init.items() if ".merger." in k and torch.equal(trained[k], v.to(trained[k].dtype))]
+    unchanged = [
+        k for k, v in init.items() if ".merger." in k and torch.equal(trained[k], v.to(trained[k].dtype))
+    ]
     assert not unchanged, unchanged
     step4 = "checkpoints/step-00000004/optimizer.pt"
     opt_a = torch.load(tmp_path / "straight" / step4, weights_only=False)
@@ -247,16 +258,23 @@ def _freeze_job(pack_dir: Path, out: Path, **training) -> dict:
 @pytest.fixture(scope="module")
 def frozen_single_process(pack_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("frozen-single")
-    train(load_train_config(write_job(out / "job.yaml", _freeze_job(pack_dir, out / "run", gradAccum=4))), log=lambda _: None)
+    train(
+        load_train_config(write_job(out / "job.yaml", _freeze_job(pack_dir, out / "run", gradAccum=4))),
+        log=lambda _: None,
+    )
     return out / "run"
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_frozen_tower_under_ddp_and_fsdp2_matches_one_process(pack_dir, tmp_path, strategy, frozen_single_process):
+def test_frozen_tower_under_ddp_and_fsdp2_matches_one_process(
+    pack_dir, tmp_path, strategy, frozen_single_process
+):
     """2 gloo ranks x 2 micro-batches train like 1 x 4 with a frozen tower: DDP needs no
     find_unused_parameters (it only tracks parameters that require grad), and FSDP2 takes the
     root unit's mix of frozen (patch embedding) and trainable (merger, embeddings) parameters."""
-    job = write_job(tmp_path / "job.yaml", _freeze_job(pack_dir, tmp_path / "dist", strategy=strategy, gradAccum=2))
+    job = write_job(
+        tmp_path / "job.yaml", _freeze_job(pack_dir, tmp_path / "dist", strategy=strategy, gradAccum=2)
+    )
     proc = torchrun_two_processes(job)
     assert proc.returncode == 0, proc.stderr[-3000:]
     dist = load_file(tmp_path / "dist" / "final" / "model.safetensors")

@@ -87,7 +87,9 @@ def test_packed_equals_each_sample_alone_with_lora(family, vision, shared_dir):
     lora.apply(model, LoraSpec(vision=vision, **LORA), fx.FOLDER[family])
     _randomize_adapters(model)
     batch = _double(
-        collate_packed([fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], fx.spec(family))
+        collate_packed(
+            [fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], fx.spec(family)
+        )
     )
     total = batch["num_label_tokens"]
     out = VLMForTraining(model, "sdpa")(batch)

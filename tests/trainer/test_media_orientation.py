@@ -34,8 +34,10 @@ def _rotated_jpeg(path: Path, orientation: int) -> Path:
 def test_rotated_image_pixels_match_processor(tmp_path: Path, orientation: int) -> None:
     path = _rotated_jpeg(tmp_path / f"o{orientation}.jpg", orientation)
     tok = SampleTokenizer(SourceConfig(paths=[str(path)]), ModelConfig(path=str(MODEL)), PackingConfig())
-    record = {"messages": [{"role": "user", "content": "<image>what?"}, {"role": "assistant", "content": "x"}],
-              "images": [path.name]}
+    record = {
+        "messages": [{"role": "user", "content": "<image>what?"}, {"role": "assistant", "content": "x"}],
+        "images": [path.name],
+    }
     sample = tok(RawRecord(source=tmp_path / "d.json", index=0, record=record, error=None))
     assert isinstance(sample, TokenizedSample), sample
     (item,) = sample.media

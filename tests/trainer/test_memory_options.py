@@ -74,7 +74,9 @@ def test_packed_equals_each_sample_alone_with_checkpointing(family, shared_dir):
     )
     apply_layer_options(model, True, True, False)
     batch = _double(
-        collate_packed([fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], fx.spec(family))
+        collate_packed(
+            [fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], fx.spec(family)
+        )
     )
     total = batch["num_label_tokens"]
     out = VLMForTraining(model, "sdpa").train()(batch)
@@ -101,7 +103,9 @@ def test_packed_equals_each_sample_alone_with_compiled_layers(shared_dir):
     model = build_model(fx.FOLDER[family], init="random", overrides=fx.TINY[family], seed=1)
     apply_layer_options(model, False, False, True)
     counters.clear()
-    batch = collate_packed([fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], fx.spec(family))
+    batch = collate_packed(
+        [fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], fx.spec(family)
+    )
     total = batch["num_label_tokens"]
     out = VLMForTraining(model, "sdpa").train()(batch)
     (out["loss_sum"] / total).backward()

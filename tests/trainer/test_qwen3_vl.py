@@ -47,7 +47,9 @@ def test_every_packed_sample_gets_the_positions_of_get_rope_index(qwen3_pack):
             if not media:
                 continue
             grids = {
-                f"{kind}_grid_thw": torch.tensor([[m["grid_t"], m["grid_h"], m["grid_w"]] for m in media if m["kind"] == kind])
+                f"{kind}_grid_thw": torch.tensor(
+                    [[m["grid_t"], m["grid_h"], m["grid_w"]] for m in media if m["kind"] == kind]
+                )
                 for kind in ("image", "video")
                 if any(m["kind"] == kind for m in media)
             }

@@ -185,12 +185,17 @@ def test_flex_backend_is_causal_in_the_padded_baseline(shared_dir):
 
 def test_bf16_is_mixed_precision_with_fp32_master_weights(pack_dir, tmp_path):
     """bf16 weights would round most lr-1e-5 AdamW updates away; fp32 masters keep every one."""
-    spec = job_spec(pack_dir, tmp_path / "run", maxSteps=1, lr=1e-5, warmup=0, dtype="bf16", checkpointEvery=1)
+    spec = job_spec(
+        pack_dir, tmp_path / "run", maxSteps=1, lr=1e-5, warmup=0, dtype="bf16", checkpointEvery=1
+    )
     summary = train(load_train_config(write_job(tmp_path / "job.yaml", spec)), log=lambda _: None)
     assert summary["steps"] == 1 and summary["final_loss"] == summary["final_loss"]  # not NaN
     trained = torch.load(tmp_path / "run" / "checkpoints" / "step-00000001" / "model.pt", weights_only=True)
     initial = build_model(
-        spec["spec"]["model"]["path"], init="random", overrides=spec["spec"]["model"]["configOverrides"], seed=0
+        spec["spec"]["model"]["path"],
+        init="random",
+        overrides=spec["spec"]["model"]["configOverrides"],
+        seed=0,
     ).state_dict()
     name = next(k for k in initial if k.endswith("layers.0.mlp.down_proj.weight"))
     after = trained["hf." + name]

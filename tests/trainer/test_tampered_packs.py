@@ -43,7 +43,9 @@ def test_one_tampered_row_is_named_exactly(pack_dir, tmp_path):
     shard_file = tamper_row(bad, 1, 3, ROW_EDITS["labels all -100"][0])
     ds = PackedDataset(bad, spec("qwen2-vl"), PixelSpec(), vocab_size=151936)
     seq = int(json.loads((bad / MANIFEST).read_text())["shards"][0]["rows"]) + 3
-    with pytest.raises(ShardFormatError, match=rf"{re.escape(shard_file)} row 3: sub-sample 0 has no label token"):
+    with pytest.raises(
+        ShardFormatError, match=rf"{re.escape(shard_file)} row 3: sub-sample 0 has no label token"
+    ):
         ds.checked_row(seq)
     ds.checked_row(seq - 1)  # its neighbour is intact
 

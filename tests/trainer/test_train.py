@@ -127,7 +127,9 @@ def test_metrics_endpoint_is_scraped_during_a_cpu_run(pack_dir, tmp_path):
         "attention_imbalance",
     ):
         assert f'packtrain_train_{name}{{rank="0"}}' in scraped, name
-    assert 'packtrain_train_info{attention="sdpa",mode="packed",rank="0"} 1.0' in scraped  # the chosen backend
+    assert (
+        'packtrain_train_info{attention="sdpa",mode="packed",rank="0"} 1.0' in scraped
+    )  # the chosen backend
     # No GPU here: GPU gauges (and MFU, which needs a known peak) are absent, not zero.
     assert "packtrain_gpu_" not in scraped
     assert "packtrain_train_mfu" not in scraped

@@ -140,7 +140,11 @@ def test_epoch_plan_and_resume_position_are_pure_functions_of_the_layout():
     units, costs = units_and_costs(seq_lens, "packed")
     assert units[1] == (1, -1) and costs[1] == 3 * 100**2
     padded_units, padded_costs = units_and_costs(seq_lens, "padded")
-    assert len(padded_units) == sum(map(len, seq_lens)) and padded_units[1] == (1, 0) and padded_costs[1] == 100**2
+    assert (
+        len(padded_units) == sum(map(len, seq_lens))
+        and padded_units[1] == (1, 0)
+        and padded_costs[1] == 100**2
+    )
     layout = Layout(seed=3, world_size=2, units_per_micro_batch=1, grad_accum=2, mode="packed", num_units=8)
     assert (layout.units_per_rank, layout.steps_per_epoch, layout.micro_batches_per_epoch) == (2, 2, 4)
     plan = plan_epoch(costs, layout.world_size, layout.units_per_rank, layout.seed, epoch=0)
@@ -150,7 +154,14 @@ def test_epoch_plan_and_resume_position_are_pure_functions_of_the_layout():
     assert after(layout, 0, 2) == Position(0, 3) and after(layout, 0, 3) == Position(1, 0)
     state = position_state(layout, Position(1, 2))
     assert list(state) == [
-        "epoch", "next", "seed", "world_size", "units_per_micro_batch", "grad_accum", "mode", "num_units"
+        "epoch",
+        "next",
+        "seed",
+        "world_size",
+        "units_per_micro_batch",
+        "grad_accum",
+        "mode",
+        "num_units",
     ]  # the keys checkpoints have always held
     assert resume_position(layout, state) == Position(1, 2)
     with pytest.raises(ValueError, match="checkpoint has world_size=4, this run 2"):

@@ -46,8 +46,16 @@ def test_streamed_resize_gives_the_pixels_of_the_stacked_resize() -> None:
     spec = PixelSpec()
     for height, width in ((112, 168), (280, 420), (336, 476)):  # down, same, up
         stacked = video_pixels_from_frames(decode_video_frames(data, frames), height, width, spec)
-        ref = {"kind": "video", "key": "noise", "height": height, "width": width, "frames": frames,
-               "grid_t": 3, "grid_h": height // 14, "grid_w": width // 14}
+        ref = {
+            "kind": "video",
+            "key": "noise",
+            "height": height,
+            "width": width,
+            "frames": frames,
+            "grid_t": 3,
+            "grid_h": height // 14,
+            "grid_w": width // 14,
+        }
         streamed = media_pixels({"kind": "video", "encoding": "original", "data": data}, ref, spec)
         assert torch.equal(stacked, streamed)
         small = decode_video_frames(data, frames, (height, width))

@@ -48,8 +48,12 @@ def _panel(
     defaults: dict[str, Any] = {
         "unit": unit,
         "min": 0,
-        "custom": {"drawStyle": "line", "fillOpacity": 20 if stacked else 10, "lineWidth": 1,
-                   "stacking": {"mode": "normal" if stacked else "none", "group": "A"}},
+        "custom": {
+            "drawStyle": "line",
+            "fillOpacity": 20 if stacked else 10,
+            "lineWidth": 1,
+            "stacking": {"mode": "normal" if stacked else "none", "group": "A"},
+        },
     }
     if max_value is not None:
         defaults["max"] = max_value
@@ -61,15 +65,23 @@ def _panel(
         "datasource": DATASOURCE,
         "gridPos": {"x": x, "y": y, "w": w, "h": h},
         "fieldConfig": {"defaults": defaults, "overrides": []},
-        "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
-                    "tooltip": {"mode": "multi", "sort": "desc"}},
+        "options": {
+            "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
         "targets": [_target(expr, legend, chr(ord("A") + i)) for i, (expr, legend) in enumerate(targets)],
     }
 
 
 def _row(pid: int, title: str, y: int) -> dict[str, Any]:
-    return {"id": pid, "type": "row", "title": title, "collapsed": False,
-            "gridPos": {"x": 0, "y": y, "w": 24, "h": 1}, "panels": []}
+    return {
+        "id": pid,
+        "type": "row",
+        "title": title,
+        "collapsed": False,
+        "gridPos": {"x": 0, "y": y, "w": 24, "h": 1},
+        "panels": [],
+    }
 
 
 def build() -> dict[str, Any]:
@@ -77,40 +89,98 @@ def build() -> dict[str, Any]:
     by_pod = "sum by (namespace, pod)"
     panels = [
         _row(1, "Training", 0),
-        _panel(2, "Throughput",
-               "Tokens per second per trainer pod: all tokens, and effective (non-padding) tokens.",
-               [(f"{by_pod} ({m['tokens_per_second']}{{{NS}}})", "{{namespace}}/{{pod}} total"),
-                (f"{by_pod} ({m['effective_tokens_per_second']}{{{NS}}})", "{{namespace}}/{{pod}} effective")],
-               (0, 1, 12, 8), unit="short"),
-        _panel(3, "Padding ratio", "Share of each packed batch that is padding (0 to 1).",
-               [(f"max by (namespace, pod) ({m['padding_ratio']}{{{NS}}})", "{{namespace}}/{{pod}}")],
-               (12, 1, 12, 8), unit="percentunit", max_value=1),
-        _panel(4, "MFU", "Model FLOPs utilization: achieved over peak bf16 FLOP/s (0 to 1).",
-               [(f"avg by (namespace, pod) ({m['mfu']}{{{NS}}})", "{{namespace}}/{{pod}}")],
-               (0, 9, 8, 8), unit="percentunit", max_value=1),
-        _panel(5, "GPU SM utilization", "Streaming-multiprocessor utilization per GPU, from NVML (percent).",
-               [(f"avg by (namespace, pod, gpu) ({m['sm_utilization_percent']}{{{NS}}})",
-                 "{{namespace}}/{{pod}} gpu {{gpu}}")],
-               (8, 9, 8, 8), unit="percent", max_value=100),
-        _panel(6, "Loss", "Training loss.",
-               [(f"avg by (namespace, pod) ({m['loss']}{{{NS}}})", "{{namespace}}/{{pod}}")],
-               (16, 9, 8, 8)),
+        _panel(
+            2,
+            "Throughput",
+            "Tokens per second per trainer pod: all tokens, and effective (non-padding) tokens.",
+            [
+                (f"{by_pod} ({m['tokens_per_second']}{{{NS}}})", "{{namespace}}/{{pod}} total"),
+                (f"{by_pod} ({m['effective_tokens_per_second']}{{{NS}}})", "{{namespace}}/{{pod}} effective"),
+            ],
+            (0, 1, 12, 8),
+            unit="short",
+        ),
+        _panel(
+            3,
+            "Padding ratio",
+            "Share of each packed batch that is padding (0 to 1).",
+            [(f"max by (namespace, pod) ({m['padding_ratio']}{{{NS}}})", "{{namespace}}/{{pod}}")],
+            (12, 1, 12, 8),
+            unit="percentunit",
+            max_value=1,
+        ),
+        _panel(
+            4,
+            "MFU",
+            "Model FLOPs utilization: achieved over peak bf16 FLOP/s (0 to 1).",
+            [(f"avg by (namespace, pod) ({m['mfu']}{{{NS}}})", "{{namespace}}/{{pod}}")],
+            (0, 9, 8, 8),
+            unit="percentunit",
+            max_value=1,
+        ),
+        _panel(
+            5,
+            "GPU SM utilization",
+            "Streaming-multiprocessor utilization per GPU, from NVML (percent).",
+            [
+                (
+                    f"avg by (namespace, pod, gpu) ({m['sm_utilization_percent']}{{{NS}}})",
+                    "{{namespace}}/{{pod}} gpu {{gpu}}",
+                )
+            ],
+            (8, 9, 8, 8),
+            unit="percent",
+            max_value=100,
+        ),
+        _panel(
+            6,
+            "Loss",
+            "Training loss.",
+            [(f"avg by (namespace, pod) ({m['loss']}{{{NS}}})", "{{namespace}}/{{pod}}")],
+            (16, 9, 8, 8),
+        ),
         _row(7, "Operator", 17),
-        _panel(8, "Jobs by phase", "PackJobs and SFTJobs the operator tracks, by kind and phase.",
-               [(f"sum by (kind, phase) ({m['jobs']})", "{{kind}} {{phase}}")],
-               (0, 18, 8, 8), stacked=True),
-        _panel(9, "Reconciles", "Reconcile rate and reconcile error rate, by kind.",
-               [(f"sum by (kind) (rate({m['reconciles']}[$__rate_interval]))", "{{kind}}"),
+        _panel(
+            8,
+            "Jobs by phase",
+            "PackJobs and SFTJobs the operator tracks, by kind and phase.",
+            [(f"sum by (kind, phase) ({m['jobs']})", "{{kind}} {{phase}}")],
+            (0, 18, 8, 8),
+            stacked=True,
+        ),
+        _panel(
+            9,
+            "Reconciles",
+            "Reconcile rate and reconcile error rate, by kind.",
+            [
+                (f"sum by (kind) (rate({m['reconciles']}[$__rate_interval]))", "{{kind}}"),
                 # An error counter has no series before its first error: draw those kinds at 0.
-                (f"sum by (kind) (rate({m['reconcile_errors']}[$__rate_interval])) "
-                 f"or 0 * sum by (kind) (rate({m['reconciles']}[$__rate_interval]))", "{{kind}} errors")],
-               (8, 18, 8, 8), unit="ops"),
-        _panel(10, "Stage duration (p50, p95)", "Duration of PackJob and SFTJob stages.",
-               [(f"histogram_quantile(0.5, sum by (le, stage) (rate({m['stage_duration']}_bucket[$__rate_interval])))",
-                 "{{stage}} p50"),
-                (f"histogram_quantile(0.95, sum by (le, stage) (rate({m['stage_duration']}_bucket[$__rate_interval])))",
-                 "{{stage}} p95")],
-               (16, 18, 8, 8), unit="s"),
+                (
+                    f"sum by (kind) (rate({m['reconcile_errors']}[$__rate_interval])) "
+                    f"or 0 * sum by (kind) (rate({m['reconciles']}[$__rate_interval]))",
+                    "{{kind}} errors",
+                ),
+            ],
+            (8, 18, 8, 8),
+            unit="ops",
+        ),
+        _panel(
+            10,
+            "Stage duration (p50, p95)",
+            "Duration of PackJob and SFTJob stages.",
+            [
+                (
+                    f"histogram_quantile(0.5, sum by (le, stage) (rate({m['stage_duration']}_bucket[$__rate_interval])))",
+                    "{{stage}} p50",
+                ),
+                (
+                    f"histogram_quantile(0.95, sum by (le, stage) (rate({m['stage_duration']}_bucket[$__rate_interval])))",
+                    "{{stage}} p95",
+                ),
+            ],
+            (16, 18, 8, 8),
+            unit="s",
+        ),
     ]
     return {
         "uid": "packtrain",
@@ -126,15 +196,39 @@ def build() -> dict[str, Any]:
         "timepicker": {},
         "annotations": {"list": []},
         "links": [],
-        "templating": {"list": [
-            {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
-             "current": {}, "hide": 0, "refresh": 1, "options": []},
-            {"name": "namespace", "label": "Namespace", "type": "query", "datasource": DATASOURCE,
-             "query": {"query": f"label_values({m['tokens_per_second']}, namespace)", "refId": "namespace"},
-             "definition": f"label_values({m['tokens_per_second']}, namespace)",
-             "includeAll": True, "multi": True, "allValue": ".*", "current": {}, "hide": 0,
-             "refresh": 2, "sort": 1, "options": []},
-        ]},
+        "templating": {
+            "list": [
+                {
+                    "name": "datasource",
+                    "label": "Data source",
+                    "type": "datasource",
+                    "query": "prometheus",
+                    "current": {},
+                    "hide": 0,
+                    "refresh": 1,
+                    "options": [],
+                },
+                {
+                    "name": "namespace",
+                    "label": "Namespace",
+                    "type": "query",
+                    "datasource": DATASOURCE,
+                    "query": {
+                        "query": f"label_values({m['tokens_per_second']}, namespace)",
+                        "refId": "namespace",
+                    },
+                    "definition": f"label_values({m['tokens_per_second']}, namespace)",
+                    "includeAll": True,
+                    "multi": True,
+                    "allValue": ".*",
+                    "current": {},
+                    "hide": 0,
+                    "refresh": 2,
+                    "sort": 1,
+                    "options": [],
+                },
+            ]
+        },
         "panels": panels,
     }
 

@@ -69,7 +69,9 @@ def model_facts(folder: str | Path) -> tuple[ModelFacts, str | None]:
     facts = ModelFacts(
         vocab, _int(config.get("image_token_id")), _int(config.get("video_token_id")), merge, groups
     )
-    note = None if vocab else f"{folder}/config.json names no vocab_size: token ids are not checked against it"
+    note = (
+        None if vocab else f"{folder}/config.json names no vocab_size: token ids are not checked against it"
+    )
     return facts, note
 
 
@@ -91,7 +93,9 @@ def row_problem(
     if len(labels) != n:
         return f"{len(labels)} labels for {n} tokens"
     if len(seq_lens) == 0 or int(seq_lens.min()) < 1 or int(seq_lens.sum()) != n:
-        return f"seq_lens {seq_lens.tolist()[:8]} do not split its {n} tokens into samples of at least 1 token"
+        return (
+            f"seq_lens {seq_lens.tolist()[:8]} do not split its {n} tokens into samples of at least 1 token"
+        )
     if n == 0:
         return "no tokens"
     low = int(input_ids.min())
@@ -99,7 +103,9 @@ def row_problem(
         return f"token id {low} at position {int(np.argmin(input_ids))} is negative"
     if vocab_size is not None and int(input_ids.max()) >= vocab_size:
         pos = int(np.argmax(input_ids >= vocab_size))
-        return f"token id {int(input_ids[pos])} at position {pos} is outside the vocabulary (size {vocab_size})"
+        return (
+            f"token id {int(input_ids[pos])} at position {pos} is outside the vocabulary (size {vocab_size})"
+        )
     trained = labels != IGNORE_INDEX
     wrong = trained & (labels != input_ids)
     if wrong.any():

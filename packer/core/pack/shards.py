@@ -43,8 +43,6 @@ _WRITER = re.compile(r"^[0-9a-f]+-(?P<pid>\d+)@(?P<host>[A-Za-z0-9.-]+)$")
 SHARD_KEYS = ("file", "sha256", "rows", "media_file", "media_sha256")
 
 
-
-
 def temp_path(path: Path, kind: str = "tmp") -> Path:
     """`.NAME.KIND-RANDOM-PID@HOST` next to `path`: hidden, unique, and naming its writer."""
     return path.with_name(f".{path.name}.{kind}-{secrets.token_hex(4)}-{os.getpid()}@{socket.gethostname()}")
