@@ -1,0 +1,140 @@
+"""The layout ARCHITECTURE.md draws, held by the code: dependency direction, no cycles, short functions.
+
+Read from the source with `ast` (nothing is imported), so a new module or a new import is checked
+the moment it lands.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PARTS = {"packer": "packtrain.packer", "trainer": "packtrain.trainer", "operator": "packtrain.operator"}
+CORE = "packtrain.packer.core"
+# Aim for under 60 lines; none over this many (a step, a stage, a handler read on one screen).
+MAX_FUNCTION_LINES = 80
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for folder, package in PARTS.items():
+        for path in sorted((REPO / folder).rglob("*.py")):
+            rel = path.relative_to(REPO / folder).with_suffix("").parts
+            if rel[-1] == "__init__":
+                rel = rel[:-1]
+            found[".".join((package, *rel))] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(module: str, *, lazy: bool) -> set[str]:
+    """Our modules `module` imports (`lazy`: those inside functions too; TYPE_CHECKING blocks never)."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+
+    def target(node: ast.ImportFrom) -> str:
+        if not node.level:
+            return node.module or ""
+        parts = package.split(".")
+        parent = ".".join(parts[: len(parts) - node.level + 1])
+        return f"{parent}.{node.module}" if node.module else parent
+
+    def visit(nodes: list[ast.stmt], in_function: bool) -> None:
+        for node in nodes:
+            if isinstance(node, ast.If) and _is_type_checking(node):
+                continue
+            if isinstance(node, ast.Import) and (lazy or not in_function):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and (lazy or not in_function):
+                base = target(node)
+                subs = {f"{base}.{a.name}" for a in node.names} & MODULES.keys()
+                found.update(subs or {base})
+            nested = in_function or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                children = getattr(node, field, None)
+                if isinstance(children, list):
+                    visit([c for c in children if isinstance(c, ast.stmt | ast.excepthandler)], nested)
+
+    visit(ast.parse(path.read_text()).body, False)
+    return {m for m in found if m in MODULES}
+
+
+def _functions(tree: ast.AST) -> Iterator[ast.FunctionDef | ast.AsyncFunctionDef]:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            yield node
+
+
+def test_trainer_and_operator_use_only_the_packers_core() -> None:
+    """The trainer and the operator read the pack format, the families and the errors from the core,
+    never the packer's pipeline (sources, media, stages), so the pipeline can change without them."""
+    wrong = sorted(
+        f"{module} imports {dep}"
+        for module in MODULES
+        if not module.startswith("packtrain.packer")
+        for dep in _imports(module, lazy=True)
+        if dep.startswith("packtrain.packer") and not dep.startswith(CORE)
+    )
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_packer_depends_on_nothing_above_it() -> None:
+    """packer -> nothing of ours; the core -> nothing outside the core."""
+    wrong = []
+    for module in MODULES:
+        deps = _imports(module, lazy=True)
+        if module.startswith("packtrain.packer"):
+            wrong += [f"{module} imports {d}" for d in deps if not d.startswith("packtrain.packer")]
+        if module.startswith(CORE):
+            wrong += [f"{module} imports {d}" for d in deps if not d.startswith(CORE)]
+        if module.startswith("packtrain.trainer"):
+            wrong += [f"{module} imports {d}" for d in deps if d.startswith("packtrain.operator")]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_no_import_cycles() -> None:
+    """Module-level imports form no cycle (a cycle makes import order matter and hides layering)."""
+    graph = {m: _imports(m, lazy=False) for m in MODULES}
+    cycles: list[str] = []
+    state: dict[str, int] = {}
+
+    def walk(module: str, stack: list[str]) -> None:
+        state[module] = 1
+        for dep in sorted(graph[module]):
+            if dep == module or MODULES[dep].name == "__init__.py" and module.startswith(dep + "."):
+                continue
+            if state.get(dep) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(dep) :], dep]))
+            elif dep not in state:
+                walk(dep, [*stack, dep])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module, [module])
+    assert not cycles, "\n".join(cycles)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_functions_fit_on_a_screen(module: str) -> None:
+    tree = ast.parse(MODULES[module].read_text())
+    long = [
+        f"{f.name} ({f.end_lineno - f.lineno + 1} lines, line {f.lineno})"
+        for f in _functions(tree)
+        if f.end_lineno is not None and f.end_lineno - f.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not long, f"{module}: split these into named steps: {', '.join(long)}"
