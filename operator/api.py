@@ -23,7 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, Field, model_validator
 
 from packtrain.packer.core.config import CamelModel, ModelConfig, PackingConfig, SourceConfig
-from packtrain.trainer.config import DataSpec, ModelSpec, TrainingSpec
+from packtrain.trainer.config import DataSpec, TrainingSpec, TrainModelSpec
 
 GROUP = "packtrain.dev"
 VERSION = "v1alpha1"
@@ -528,7 +528,7 @@ class SFTJobSpec(CamelModel):
     }
 
     data: DataSpec
-    model: ModelSpec
+    model: TrainModelSpec
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     resources: SFTResources = Field(default_factory=SFTResources)
     image: str | None = Field(None, description="Default: the operator's trainer image.")

@@ -29,32 +29,29 @@ from packtrain.operator.api import (
     Runtime,
     SFTJobSpec,
 )
-from packtrain.operator.commands import (
-    EXIT_CONFIG,
-    INDEXED_STAGES,
-    PackStage,
-    pack_stage_command,
-    train_command,
-)
+from packtrain.operator.children import PYTORCHJOB, TRAINJOB
+from packtrain.operator.commands import INDEXED_STAGES, pack_stage_command, train_command
 from packtrain.operator.deadlines import Deadlines
+from packtrain.operator.names import (
+    PACK_CONTAINER,
+    PACKJOB_LABEL,
+    POOL_LABEL,
+    QUEUE_LABEL,
+    SFTJOB_LABEL,
+    STAGE_LABEL,
+    TRAIN_CONTAINER,
+    TRAINJOB_CONTAINER,
+    TRAINJOB_TARGET,
+)
 from packtrain.operator.policy import Policy
+from packtrain.packer.core.contract import PackStage
+from packtrain.packer.core.errors import EXIT_CONFIG
 
-PACK_CONTAINER = "packer"
-TRAIN_CONTAINER = "pytorch"  # the name the Kubeflow training-operator requires
-TRAINJOB_CONTAINER = "node"  # the trainer container of the torch-distributed runtime
-TRAINJOB_TARGET = "node"  # its replicated job
 CONFIG_DIR = "/etc/packtrain"
 PACK_CONFIG_FILE = "packjob.yaml"
 TRAIN_CONFIG_FILE = "sftjob.yaml"
 SFT_DATA_MOUNT = "/data"
 TERMINATION_LOG = "/dev/termination-log"
-QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
-PACKJOB_LABEL = "packtrain.dev/packjob"
-SFTJOB_LABEL = "packtrain.dev/sftjob"
-STAGE_LABEL = "packtrain.dev/stage"
-PYTORCHJOB_API = "kubeflow.org/v1"
-TRAINJOB_API = "trainer.kubeflow.org/v1alpha1"
 TMP_DIR = "/tmp"
 # The uid/gid of the `packtrain` user in images/packer and images/trainer.
 WORKLOAD_ID = 65532
@@ -107,9 +104,9 @@ class OperatorDefaults:
 
     packer_image: str = f"ghcr.io/packtrain/packer:{_version()}"
     trainer_image: str = f"ghcr.io/packtrain/trainer:{_version()}"
-    cpu_node_selector: dict[str, str] = field(default_factory=lambda: {"packtrain.dev/pool": "cpu"})
+    cpu_node_selector: dict[str, str] = field(default_factory=lambda: {POOL_LABEL: "cpu"})
     cpu_tolerations: list[dict[str, Any]] = field(default_factory=list)
-    gpu_node_selector: dict[str, str] = field(default_factory=lambda: {"packtrain.dev/pool": "gpu"})
+    gpu_node_selector: dict[str, str] = field(default_factory=lambda: {POOL_LABEL: "gpu"})
     gpu_tolerations: list[dict[str, Any]] = field(
         default_factory=lambda: [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     )
@@ -359,26 +356,39 @@ def pack_config_map(name: str, namespace: str, spec: PackJobSpec) -> dict[str, A
 def pack_job(
     name: str, namespace: str, spec: PackJobSpec, stage: PackStage, defaults: OperatorDefaults
 ) -> dict:
-    """One stage as a batch/v1 Job: Indexed (one index per worker) for convert and materialize.
-
-    A configuration error (exit 2) fails the whole Job at once, since every retry
-    would fail the same way; a disruption (preemption, node drain) is not counted
-    against the retries.
-    """
-    workers = spec.workers
-    indexed = stage in INDEXED_STAGES
-    count = workers.count if indexed else 1
+    """One stage as a batch/v1 Job: Indexed (one index per worker) for convert and materialize."""
     labels = _labels(f"pack-{stage}", PACKJOB_LABEL, name, **{STAGE_LABEL: stage})
     job_labels = {**labels, QUEUE_LABEL: spec.queue_name} if spec.queue_name else labels
-    job_name = pack_job_name(name, stage)
-    config_path = f"{CONFIG_DIR}/{PACK_CONFIG_FILE}"
-    extra_volumes, extra_mounts = _extra_volumes(spec.volumes)
-    tmp_volume, tmp_mount = _tmp_volume()
-    container: dict[str, Any] = {
+    template = {
+        "metadata": _pod_metadata(labels, spec.workers.pod_annotations),
+        "spec": _pack_pod_spec(name, spec, stage, defaults),
+    }
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": pack_job_name(name, stage), "namespace": namespace, "labels": job_labels},
+        "spec": _pack_job_spec(spec, stage, template, defaults),
+    }
+
+
+def _pack_count(spec: PackJobSpec, stage: PackStage) -> int:
+    """Pods of a stage: one per worker when Indexed, else one."""
+    return spec.workers.count if stage in INDEXED_STAGES else 1
+
+
+def _pack_container(name: str, spec: PackJobSpec, stage: PackStage, defaults: OperatorDefaults) -> dict:
+    workers = spec.workers
+    indexed = stage in INDEXED_STAGES
+    extra_mounts = _extra_volumes(spec.volumes)[1]
+    own = workers.resources.model_dump(mode="json", by_alias=True, exclude_none=True) if workers.resources is not None else None
+    return {
         "name": PACK_CONTAINER,
         "image": workers.image or defaults.packer_image,
         "command": pack_stage_command(
-            stage, config_path, pack_output_dir(name, spec), count=count if indexed else None
+            stage,
+            f"{CONFIG_DIR}/{PACK_CONFIG_FILE}",
+            pack_output_dir(name, spec),
+            count=_pack_count(spec, stage) if indexed else None,
         ),
         "env": _env(),
         # The packer's JSON summary comes back through the termination message; a crash
@@ -387,17 +397,16 @@ def pack_job(
         "volumeMounts": [
             _mount("output", spec.output.mount_path),
             _mount("config", CONFIG_DIR, read_only=True),
-            tmp_mount,
+            _tmp_volume()[1],
             *extra_mounts,
         ],
-        "resources": with_default_requests(
-            workers.resources.model_dump(mode="json", by_alias=True, exclude_none=True)
-            if workers.resources is not None
-            else None,
-            defaults.cpu_resources,
-        ),
+        "resources": with_default_requests(own, defaults.cpu_resources),
         "securityContext": container_security_context(),
     }
+
+
+def _pack_pod_spec(name: str, spec: PackJobSpec, stage: PackStage, defaults: OperatorDefaults) -> dict:
+    workers = spec.workers
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         # Packer pods never call the API: stats travel in the termination message.
@@ -410,51 +419,50 @@ def pack_job(
             defaults.cpu_node_selector,
             defaults.cpu_tolerations,
         ),
-        "containers": [container],
+        "containers": [_pack_container(name, spec, stage, defaults)],
         "volumes": [
             _claim_volume("output", spec.output.claim_name),
             {"name": "config", "configMap": {"name": pack_config_name(name)}},
-            tmp_volume,
-            *extra_volumes,
+            _tmp_volume()[0],
+            *_extra_volumes(spec.volumes)[0],
         ],
     }
     if workers.service_account_name:
         pod_spec["serviceAccountName"] = workers.service_account_name
+    return pod_spec
+
+
+def _pack_job_spec(
+    spec: PackJobSpec, stage: PackStage, template: dict[str, Any], defaults: OperatorDefaults
+) -> dict[str, Any]:
+    """Completions, retries and cleanup. A configuration error (exit 2) fails the whole Job at once,
+    since every retry would fail the same way; a disruption (preemption, node drain) is not counted
+    against the retries."""
+    count = _pack_count(spec, stage)
+    config_error = {"containerName": PACK_CONTAINER, "operator": "In", "values": [EXIT_CONFIG]}
     job_spec: dict[str, Any] = {
         "completions": count,
         "parallelism": count,
         "podFailurePolicy": {
             "rules": [
-                {
-                    "action": "FailJob",
-                    "onExitCodes": {
-                        "containerName": PACK_CONTAINER,
-                        "operator": "In",
-                        "values": [EXIT_CONFIG],
-                    },
-                },
+                {"action": "FailJob", "onExitCodes": config_error},
                 {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
             ]
         },
-        "template": {"metadata": _pod_metadata(labels, workers.pod_annotations), "spec": pod_spec},
+        "template": template,
     }
     if defaults.job_ttl_seconds is not None:
         job_spec["ttlSecondsAfterFinished"] = defaults.job_ttl_seconds
     if spec.queue_name:
         job_spec["suspend"] = True  # created suspended: the queue (Kueue) admits it by unsuspending it
-    if indexed:
+    if stage in INDEXED_STAGES:
         job_spec["completionMode"] = "Indexed"
-        job_spec["backoffLimitPerIndex"] = workers.backoff_limit_per_index
+        job_spec["backoffLimitPerIndex"] = spec.workers.backoff_limit_per_index
         job_spec["maxFailedIndexes"] = 0
     else:
         job_spec["completionMode"] = "NonIndexed"
-        job_spec["backoffLimit"] = workers.backoff_limit_per_index
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": job_name, "namespace": namespace, "labels": job_labels},
-        "spec": job_spec,
-    }
+        job_spec["backoffLimit"] = spec.workers.backoff_limit_per_index
+    return job_spec
 
 
 # SFTJob
@@ -653,8 +661,8 @@ def pytorch_job(
     if res.nodes > 1:
         replicas["Worker"] = replica(res.nodes - 1)
     return {
-        "apiVersion": PYTORCHJOB_API,
-        "kind": "PyTorchJob",
+        "apiVersion": PYTORCHJOB.api_version,
+        "kind": PYTORCHJOB.kind,
         "metadata": _train_metadata(name, namespace, spec),
         "spec": {
             "nprocPerNode": str(max(res.gpus_per_node, 1)),
@@ -696,11 +704,11 @@ def train_job(
     }
     trainer["resourcesPerNode"] = _train_resources(spec, defaults)
     return {
-        "apiVersion": TRAINJOB_API,
-        "kind": "TrainJob",
+        "apiVersion": TRAINJOB.api_version,
+        "kind": TRAINJOB.kind,
         "metadata": _train_metadata(name, namespace, spec),
         "spec": {
-            "runtimeRef": {"apiGroup": "trainer.kubeflow.org", "kind": runtime.kind, "name": runtime.name},
+            "runtimeRef": {"apiGroup": TRAINJOB.group, "kind": runtime.kind, "name": runtime.name},
             "suspend": created_suspended(spec),
             "trainer": trainer,
             "podTemplateOverrides": [
@@ -718,5 +726,5 @@ def training_job(
     name: str, namespace: str, spec: SFTJobSpec, data: DataSource, defaults: OperatorDefaults
 ) -> dict:
     """The child training job of the SFTJob's backend."""
-    build = train_job if spec.backend == "trainjob" else pytorch_job
+    build = train_job if spec.backend == TRAINJOB.backend else pytorch_job
     return build(name, namespace, spec, data, defaults)

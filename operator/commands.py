@@ -7,15 +7,11 @@ arguments. Pure functions of their inputs; nothing here touches Kubernetes.
 
 from __future__ import annotations
 
-from typing import Literal
+from packtrain.packer.core.contract import PACK_STAGES, PackStage
 
-PackStage = Literal["convert", "plan", "materialize"]
-PACK_STAGES: tuple[PackStage, ...] = ("convert", "plan", "materialize")
 # Stages split across workers (one Indexed Job index each); plan sees every sample at once.
 INDEXED_STAGES: frozenset[str] = frozenset({"convert", "materialize"})
 
-# Exit code of the packer and trainer for an invalid configuration: retrying cannot help.
-EXIT_CONFIG = 2
 # What torchrun starts in the trainer pods (`python -m packtrain.trainer` is `packtrain train`).
 TRAINER_MODULE = "packtrain.trainer"
 

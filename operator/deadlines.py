@@ -10,11 +10,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from packtrain.operator.reasons import ConditionReason as R
 from packtrain.packer.core.contract import TRAIN_DATA_WAIT
-
-# The Degraded/Failed reasons of the training-stall deadline (conditions, Events, the stall delete).
-TRAINING_STALLED = "TrainingStalled"
-NO_LIVE_PROGRESS = "NoLiveProgress"
 
 
 @dataclass(frozen=True)
@@ -75,8 +72,8 @@ def blocked_since(previous: Mapping[str, Any] | None, reason: str | None, now: s
         return None
     prev = (previous or {}).get("blocked") or {}
     if prev.get("reason") == reason and prev.get("since"):
-        return {"reason": reason, "since": str(prev["since"])}
-    return {"reason": reason, "since": now}
+        return {"reason": str(reason), "since": str(prev["since"])}
+    return {"reason": str(reason), "since": now}
 
 
 # Training stalls: the trainer's step, scraped while an SFTJob runs (`progress`), against a clock kept in status.
@@ -102,7 +99,7 @@ def scrape_error(previous: Mapping[str, Any] | None, message: str, now: str) -> 
 class Stall:
     """What a Running SFTJob's conditions say once its training-stall deadline passed.
 
-    reason: `TRAINING_STALLED` (a recent reading saw the step stand still) or `NO_LIVE_PROGRESS` (none could).
+    reason: `TrainingStalled` (a recent reading saw the step stand still) or `NoLiveProgress` (none could).
     fail: the fail deadline passed too: the SFTJob turns Failed and its training job is deleted.
     """
 
@@ -129,7 +126,7 @@ def training_stall(
     job starts afresh), and stops at the last reading (`progress.updatedAt`): a stall is only what
     readings saw, never time nobody observed. A reading older than `recent` seconds (the scrape
     interval twice, plus slack) was not taken by a live scrape loop: after an operator outage, or while
-    the metrics cannot be read, it says so (`NO_LIVE_PROGRESS`) and fails nothing, since the operator
+    the metrics cannot be read, it says so (`NoLiveProgress`) and fails nothing, since the operator
     cannot tell a hang from a trainer it has not looked at. A step at `maxSteps` is not a stall: the
     final checkpoint or evaluation keeps it still.
     `selector`: the training pods' label selector; `pod`: rank 0's pod; `child`: e.g. `PyTorchJob demo`.
@@ -164,7 +161,7 @@ def training_stall(
             )
         )
         return Stall(
-            NO_LIVE_PROGRESS,
+            R.NO_LIVE_PROGRESS,
             f"no live progress: {why}; {last}, so whether training moves within the {limit} training-stall "
             f"deadline is unknown. Check that the operator can reach the trainer's metrics port (a "
             f"NetworkPolicy), then the trainer's log ({logs})",
@@ -184,12 +181,12 @@ def training_stall(
     fail_after = deadlines.training_stall_fail
     if fail_after is not None and still_for > fail_after:
         return Stall(
-            TRAINING_STALLED,
+            R.TRAINING_STALLED,
             f"{message}. Failed after {duration(fail_after)} without a step: {child} was deleted so its GPUs "
             "go back; fix the cause, then delete and re-create the SFTJob",
             fail=True,
         )
-    return Stall(TRAINING_STALLED, message)
+    return Stall(R.TRAINING_STALLED, message)
 
 
 def _later(a: str | None, b: str | None) -> str | None:

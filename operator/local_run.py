@@ -30,8 +30,9 @@ from packtrain.operator.builders import (
     pack_config_map,
     train_config_map,
 )
-from packtrain.operator.commands import EXIT_CONFIG, pack_stage_command, train_command
+from packtrain.operator.commands import pack_stage_command, train_command
 from packtrain.operator.manifests import Named, load_manifests
+from packtrain.packer.core.errors import EXIT_CONFIG
 from packtrain.trainer.progress import ProgressBar, follow
 
 console = Console(stderr=True)

@@ -6,7 +6,7 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from packtrain.operator.commands import PACK_STAGES
+from packtrain.packer.core.contract import PACK_STAGES
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 

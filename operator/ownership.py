@@ -14,10 +14,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from packtrain.operator.reasons import ConditionReason as R
+
 Pod = TypeVar("Pod", bound=Mapping[str, Any])
 
-LEFTOVER = "PreviousObjectBeingDeleted"
-NAME_CONFLICT = "NameConflict"
 
 
 class Claim(enum.Enum):
@@ -30,14 +30,14 @@ class Claim(enum.Enum):
 
 @dataclass(frozen=True)
 class Blocker:
-    """Why a parent creates nothing now: a leftover to wait for (`LEFTOVER`) or a name taken (`NAME_CONFLICT`)."""
+    """Why a parent creates nothing now: a leftover to wait for (`PreviousObjectBeingDeleted`) or a name taken (`NameConflict`)."""
 
     reason: str
     message: str
 
     @property
     def waiting(self) -> bool:
-        return self.reason == LEFTOVER
+        return self.reason == R.PREVIOUS_OBJECT_BEING_DELETED
 
 
 def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -105,10 +105,10 @@ def blocker(parent: Mapping[str, Any], children: Iterable[Mapping[str, Any] | No
     found = [(claim(c, parent), c) for c in children if c is not None]
     foreign = next((c for k, c in found if k is Claim.FOREIGN), None)
     if foreign is not None:
-        return Blocker(NAME_CONFLICT, conflict_message(foreign, parent))
+        return Blocker(R.NAME_CONFLICT, conflict_message(foreign, parent))
     leftover = next((c for k, c in found if k is Claim.LEFTOVER), None)
     if leftover is not None:
-        return Blocker(LEFTOVER, leftover_message(leftover, parent))
+        return Blocker(R.PREVIOUS_OBJECT_BEING_DELETED, leftover_message(leftover, parent))
     return None
 
 
@@ -122,7 +122,7 @@ def leftover_pod(parent: Mapping[str, Any], child: str, pods: Sequence[Mapping[s
         owner = _controller(pod)
         if owner is not None:
             return Blocker(
-                LEFTOVER,
+                R.PREVIOUS_OBJECT_BEING_DELETED,
                 (
                     f"waiting for pod {_where(pod)} of the previous {owner.get('kind')} {owner.get('name')} "
                     f"(uid {owner.get('uid')}) to be deleted; this {parent.get('kind')} then creates its own {child}"

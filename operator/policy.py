@@ -15,15 +15,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pydantic import Field
 
 from packtrain.operator.api import PackJobSpec, Runtime, SFTJobSpec
 from packtrain.packer.core.config import CamelModel
-
-if TYPE_CHECKING:
-    from packtrain.operator.builders import OperatorDefaults
 
 GPU_RESOURCE = "nvidia.com/gpu"
 VALUES_PREFIX = "policy"
@@ -256,7 +253,19 @@ def _pack_gpus(spec: PackJobSpec, policy: Policy) -> float:
         return float(2**62)
 
 
-def check(spec: PackJobSpec | SFTJobSpec, defaults: OperatorDefaults) -> list[Violation]:
+class Settings(Protocol):
+    """What the check reads of the operator's settings (`builders.OperatorDefaults`), so this module
+    needs nothing of the builders, which import the `Policy` model from here."""
+
+    @property
+    def policy(self) -> Policy: ...
+    @property
+    def packer_image(self) -> str: ...
+    @property
+    def trainer_image(self) -> str: ...
+
+
+def check(spec: PackJobSpec | SFTJobSpec, defaults: Settings) -> list[Violation]:
     """Every way `spec` exceeds the policy in `defaults.policy` (empty: the operator may create its children)."""
     policy = defaults.policy
     own = (defaults.packer_image, defaults.trainer_image)

@@ -25,8 +25,9 @@ from pydantic import ValidationError
 
 from packtrain.operator import builders, policy
 from packtrain.operator.api import PackJobSpec, PackOutput
-from packtrain.operator.commands import EXIT_CONFIG, PACK_STAGES
 from packtrain.operator.manifests import load_manifests
+from packtrain.packer.core.contract import PACK_STAGES
+from packtrain.packer.core.errors import EXIT_CONFIG
 
 CHART = Path(__file__).resolve().parents[1] / "charts" / "packtrain"
 

@@ -32,13 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
+from packtrain.packer.core.contract import RejectReason
 from packtrain.packer.core.errors import ConfigError, MediaError
 from packtrain.packer.core.model_spec import LoadedModel, load_model
 from packtrain.packer.core.pack.schema import IGNORE_INDEX
 from packtrain.packer.core.vision import frame_timestamps
 from packtrain.packer.media.access import MediaAccess, MediaItem
 from packtrain.packer.sources.conversation import ConversationParser, MediaRef, SampleError, Turn
-from packtrain.packer.sources.records import MAX_NESTING_DEPTH, MAX_RECORD_BYTES, RawRecord
+from packtrain.packer.sources.raw import MAX_NESTING_DEPTH, RawRecord
+from packtrain.packer.sources.records import MAX_RECORD_BYTES
 
 # Normalizers that shrink text at most 3-fold (canonical or compatibility (de)composition: Hangul jamo
 # compose 9 bytes into 3); a margin of 4 keeps the cheap overlong bound sound under them.
@@ -57,38 +59,42 @@ class TokenizedSample:
     media: list[MediaItem]
 
 
-REJECT_REASONS: dict[str, str] = {
-    "bad_json": f"a line or array item is not valid JSON or nests deeper than {MAX_NESTING_DEPTH} levels; "
-    "where a JSON array itself breaks, the rest of the file is one reject",
-    "bad_utf8": "a line or array item is not valid UTF-8, or has a lone surrogate escape",
-    "record_too_large": f"one record's JSON text is over {MAX_RECORD_BYTES >> 20} MiB "
+REJECT_REASONS: dict[RejectReason, str] = {
+    RejectReason.BAD_JSON: f"a line or array item is not valid JSON or nests deeper than {MAX_NESTING_DEPTH} "
+    "levels; where a JSON array itself breaks, the rest of the file is one reject",
+    RejectReason.BAD_UTF8: "a line or array item is not valid UTF-8, or has a lone surrogate escape",
+    RejectReason.RECORD_TOO_LARGE: f"one record's JSON text is over {MAX_RECORD_BYTES >> 20} MiB "
     "(records.MAX_RECORD_BYTES); counted, not read",
-    "bad_parquet": "a Parquet file's footer, a row group or a row does not decode (a file that cannot be "
-    "opened is one reject, a row group that fails one reject per row it declares)",
-    "malformed_record": "the record is not a conversation this packer can read (see detail)",
-    "empty_conversation": "no turns, or nothing to train on",
-    "placeholder_mismatch": "image/video placeholders in the text and the listed media do not pair up",
-    "reserved_token": "text contains a turn or vision control token of the model",
-    "remote_media": "a media reference is a URL (http://, s3://, file://, data: ...); only local files are read",
-    "media_outside_root": "a media path resolves (symlinks followed) outside the folders the job names: "
-    "source.mediaRoot, the dataset files' folders, source.mediaPathMap targets; whether it exists is not told",
-    "missing_media": "a media file inside the media folders does not exist or cannot be read",
-    "corrupt_media": "a media file does not decode, or is not an allowed image format or video container "
-    "(truncated, too few frames, text named as a video); a video whose sampled frames do not decode is "
-    "found by materialize",
-    "media_type_mismatch": "a video used as an image, or an image used as a video",
-    "unsupported_media": "audio, or a media path that is not a regular file (folder, FIFO, device)",
-    "media_too_large": "a media file over source.maxImageBytes / source.maxVideoBytes, or an image over "
-    "source.maxImageSourcePixels",
-    "video_too_large": "a video whose decoded work (source pixels x sampled frames) is over "
+    RejectReason.BAD_PARQUET: "a Parquet file's footer, a row group or a row does not decode (a file that "
+    "cannot be opened is one reject, a row group that fails one reject per row it declares)",
+    RejectReason.MALFORMED_RECORD: "the record is not a conversation this packer can read (see detail)",
+    RejectReason.EMPTY_CONVERSATION: "no turns, or nothing to train on",
+    RejectReason.PLACEHOLDER_MISMATCH: "image/video placeholders in the text and the listed media do not "
+    "pair up",
+    RejectReason.RESERVED_TOKEN: "text contains a turn or vision control token of the model",
+    RejectReason.REMOTE_MEDIA: "a media reference is a URL (http://, s3://, file://, data: ...); only local "
+    "files are read",
+    RejectReason.MEDIA_OUTSIDE_ROOT: "a media path resolves (symlinks followed) outside the folders the job "
+    "names: source.mediaRoot, the dataset files' folders, source.mediaPathMap targets; whether it exists is "
+    "not told",
+    RejectReason.MISSING_MEDIA: "a media file inside the media folders does not exist or cannot be read",
+    RejectReason.CORRUPT_MEDIA: "a media file does not decode, or is not an allowed image format or video "
+    "container (truncated, too few frames, text named as a video); a video whose sampled frames do not "
+    "decode is found by materialize",
+    RejectReason.MEDIA_TYPE_MISMATCH: "a video used as an image, or an image used as a video",
+    RejectReason.UNSUPPORTED_MEDIA: "audio, or a media path that is not a regular file (folder, FIFO, device)",
+    RejectReason.MEDIA_TOO_LARGE: "a media file over source.maxImageBytes / source.maxVideoBytes, or an "
+    "image over source.maxImageSourcePixels",
+    RejectReason.VIDEO_TOO_LARGE: "a video whose decoded work (source pixels x sampled frames) is over "
     "source.maxVideoSourcePixels",
-    "aspect_ratio": "an image or video more than 200 times wider than tall (or taller than wide)",
-    "template_error": "the chat template failed on this record",
-    "overlong": "longer than packing.maxLength (set by the convert stage, or before tokenizing when the "
-    "text alone cannot fit and packing.overlong is drop)",
-    "internal_error": "handling the record raised an unexpected error (detail: its type and message); the "
-    "worker goes on",
+    RejectReason.ASPECT_RATIO: "an image or video more than 200 times wider than tall (or taller than wide)",
+    RejectReason.TEMPLATE_ERROR: "the chat template failed on this record",
+    RejectReason.OVERLONG: "longer than packing.maxLength (set by the convert stage, or before tokenizing "
+    "when the text alone cannot fit and packing.overlong is drop)",
+    RejectReason.INTERNAL_ERROR: "handling the record raised an unexpected error (detail: its type and "
+    "message); the worker goes on",
 }
+"""What each reject reason means (the README's table is checked against it); one entry per member."""
 
 
 @dataclass
@@ -96,7 +102,7 @@ class Reject:
     source: str
     index: int
     sample_id: str | None
-    reason: str  # short stable code, a key of REJECT_REASONS
+    reason: str  # a RejectReason (a raw record's reason is a plain str of one)
     detail: str  # human message
 
 
@@ -129,7 +135,11 @@ class SampleTokenizer:
         name = raw.source_name
         if raw.record is None:
             return Reject(
-                name, raw.index, None, raw.reason or "malformed_record", raw.error or "unreadable record"
+                name,
+                raw.index,
+                None,
+                raw.reason or RejectReason.MALFORMED_RECORD,
+                raw.error or "unreadable record",
             )
         sample_id: str | None = None
         try:
@@ -150,7 +160,7 @@ class SampleTokenizer:
             raise
         except Exception as exc:  # one bad record is one reject (RecursionError, MemoryError, a decoder bug)
             detail = f"{type(exc).__name__}: {exc}"[:_DETAIL_CHARS]
-            return Reject(name, raw.index, sample_id, "internal_error", detail)
+            return Reject(name, raw.index, sample_id, RejectReason.INTERNAL_ERROR, detail)
         return TokenizedSample(sample_id, name, raw.index, input_ids, labels, media)
 
     def truncate(self, sample: TokenizedSample, max_length: int) -> TokenizedSample | None:
@@ -174,9 +184,11 @@ class SampleTokenizer:
 
     def _check_turns(self, turns: list[Turn]) -> None:
         if not turns:
-            raise SampleError("empty_conversation", "the conversation has no turns")
+            raise SampleError(RejectReason.EMPTY_CONVERSATION, "the conversation has no turns")
         if self.packing.label_mode != "all" and not any(t.role == "assistant" for t in turns):
-            raise SampleError("empty_conversation", "the conversation has no assistant turn to train on")
+            raise SampleError(
+                RejectReason.EMPTY_CONVERSATION, "the conversation has no assistant turn to train on"
+            )
         reserved = self.model.reserved_tokens
         for i, turn in enumerate(turns):
             text = turn.text
@@ -184,7 +196,7 @@ class SampleTokenizer:
                 found = sorted(tok for tok in reserved if tok in text)
                 if found:
                     raise SampleError(
-                        "reserved_token",
+                        RejectReason.RESERVED_TOKEN,
                         f"turn {i} ({turn.role}) contains the reserved token(s) {', '.join(found)}; "
                         "they would corrupt the turn or vision structure",
                     )
@@ -232,7 +244,8 @@ class SampleTokenizer:
         stamps = frame_timestamps(item.frames, item.video_fps, self.model.vision.temporal_patch_size)
         if len(stamps) != item.grid_t:
             raise SampleError(
-                "corrupt_media", f"video has {item.grid_t} temporal groups but {len(stamps)} timestamps"
+                RejectReason.CORRUPT_MEDIA,
+                f"video has {item.grid_t} temporal groups but {len(stamps)} timestamps",
             )
         block: list[int] = []
         for t in stamps:
@@ -278,10 +291,10 @@ class SampleTokenizer:
         try:
             text = self.render(turns)
         except Exception as exc:  # Jinja raises arbitrary errors (raise_exception in templates)
-            raise SampleError("template_error", f"chat template failed: {exc}") from exc
+            raise SampleError(RejectReason.TEMPLATE_ERROR, f"chat template failed: {exc}") from exc
         if self._max_chars is not None and len(text) > self._max_chars:
             raise SampleError(
-                "overlong",
+                RejectReason.OVERLONG,
                 f"text of {len(text)} characters cannot fit maxLength {self.packing.max_length} "
                 f"(more than {self._max_chars} characters are more than {self.packing.max_length} tokens); "
                 "not tokenized",
@@ -309,12 +322,12 @@ class SampleTokenizer:
                 labels[a:b] = ids[a:b]
             trained = sum(b - a for a, b in spans)
         if trained == 0:
-            raise SampleError("empty_conversation", "no token is left to train on")
+            raise SampleError(RejectReason.EMPTY_CONVERSATION, "no token is left to train on")
         pads = _pad_positions(ids, m.image_pad, m.video_pad)
         kinds = ["image" if ids[p] == m.image_pad else "video" for p in pads]
         if kinds != [x.kind for x in media]:
             raise SampleError(
-                "placeholder_mismatch",
+                RejectReason.PLACEHOLDER_MISMATCH,
                 f"the rendered text has {len(pads)} media pad token(s) for {len(media)} media item(s)",
             )
         if not media:

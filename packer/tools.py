@@ -203,7 +203,7 @@ def verify(path: Path, notes: list[str] | None = None) -> list[str]:
             f"manifest says {m.get('label_tokens')} label tokens, shards hold {found.label_tokens}"
         )
     if DUPLICATE_IDS in c:
-        ids = [*(found.sample_ids or []), *(r["id"] for r in rejects if isinstance(r.get("id"), str))]
+        ids = [*found.sample_ids, *(r["id"] for r in rejects if isinstance(r.get("id"), str))]
         duplicates, _ = count_duplicate_ids([pa.array(ids, pa.string())])
         if duplicates != c[DUPLICATE_IDS]:
             problems.append(f"counts.{DUPLICATE_IDS} is {c[DUPLICATE_IDS]}, the pack holds {duplicates}")

@@ -138,3 +138,12 @@ def test_functions_fit_on_a_screen(module: str) -> None:
         if f.end_lineno is not None and f.end_lineno - f.lineno + 1 > MAX_FUNCTION_LINES
     ]
     assert not long, f"{module}: split these into named steps: {', '.join(long)}"
+
+
+def test_every_subpackage_ships() -> None:
+    """A folder left out of pyproject's package list would be missing from the wheel the images install."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {m for m, p in MODULES.items() if p.name == "__init__.py"}
+    assert folders == listed, f"add to pyproject: {sorted(folders - listed)}; remove: {sorted(listed - folders)}"

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from packtrain.trainer import lora
-from packtrain.trainer.config import ModelSpec
+from packtrain.trainer.config import TrainModelSpec
 from packtrain.trainer.distributed import DistEnv, barrier
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -211,7 +211,7 @@ def save_final(
     model: torch.nn.Module,
     hf_model: Any,
     adapter: Any,
-    spec: ModelSpec,
+    spec: TrainModelSpec,
     env: DistEnv,
     dtype: torch.dtype,
 ) -> Path | None:

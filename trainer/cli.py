@@ -17,11 +17,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from packtrain.packer.core.contract import ErrorReport
-from packtrain.packer.core.errors import ConfigError, ShardFormatError
+from packtrain.packer.core.errors import EXIT_CONFIG, EXIT_OK, ConfigError, ShardFormatError
 from packtrain.trainer.config import load_train_config
 from packtrain.trainer.progress import LOG_FORMATS, reporter_for
-
-EXIT_CONFIG = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if distributed.environ().is_main:
         print(json.dumps(summary), flush=True)
         _terminate(summary)
-    return 0
+    return EXIT_OK
 
 
 def _terminate(doc: Mapping[str, Any]) -> None:

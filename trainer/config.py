@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, model_validator
 
-from packtrain.packer.core.config import CamelModel, Family, load_spec_section
+from packtrain.packer.core.config import CamelModel, FamilyName, load_spec_section
 
 Init = Literal["auto", "pretrained", "random"]
 Attention = Literal["auto", "varlen", "flash", "flex", "sdpa"]
@@ -123,11 +123,11 @@ class LoraSpec(CamelModel):
         return self
 
 
-class ModelSpec(CamelModel):
+class TrainModelSpec(CamelModel):
     """The model: a Hugging Face folder with config.json (+ weights when pretrained)."""
 
     path: str = Field(..., description="Folder with config.json, tokenizer and preprocessor config.")
-    family: Family | None = Field(
+    family: FamilyName | None = Field(
         None, description="A model family packtrain knows; default: from config.json model_type."
     )
     init: Init = Field(
@@ -266,7 +266,7 @@ class SFTSpecCore(CamelModel):
     """What `packtrain train` needs from an SFTJob spec (cluster-only keys are ignored)."""
 
     data: DataSpec
-    model: ModelSpec
+    model: TrainModelSpec
     training: TrainingSpec = Field(default_factory=TrainingSpec)
 
     @model_validator(mode="after")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from packtrain.packer.core.model_spec import ModelSpec
 from packtrain.packer.core.pack.integrity import row_problem
 from packtrain.packer.core.pack.schema import IGNORE_INDEX
 from packtrain.packer.core.pack.shards import ShardReader
+from packtrain.trainer.batch import Batch, BatchInfo, ModelInputs
 from packtrain.trainer.config import DataSpec
 from packtrain.trainer.media import PixelSpec, media_pixels
 from packtrain.trainer.rope import packed_positions, sample_positions
@@ -55,40 +56,53 @@ def shift_labels(labels: np.ndarray, seq_lens: Sequence[int]) -> np.ndarray:
     return out
 
 
-def _media_tensors(rows: Sequence[dict[str, Any]], spec: ModelSpec) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for kind, pixel_key, grid_key in (
-        ("image", "pixel_values", "image_grid_thw"),
-        ("video", "pixel_values_videos", "video_grid_thw"),
-    ):
-        pixels, grids, spg = [], [], []
-        for row in rows:
-            media = row.get("media") or []
-            decoded = row.get("pixels")
-            if media and (decoded is None or len(decoded) != len(media)):
-                raise ValueError("rows with media must carry decoded `pixels` (one tensor per media ref)")
-            for ref, px in zip(media, decoded or [], strict=False):
-                if ref["kind"] == kind:
-                    pixels.append(px)
-                    grids.append([int(ref["grid_t"]), int(ref["grid_h"]), int(ref["grid_w"])])
-                    spg.append(float(ref.get("second_per_grid") or 1.0))
-        if pixels:
-            out[pixel_key] = torch.cat(pixels)
-            out[grid_key] = torch.tensor(grids, dtype=torch.long)
-            if kind == "video" and spec.family.time_scaled_rope:
-                out["second_per_grid_ts"] = torch.tensor(spg, dtype=torch.float32)
+class _Media(TypedDict, total=False):
+    """The media fields of `ModelInputs` that a batch fills (those without media stay None)."""
+
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor
+    pixel_values_videos: torch.Tensor
+    video_grid_thw: torch.Tensor
+    second_per_grid_ts: torch.Tensor
+
+
+def _media_of(
+    rows: Sequence[dict[str, Any]], kind: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The rows' media of one kind, in order of appearance: (pixels, grids, seconds per grid)."""
+    pixels, grids, spg = [], [], []
+    for row in rows:
+        media = row.get("media") or []
+        decoded = row.get("pixels")
+        if media and (decoded is None or len(decoded) != len(media)):
+            raise ValueError("rows with media must carry decoded `pixels` (one tensor per media ref)")
+        for ref, px in zip(media, decoded or [], strict=False):
+            if ref["kind"] == kind:
+                pixels.append(px)
+                grids.append([int(ref["grid_t"]), int(ref["grid_h"]), int(ref["grid_w"])])
+                spg.append(float(ref.get("second_per_grid") or 1.0))
+    if not pixels:
+        return None
+    return torch.cat(pixels), torch.tensor(grids, dtype=torch.long), torch.tensor(spg, dtype=torch.float32)
+
+
+def _media_tensors(rows: Sequence[dict[str, Any]], spec: ModelSpec) -> _Media:
+    out: _Media = {}
+    image = _media_of(rows, "image")
+    if image is not None:
+        out["pixel_values"], out["image_grid_thw"], _ = image
+    video = _media_of(rows, "video")
+    if video is not None:
+        out["pixel_values_videos"], out["video_grid_thw"], seconds = video
+        if spec.family.time_scaled_rope:
+            out["second_per_grid_ts"] = seconds
     return out
 
 
-def collate_packed(rows: Sequence[dict[str, Any]], spec: ModelSpec) -> dict[str, Any]:
-    """Packed sequences (SEQUENCE_SCHEMA rows + decoded `pixels`) → one (1, T) row for the model.
-
-    Returns `input_ids`, `labels` (as stored), `shift_labels` (next-token targets that never
-    cross a sample boundary), `position_ids` (4, 1, T: the 1-D text row that restarts per
-    sample, then per-sample mRoPE), `cu_seq_lens`/`max_length` (varlen boundaries), the
-    pixel tensors and grids in order of appearance, and bookkeeping counts. `spec` is the model
-    folder's family registry entry (`packer.families.model_spec`).
-    """
+def collate_packed(rows: Sequence[dict[str, Any]], spec: ModelSpec) -> Batch:
+    """Packed sequences (SEQUENCE_SCHEMA rows + decoded `pixels`) → one (1, T) row for the model:
+    varlen boundaries instead of a mask (see `ModelInputs`), and the bookkeeping counts. `spec`
+    is the model folder's facts (`packer.core.model_spec`)."""
     ids_parts, label_parts, shift_parts, pos_parts, lens = [], [], [], [], []
     sample_ids: list[str] = []
     for row in rows:
@@ -109,23 +123,25 @@ def collate_packed(rows: Sequence[dict[str, Any]], spec: ModelSpec) -> dict[str,
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lens_t, 0)
     shifted = torch.from_numpy(np.concatenate(shift_parts))[None]
-    batch: dict[str, Any] = {
-        "input_ids": torch.from_numpy(np.concatenate(ids_parts))[None],
-        "labels": torch.from_numpy(np.concatenate(label_parts))[None],
-        "shift_labels": shifted,
-        "position_ids": torch.from_numpy(np.concatenate(pos_parts, axis=1))[:, None, :],
-        "cu_seq_lens": cu,
-        "max_length": int(lens_t.max()),
-        "sample_index": torch.repeat_interleave(torch.arange(len(lens)), lens_t),
-        "seq_lens": lens,
-        "sample_ids": sample_ids,
-        "num_tokens": int(lens_t.sum()),
-        "num_label_tokens": int((shifted != IGNORE_INDEX).sum()),
-        "padded_tokens": int(lens_t.sum()),
-        "attention_cost": attention_cost(lens),
-    }
-    batch.update(_media_tensors(rows, spec))
-    return batch
+    inputs = ModelInputs(
+        input_ids=torch.from_numpy(np.concatenate(ids_parts))[None],
+        labels=torch.from_numpy(np.concatenate(label_parts))[None],
+        shift_labels=shifted,
+        position_ids=torch.from_numpy(np.concatenate(pos_parts, axis=1))[:, None, :],
+        cu_seq_lens=cu,
+        max_length=int(lens_t.max()),
+        **_media_tensors(rows, spec),
+    )
+    info = BatchInfo(
+        seq_lens=lens,
+        sample_ids=sample_ids,
+        sample_index=torch.repeat_interleave(torch.arange(len(lens)), lens_t),
+        num_tokens=int(lens_t.sum()),
+        num_label_tokens=int((shifted != IGNORE_INDEX).sum()),
+        padded_tokens=int(lens_t.sum()),
+        attention_cost=attention_cost(lens),
+    )
+    return Batch(inputs, info)
 
 
 def split_row(row: dict[str, Any]) -> list[dict[str, Any]]:
@@ -150,7 +166,7 @@ def split_row(row: dict[str, Any]) -> list[dict[str, Any]]:
 
 def collate_padded(
     samples: Sequence[dict[str, Any]], spec: ModelSpec, pad_token_id: int | None = None
-) -> dict[str, Any]:
+) -> Batch:
     """The baseline: one sample per row, right-padded to the longest in the batch, as common
     trainers do; positions are each sample's mRoPE (3, B, L) and a 2-D padding mask. Pads with
     `pad_token_id`, by default the tokenizer's pad token."""
@@ -173,22 +189,24 @@ def collate_padded(
         shifted[i, :n] = torch.from_numpy(shift_labels(lab, [n]))
         mask[i, :n] = 1
         pos[:, i, :n] = torch.from_numpy(sample_positions(sid, media, spec))
-    batch: dict[str, Any] = {
-        "input_ids": ids,
-        "labels": labels,
-        "shift_labels": shifted,
-        "attention_mask": mask,
-        "position_ids": pos,
-        "sample_index": torch.arange(b)[:, None].expand(b, width).reshape(-1),
-        "seq_lens": lengths,
-        "sample_ids": [s["sample_ids"][0] for s in samples],
-        "num_tokens": sum(lengths),
-        "num_label_tokens": int((shifted != IGNORE_INDEX).sum()),
-        "padded_tokens": b * width,
-        "attention_cost": b * width * width,
-    }
-    batch.update(_media_tensors(samples, spec))
-    return batch
+    inputs = ModelInputs(
+        input_ids=ids,
+        labels=labels,
+        shift_labels=shifted,
+        position_ids=pos,
+        attention_mask=mask,
+        **_media_tensors(samples, spec),
+    )
+    info = BatchInfo(
+        seq_lens=lengths,
+        sample_ids=[s["sample_ids"][0] for s in samples],
+        sample_index=torch.arange(b)[:, None].expand(b, width).reshape(-1),
+        num_tokens=sum(lengths),
+        num_label_tokens=int((shifted != IGNORE_INDEX).sum()),
+        padded_tokens=b * width,
+        attention_cost=b * width * width,
+    )
+    return Batch(inputs, info)
 
 
 class PackedDataset(torch.utils.data.Dataset):
@@ -278,9 +296,11 @@ class PackedDataset(torch.utils.data.Dataset):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.position = resume_position(self.layout, state)
 
-    def mark_consumed(self, batch: dict[str, Any]) -> None:
+    def mark_consumed(self, batch: Batch) -> None:
         """Record that the training loop has used `batch` (called in the main process)."""
-        self.position = after(self.layout, *batch["position"])
+        if batch.info.position is None:
+            raise ValueError("a batch from outside this dataset has no position to mark")
+        self.position = after(self.layout, *batch.info.position)
 
     # -- items -----------------------------------------------------------------------------
     def view(self) -> PackedDataset:
@@ -321,7 +341,7 @@ class PackedDataset(torch.utils.data.Dataset):
         row["pixels"] = pixels
         return row
 
-    def __getitem__(self, k: int) -> dict[str, Any]:
+    def __getitem__(self, k: int) -> Batch:
         index = self.position.next + k
         units = self.micro_batches()[index]
         cache: dict[tuple[Any, ...], torch.Tensor] = {}
@@ -336,7 +356,7 @@ class PackedDataset(torch.utils.data.Dataset):
                     rows[seq] = split_row(self._decoded_row(seq, cache))
                 samples.append(rows[seq][sub])
             batch = collate_padded(samples, self.spec, self.pad_token_id)
-        batch["position"] = [self.position.epoch, index]
+        batch.info.position = (self.position.epoch, index)
         return batch
 
 
@@ -400,9 +420,9 @@ class EvalDataset(PackedDataset):
     def __len__(self) -> int:
         return len(self.batches)
 
-    def __getitem__(self, k: int) -> dict[str, Any]:
+    def __getitem__(self, k: int) -> Batch:
         batch = super().__getitem__(k)
-        batch["counted"] = k < self.counted
+        batch.info.counted = k < self.counted
         return batch
 
 

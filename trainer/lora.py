@@ -18,21 +18,18 @@ from peft.tuners.lora import LoraLayer
 from transformers import PreTrainedModel
 
 from packtrain.packer.core.errors import ConfigError
+from packtrain.packer.core.families import ModuleLayout
+from packtrain.trainer import param_groups
 from packtrain.trainer.config import LoraSpec
 
 ADAPTER = "default"
-# Module-name prefixes of the parts adapters may go into: the language model's layers, and the
-# vision tower's blocks and mergers, Qwen3-VL's DeepStack ones included (never the embeddings, the
-# LM head or the patch-embedding conv).
-LLM_PREFIX = r"model\.language_model\."
-VISION_PREFIX = r"model\.visual\.(?:blocks|merger|deepstack_merger_list)\."
 
 
-def target_regex(spec: LoraSpec) -> str:
+def target_regex(spec: LoraSpec, modules: ModuleLayout) -> str:
     """PEFT `target_modules` as one regex (PEFT full-matches it against each module's name): a
     module in the language model (and, with `vision`, the vision tower) whose last name part
-    matches one of `spec.target_modules`."""
-    scopes = [LLM_PREFIX] + ([VISION_PREFIX] if spec.vision else [])
+    matches one of `spec.target_modules`; where those parts sit is the family's `modules`."""
+    scopes = [modules.lora_llm] + ([modules.lora_vision] if spec.vision else [])
     names = "|".join(f"(?:{p})" for p in spec.target_modules)
     return f"(?:{'|'.join(scopes)})(?:.*\\.)?(?:{names})"
 
@@ -43,7 +40,7 @@ def apply(model: PreTrainedModel, spec: LoraSpec, base_path: str | Path) -> Peft
         r=spec.rank,
         lora_alpha=spec.alpha,
         lora_dropout=spec.dropout,
-        target_modules=target_regex(spec),
+        target_modules=target_regex(spec, param_groups.layout(model)),
         bias="none",
     )
     try:

@@ -17,12 +17,28 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from packtrain.packer.core.contract import TRAIN_DATA_WAIT, train_metric
+from packtrain.packer.core.contract import (
+    TRAIN_ATTENTION_IMBALANCE,
+    TRAIN_DATA_WAIT,
+    TRAIN_EFFECTIVE_TOKENS_PER_SECOND,
+    TRAIN_EVAL_LOSS,
+    TRAIN_GPU_MEMORY_TOTAL,
+    TRAIN_GPU_MEMORY_USED,
+    TRAIN_GPU_SM_UTILIZATION,
+    TRAIN_INFO,
+    TRAIN_LEARNING_RATE,
+    TRAIN_LOSS,
+    TRAIN_METRIC_PREFIX,
+    TRAIN_MFU,
+    TRAIN_PADDING_RATIO,
+    TRAIN_SAMPLES_PER_SECOND,
+    TRAIN_STEP,
+    TRAIN_STEP_SECONDS,
+    TRAIN_TOKENS_PER_SECOND,
+)
 
 if TYPE_CHECKING:  # imported where used: the device benchmark reads the FLOPs model without it
     from prometheus_client import Gauge
-
-INFO_METRIC = "packtrain_train_info"
 
 PEAK_BF16_TFLOPS = {  # dense, per GPU
     "H200": 989.0,
@@ -185,6 +201,33 @@ class GpuProbe:
             return None
 
 
+# The per-step gauges: (full name, help). Each is set from the record key its name ends in
+# (`packtrain_train_loss` <- "loss"), the key the JSON log lines use too.
+STEP_GAUGES: tuple[tuple[str, str], ...] = (
+    (TRAIN_TOKENS_PER_SECOND, "Token slots processed per second (incl. padding)."),
+    (TRAIN_EFFECTIVE_TOKENS_PER_SECOND, "Non-padding tokens per second."),
+    (TRAIN_PADDING_RATIO, "Fraction of processed token slots that are padding."),
+    (TRAIN_SAMPLES_PER_SECOND, "Training samples per second."),
+    (TRAIN_STEP_SECONDS, "Wall time of the last optimizer step."),
+    (TRAIN_LOSS, "Loss of the last step (global token mean)."),
+    (TRAIN_EVAL_LOSS, "Token-mean loss over the evaluation set at the last evaluation."),
+    (TRAIN_LEARNING_RATE, "Current learning rate."),
+    (TRAIN_DATA_WAIT, "Time the last step waited for data."),
+    (TRAIN_STEP, "Optimizer steps completed."),
+    (TRAIN_ATTENTION_IMBALANCE, "Max/mean attention cost across ranks (plan)."),
+)
+# NVML gauges: record key -> (full name, help, labels beyond rank and gpu).
+GPU_GAUGES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "gpu_sm_utilization": (
+        TRAIN_GPU_SM_UTILIZATION,
+        "SM utilisation of this rank's GPU (source: gpm or utilization rate).",
+        ("source",),
+    ),
+    "gpu_memory_used": (TRAIN_GPU_MEMORY_USED, "GPU memory in use (NVML).", ()),
+    "gpu_memory_total": (TRAIN_GPU_MEMORY_TOTAL, "GPU memory size (NVML).", ()),
+}
+
+
 class TrainMetrics:
     """Per-rank gauges; served on `port` when given (each rank on port + local rank)."""
 
@@ -194,56 +237,15 @@ class TrainMetrics:
         self.registry = CollectorRegistry()
         self.rank = str(rank)
         self.port = port
-        labels = ["rank"]
-
-        def gauge(name: str, doc: str, extra: list[str] | None = None) -> Gauge:
-            return Gauge(train_metric(name), doc, labels + (extra or []), registry=self.registry)
-
-        self.g = {
-            "tokens_per_second": gauge(
-                "tokens_per_second", "Token slots processed per second (incl. padding)."
-            ),
-            "effective_tokens_per_second": gauge(
-                "effective_tokens_per_second", "Non-padding tokens per second."
-            ),
-            "padding_ratio": gauge("padding_ratio", "Fraction of processed token slots that are padding."),
-            "samples_per_second": gauge("samples_per_second", "Training samples per second."),
-            "step_seconds": gauge("step_seconds", "Wall time of the last optimizer step."),
-            "loss": gauge("loss", "Loss of the last step (global token mean)."),
-            "eval_loss": gauge(
-                "eval_loss", "Token-mean loss over the evaluation set at the last evaluation."
-            ),
-            "learning_rate": gauge("learning_rate", "Current learning rate."),
-            "data_wait_seconds": Gauge(
-                TRAIN_DATA_WAIT, "Time the last step waited for data.", labels, registry=self.registry
-            ),
-            "step": gauge("step", "Optimizer steps completed."),
-            "attention_imbalance": gauge(
-                "attention_imbalance", "Max/mean attention cost across ranks (plan)."
-            ),
+        self.g: dict[str, Gauge] = {
+            name.removeprefix(TRAIN_METRIC_PREFIX): Gauge(name, doc, ["rank"], registry=self.registry)
+            for name, doc in STEP_GAUGES
         }
         self.probe = GpuProbe.open(device)
         self.peak: float | None = None
         if self.probe is not None:
-            gpu = ["gpu"]
-            self.g["gpu_sm_utilization"] = Gauge(
-                "packtrain_gpu_sm_utilization_percent",
-                "SM utilisation of this rank's GPU (source: gpm or utilization rate).",
-                labels + gpu + ["source"],
-                registry=self.registry,
-            )
-            self.g["gpu_memory_used"] = Gauge(
-                "packtrain_gpu_memory_used_bytes",
-                "GPU memory in use (NVML).",
-                labels + gpu,
-                registry=self.registry,
-            )
-            self.g["gpu_memory_total"] = Gauge(
-                "packtrain_gpu_memory_total_bytes",
-                "GPU memory size (NVML).",
-                labels + gpu,
-                registry=self.registry,
-            )
+            for key, (name, doc, extra) in GPU_GAUGES.items():
+                self.g[key] = Gauge(name, doc, ["rank", "gpu", *extra], registry=self.registry)
         if port is not None:
             start_http_server(port, registry=self.registry)
 
@@ -252,7 +254,7 @@ class TrainMetrics:
         from prometheus_client import Gauge
 
         names = ["rank", *sorted(labels)]
-        gauge = Gauge(INFO_METRIC, "Choices of this run, as labels (value 1).", names, registry=self.registry)
+        gauge = Gauge(TRAIN_INFO, "Choices of this run, as labels (value 1).", names, registry=self.registry)
         gauge.labels(rank=self.rank, **labels).set(1)
 
     def enable_mfu(self, peak_tflops: float | None) -> None:
@@ -261,7 +263,7 @@ class TrainMetrics:
             from prometheus_client import Gauge
 
             self.g["mfu"] = Gauge(
-                "packtrain_train_mfu", "Estimated model FLOPs utilisation.", ["rank"], registry=self.registry
+                TRAIN_MFU, "Estimated model FLOPs utilisation.", ["rank"], registry=self.registry
             )
 
     def update(self, values: dict[str, float]) -> dict[str, float]:

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig, PreTrainedModel
+import transformers
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from packtrain.packer.core.errors import ConfigError
 from packtrain.packer.core.model_spec import ModelSpec, family_for_model_type, model_spec
@@ -91,9 +92,13 @@ def build_model(
     seed: int = 0,
     device: torch.device | str = "cpu",
 ) -> PreTrainedModel:
-    """The Hugging Face model on `device`: pretrained weights, or random init seeded by `seed`
-    (initialised directly on the device: a 3B model inits in seconds on a GPU, minutes on CPU)."""
+    """The family's Hugging Face class (`Family.model_class`) on `device`: pretrained weights, or random
+    init seeded by `seed` (initialised directly on the device: a 3B model inits in seconds on a GPU,
+    minutes on CPU)."""
     config = load_config(folder, overrides)
+    model_class: type[PreTrainedModel] = getattr(
+        transformers, family_for_model_type(config.model_type).model_class
+    )
     impl = HF_IMPLEMENTATION[attention]
     register_backend(attention)
     pretrained = init == "pretrained" or (init == "auto" and has_weights(folder))
@@ -102,13 +107,12 @@ def build_model(
             raise FileNotFoundError(
                 f"model.init is pretrained but {folder} holds no *.safetensors / *.bin weights"
             )
-        model = AutoModelForImageTextToText.from_pretrained(
-            folder, config=config, dtype=dtype, attn_implementation=impl
-        )
+        model = model_class.from_pretrained(folder, config=config, dtype=dtype, attn_implementation=impl)
     else:
         torch.manual_seed(seed)
         with torch.device(device):
-            model = AutoModelForImageTextToText.from_config(config, attn_implementation=impl, dtype=dtype)
+            # What AutoModel's `from_config` calls once it has picked the class.
+            model = model_class._from_config(config, attn_implementation=impl, dtype=dtype)
     # Parameters are already in `dtype`; `.to(dtype=...)` would also cast the rotary `inv_freq`
     # buffers that transformers deliberately keeps in fp32 (bf16 ones skew long-range positions).
     return model.to(device=device)

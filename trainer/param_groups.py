@@ -1,65 +1,26 @@
 """Which part of the model each parameter belongs to, freezing, and the optimizer's parameter groups.
 
 A part (`vision`, `merger`, `llm`, `embeddings`) is a set of submodules of the Hugging Face model,
-named once per model type in `LAYOUTS`, so adding a family is one entry. Parameters are matched
-by identity under those submodules, not by name: adapters a LoRA wrapper inserts below a module
-(`...qkv.lora_A.default.weight`, under whatever prefix) belong to that module's part, and
-sharded (FSDP2) parameters stay the same objects.
+named in the family's registry entry (`Family.modules`), so adding a family stays one entry.
+Parameters are matched by identity under those submodules, not by name: adapters a LoRA wrapper
+inserts below a module (`...qkv.lora_A.default.weight`, under whatever prefix) belong to that
+module's part, and sharded (FSDP2) parameters stay the same objects.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, get_args
 
 import torch
 from torch import nn
 
 from packtrain.packer.core.errors import ConfigError
+from packtrain.packer.core.families import ModuleLayout
+from packtrain.packer.core.model_spec import family_for_model_type
 from packtrain.trainer.config import Module
 
 MODULES: tuple[Module, ...] = get_args(Module)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where each part sits in one model type (paths from the `*ForConditionalGeneration` model)."""
-
-    parts: dict[Module, tuple[str, ...]]
-    # The vision side's submodules in forward order (module lists are expanded): the prefix of it
-    # that has nothing to train runs without autograd.
-    vision_chain: tuple[str, ...]
-
-
-_QWEN2_VL = Layout(
-    parts={
-        "vision": ("model.visual.patch_embed", "model.visual.blocks"),
-        "merger": ("model.visual.merger",),
-        "llm": ("model.language_model.layers", "model.language_model.norm"),
-        "embeddings": ("model.language_model.embed_tokens", "lm_head"),
-    },
-    vision_chain=("model.visual.patch_embed", "model.visual.blocks", "model.visual.merger"),
-)
-LAYOUTS: dict[str, Layout] = {
-    "qwen2_vl": _QWEN2_VL,
-    "qwen2_5_vl": _QWEN2_VL,
-    "qwen3_vl": Layout(
-        parts={
-            "vision": ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks"),
-            "merger": ("model.visual.merger", "model.visual.deepstack_merger_list"),
-            "llm": ("model.language_model.layers", "model.language_model.norm"),
-            "embeddings": ("model.language_model.embed_tokens", "lm_head"),
-        },
-        vision_chain=(
-            "model.visual.patch_embed",
-            "model.visual.pos_embed",
-            "model.visual.blocks",
-            "model.visual.deepstack_merger_list",
-            "model.visual.merger",
-        ),
-    ),
-}
 
 
 def hf_model(model: nn.Module) -> nn.Module:
@@ -70,11 +31,10 @@ def hf_model(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
-def layout(hf: nn.Module) -> Layout:
-    model_type = hf.config.model_type
-    if model_type not in LAYOUTS:
-        raise ValueError(f"no parameter layout for model_type {model_type!r} (known: {sorted(LAYOUTS)})")
-    return LAYOUTS[model_type]
+def layout(hf: nn.Module) -> ModuleLayout:
+    """The module layout of `hf`'s family (from its config's `model_type`)."""
+    config: Any = hf.config
+    return family_for_model_type(config.model_type).modules
 
 
 def frozen_parts(freeze: Iterable[Module]) -> set[Module]:
@@ -93,14 +53,16 @@ def part_of_parameters(model: nn.Module) -> dict[int, Module]:
     default lr and escape freezing silently."""
     hf = hf_model(model)
     owner: dict[int, Module] = {}
-    for part, paths in layout(hf).parts.items():
-        for path in paths:
+    modules = layout(hf)
+    for part in MODULES:
+        for path in modules.part(part):
             for p in hf.get_submodule(path).parameters():
                 owner.setdefault(id(p), part)
     missing = [name for name, p in hf.named_parameters() if id(p) not in owner]
     if missing:
         raise ValueError(
-            f"parameters outside every part of {type(hf).__name__}: {missing[:5]}; add them to LAYOUTS"
+            f"parameters outside every part of {type(hf).__name__}: {missing[:5]}; "
+            "add them to the family's `modules` in packer/core/families.py"
         )
     return owner
 
@@ -133,7 +95,7 @@ def freeze(model: nn.Module, parts: Iterable[Module]) -> list[str]:
     embeddings = hf.get_input_embeddings()
     if not embeddings.weight.requires_grad:  # frozen by `parts` or by LoRA
         embeddings.register_forward_hook(_output_requires_grad)
-    silenced = []
+    silenced: list[str] = []
     for path in layout(hf).vision_chain:
         module = hf.get_submodule(path)
         for name, sub in module.named_children() if isinstance(module, nn.ModuleList) else [("", module)]:

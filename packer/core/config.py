@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 from pydantic.alias_generators import to_camel
 
 from packtrain.packer.core.errors import ConfigError
@@ -31,7 +31,7 @@ class CamelModel(BaseModel):
 
 
 Format = Literal["auto", "sharegpt", "messages", "typed"]
-Family = Literal[FAMILY_NAMES]  # type: ignore[valid-type]  # the registry's entries, one source
+FamilyName = Literal[FAMILY_NAMES]  # type: ignore[valid-type]  # the registry's entries, one source
 Algorithm = Literal["bfd", "next_fit", "swift", "knapsack"]
 OverlongPolicy = Literal["drop", "truncate", "error"]
 LabelMode = Literal["all_assistant", "last_assistant", "all"]
@@ -118,7 +118,8 @@ class SourceConfig(CamelModel):
     media_path_map: dict[str, str] = Field(
         default_factory=dict,
         description="Prefix rewrites applied to media paths before resolving (first match wins), for data "
-        "written for another layout, e.g. {'data/mllm_demo_data/': 'mllm_demo_data/'} or {'/mnt/old/': '/data/'}. "
+        "written for another layout, e.g. {'data/mllm_demo_data/': 'mllm_demo_data/'} or "
+        "{'/mnt/old/': '/data/'}. "
         "Each target is also a folder media may come from (a target ending inside a file name: its folder).",
     )
     max_image_bytes: int = Field(
@@ -185,7 +186,7 @@ MAX_LENGTH_CEILING = 262144
 SEQUENCES_PER_SHARD_CEILING = 16384
 
 
-def _ordered(low: str, high: str) -> dict[str, str]:
+def _ordered(low: str, high: str) -> JsonValue:
     """A CEL rule `low <= high` for two optional fields, with the message pydantic gives too."""
     return {
         "rule": f"!has(self.{low}) || !has(self.{high}) || self.{low} <= self.{high}",
@@ -200,16 +201,16 @@ _PIXEL_ORDER = (("min_pixels", "max_pixels"), ("video_min_pixels", "video_max_pi
 class ModelConfig(CamelModel):
     """Model family and its processor settings: these decide the exact vision-token counts."""
 
-    model_config = CamelModel.model_config | {
-        "json_schema_extra": {
+    model_config = CamelModel.model_config | ConfigDict(
+        json_schema_extra={
             "x-kubernetes-validations": [
-                *(_ordered(to_camel(lo), to_camel(hi)) for lo, hi in _PIXEL_ORDER),
+                *[_ordered(to_camel(lo), to_camel(hi)) for lo, hi in _PIXEL_ORDER],
                 _ordered("minFrames", "maxFrames"),
             ]
         }
-    }
+    )
 
-    family: Family = Field(
+    family: FamilyName = Field(
         "qwen2-vl", description="The model family (its chat template, vision tokens, rope)."
     )
     path: str = Field(..., description="Folder with tokenizer, chat template and preprocessor config.")
@@ -224,13 +225,15 @@ class ModelConfig(CamelModel):
         None,
         ge=1,
         le=MAX_PIXELS_CEILING,
-        description="Pixels per video frame, at least. Default: the folder's video processor config, else the family's, else minPixels.",
+        description="Pixels per video frame, at least. Default: the folder's video processor config, "
+        "else the family's, else minPixels.",
     )
     video_max_pixels: int | None = Field(
         None,
         ge=1,
         le=MAX_PIXELS_CEILING,
-        description="Pixels per video frame, at most. Default: the folder's video processor config, else the family's, else maxPixels.",
+        description="Pixels per video frame, at most. Default: the folder's video processor config, "
+        "else the family's, else maxPixels.",
     )
     fps: float | None = Field(
         None,
@@ -248,7 +251,8 @@ class ModelConfig(CamelModel):
     )
     cap_pixels_per_frame: bool = Field(
         True,
-        description="Qwen3-VL videos: cap each frame's pixels as the reference implementation (qwen-vl-utils) "
+        description="Qwen3-VL videos: cap each frame's pixels as the reference implementation "
+        "(qwen-vl-utils) "
         "does, transformers' cap_pixels_per_frame=True; false spends videoMaxPixels on however few frames "
         "are sampled. Other families bound pixels per frame already.",
     )

@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, Final, NotRequired, TypedDict
+from enum import StrEnum
+from typing import Any, Final, Literal, NotRequired, TypedDict
+
+# The pack stages pods run, in order (finalize runs inside the last materialize worker).
+PackStage = Literal["convert", "plan", "materialize"]
+PACK_STAGES: Final[tuple[PackStage, ...]] = ("convert", "plan", "materialize")
 
 # Termination messages
 
@@ -45,7 +50,8 @@ class ConvertSummary(TypedDict):
 
 
 class SourceCounts(TypedDict):
-    """One `source.paths` entry's samples: records in its files, taken by the mixture (`input`), their fate."""
+    """One `source.paths` entry's samples: records in its files, taken by the mixture (`input`), their
+    fate."""
 
     records: int
     input: int
@@ -121,13 +127,64 @@ class ErrorReport(TypedDict):
     reason: NotRequired[str]
 
 
-class TrainSummary(TypedDict, total=False):
-    """The keys of the trainer's summary the operator reads (it writes more)."""
+class TrainSummary(TypedDict):
+    """The trainer's one-line result: its last stdout line and its termination message.
 
-    steps: int
-    final_loss: float | None
-    eval_loss: float | None
+    The operator reads `steps`, `final_loss`, `eval_loss` and `tokens_per_second` into the SFTJob's
+    status. Totals and rates leave out the first step of a run (warm-up) unless it is the only one;
+    token and sample totals are summed over ranks, and timed by the slowest rank.
+    """
+
+    steps: int  # optimizer steps done, this run and the ones it resumed from
+    steps_this_run: int
+    tokens: int  # token slots processed, padding included
+    effective_tokens: int  # non-padding tokens
     tokens_per_second: float
+    effective_tokens_per_second: float
+    samples_per_second: float
+    padding_ratio: float
+    final_loss: float | None  # None when no step ran or the loss is not finite (NaN is not JSON)
+    eval_loss: float | None  # the last evaluation's token-mean loss; None without an evaluation set
+    eval_units: int
+    steps_per_epoch: int | None
+    epochs: float | None
+    model_flops_per_effective_token: float | None
+    mfu: float | None  # None when the device's peak is unknown (CPU)
+    mode: str  # training.mode
+    attention: str  # the attention backend chosen
+    world_size: int
+    attention_imbalance_max: float  # the epoch plan's max/mean attention cost over ranks
+    resumed_from: str | None  # the checkpoint folder this run resumed from
+    final_model: str | None  # the exported model's folder
+    peak_memory_bytes: NotRequired[int]  # CUDA only
+    gpu_sm_utilization_mean: NotRequired[float]  # with NVML readings only
+
+
+class RejectReason(StrEnum):
+    """Why a sample was rejected: the `reason` of a `rejects.jsonl` line and a key of the manifest's
+    `rejected_by_reason`. One member per code (a StrEnum, so the JSON carries the plain string);
+    the packer's `tokenize.REJECT_REASONS` describes each, and the README's table lists them."""
+
+    BAD_JSON = "bad_json"
+    BAD_UTF8 = "bad_utf8"
+    RECORD_TOO_LARGE = "record_too_large"
+    BAD_PARQUET = "bad_parquet"
+    MALFORMED_RECORD = "malformed_record"
+    EMPTY_CONVERSATION = "empty_conversation"
+    PLACEHOLDER_MISMATCH = "placeholder_mismatch"
+    RESERVED_TOKEN = "reserved_token"
+    REMOTE_MEDIA = "remote_media"
+    MEDIA_OUTSIDE_ROOT = "media_outside_root"
+    MISSING_MEDIA = "missing_media"
+    CORRUPT_MEDIA = "corrupt_media"
+    MEDIA_TYPE_MISMATCH = "media_type_mismatch"
+    UNSUPPORTED_MEDIA = "unsupported_media"
+    MEDIA_TOO_LARGE = "media_too_large"
+    VIDEO_TOO_LARGE = "video_too_large"
+    ASPECT_RATIO = "aspect_ratio"
+    TEMPLATE_ERROR = "template_error"
+    OVERLONG = "overlong"
+    INTERNAL_ERROR = "internal_error"
 
 
 # Reasons a pack fails although every stage ran (plan reports them, the operator shows them).
@@ -182,3 +239,15 @@ TRAIN_DATA_WAIT: Final = train_metric("data_wait_seconds")
 TRAIN_LOSS: Final = train_metric("loss")
 TRAIN_EVAL_LOSS: Final = train_metric("eval_loss")
 TRAIN_TOKENS_PER_SECOND: Final = train_metric("tokens_per_second")
+TRAIN_EFFECTIVE_TOKENS_PER_SECOND: Final = train_metric("effective_tokens_per_second")
+TRAIN_PADDING_RATIO: Final = train_metric("padding_ratio")
+TRAIN_SAMPLES_PER_SECOND: Final = train_metric("samples_per_second")
+TRAIN_STEP_SECONDS: Final = train_metric("step_seconds")
+TRAIN_LEARNING_RATE: Final = train_metric("learning_rate")
+TRAIN_ATTENTION_IMBALANCE: Final = train_metric("attention_imbalance")
+TRAIN_MFU: Final = train_metric("mfu")
+TRAIN_INFO: Final = train_metric("info")  # the run's choices as labels, value 1
+# The GPU gauges of the trainer's ranks keep the `packtrain_gpu_` names dashboards read.
+TRAIN_GPU_SM_UTILIZATION: Final = "packtrain_gpu_sm_utilization_percent"
+TRAIN_GPU_MEMORY_USED: Final = "packtrain_gpu_memory_used_bytes"
+TRAIN_GPU_MEMORY_TOTAL: Final = "packtrain_gpu_memory_total_bytes"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Final
 
+from packtrain.packer.core.contract import RejectReason
+
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1  # anything not the user's input: see the log
 EXIT_CONFIG: Final = 2  # a configuration error, or a damaged or edited pack: the message says what to fix
@@ -29,7 +31,7 @@ class PackIntegrityError(ShardFormatError):
 class MediaError(Exception):
     """A media file that cannot be used; `reason` is a stable reject code."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: RejectReason, detail: str) -> None:
         super().__init__(detail)
         self.reason = reason
         self.detail = detail

@@ -1,8 +1,9 @@
 """The model families packtrain speaks: one entry each, holding every fact that differs between them.
 
 An entry names the Hugging Face classes, the processor defaults (patch and
-merge sizes, normalization, the resize, frame-sampling and video-text rules)
-and the special tokens by *name*. Token ids are never written here: they are
+merge sizes, normalization, the resize, frame-sampling and video-text rules),
+where the parts of the model sit (for freezing, per-part learning rates and
+LoRA) and the special tokens by *name*. Token ids are never written here: they are
 read from a model folder's tokenizer files (`families.model_spec`). A model
 folder's own preprocessor configs override the defaults, as `AutoProcessor`
 does. This module is plain data (no torch, no transformers), so the packer's
@@ -36,15 +37,48 @@ VideoResize = Literal["frame", "volume"]
 
 
 @dataclass(frozen=True)
+class ModuleLayout:
+    """Where the parts of a family's model sit: submodule paths from its `model_class` (module lists
+    are expanded by the trainer), as plain strings so this module needs no torch.
+
+    The four parts are what `model.freeze` and `training.lrMultipliers` name; every parameter must
+    fall under one of them (the trainer refuses a model with parameters outside every part).
+    """
+
+    vision: tuple[str, ...]  # the vision tower's patch embedding and blocks
+    merger: tuple[str, ...]  # the projector(s) into the language model
+    llm: tuple[str, ...]  # decoder layers and final norm
+    embeddings: tuple[str, ...]  # token embeddings and LM head
+    # The vision side's submodules in forward order: the prefix of it with nothing to train runs
+    # without autograd.
+    vision_chain: tuple[str, ...]
+    # Module-name regex prefixes of the parts LoRA adapters may go into (never the embeddings, the LM
+    # head or the patch-embedding conv); PEFT writes the regex into adapter_config.json.
+    lora_llm: str
+    lora_vision: str
+
+    def part(self, name: str) -> tuple[str, ...]:
+        """The submodule paths of part `name` (vision, merger, llm or embeddings)."""
+        if name not in ("vision", "merger", "llm", "embeddings"):
+            raise KeyError(f"no model part {name!r}")
+        paths: tuple[str, ...] = getattr(self, name)
+        return paths
+
+
+_LORA_LLM = r"model\.language_model\."
+# The vision tower's blocks and mergers, Qwen3-VL's DeepStack ones included.
+_LORA_VISION = r"model\.visual\.(?:blocks|merger|deepstack_merger_list)\."
+_LLM = ("model.language_model.layers", "model.language_model.norm")
+_EMBEDDINGS = ("model.language_model.embed_tokens", "lm_head")
+
+
+@dataclass(frozen=True)
 class Family:
     """Static description of one model family (defaults of its HF processor and model classes)."""
 
     name: str  # the `model.family` value
     model_type: str  # config.json `model_type`
-    processor_class: str  # transformers class names, for the reader and the tests
-    image_processor_class: str
-    video_processor_class: str
-    model_class: str
+    model_class: str  # the transformers class the trainer builds
     tokenizer_class: str  # dotted path; imported directly because AutoTokenizer pulls in torch
     patch_size: int
     merge_size: int
@@ -60,6 +94,7 @@ class Family:
     video_timestamps: bool  # one `<t seconds>` + vision block per temporal group (Qwen3-VL)
     time_scaled_rope: bool  # temporal mRoPE ids in seconds (Qwen2.5-VL `tokens_per_second`)
     deepstack: bool  # vision features injected into early LLM layers (Qwen3-VL)
+    modules: ModuleLayout  # where freezing, per-part learning rates and LoRA find each part
     # Special tokens, by name.
     im_start: str = "<|im_start|>"
     assistant_header: str = "<|im_start|>assistant\n"  # rendered text that opens an assistant turn
@@ -105,9 +140,6 @@ _QWEN_TOKENIZER = "transformers.models.qwen2.tokenization_qwen2.Qwen2Tokenizer"
 QWEN2_VL = Family(
     name="qwen2-vl",
     model_type="qwen2_vl",
-    processor_class="Qwen2VLProcessor",
-    image_processor_class="Qwen2VLImageProcessor",
-    video_processor_class="Qwen2VLVideoProcessor",
     model_class="Qwen2VLForConditionalGeneration",
     tokenizer_class=_QWEN_TOKENIZER,
     patch_size=14,
@@ -124,6 +156,15 @@ QWEN2_VL = Family(
     video_timestamps=False,
     time_scaled_rope=False,
     deepstack=False,
+    modules=ModuleLayout(
+        vision=("model.visual.patch_embed", "model.visual.blocks"),
+        merger=("model.visual.merger",),
+        llm=_LLM,
+        embeddings=_EMBEDDINGS,
+        vision_chain=("model.visual.patch_embed", "model.visual.blocks", "model.visual.merger"),
+        lora_llm=_LORA_LLM,
+        lora_vision=_LORA_VISION,
+    ),
 )
 
 # Qwen2.5-VL changes Qwen2-VL only in its classes and its time-scaled video positions.
@@ -131,7 +172,6 @@ QWEN2_5_VL = replace(
     QWEN2_VL,
     name="qwen2.5-vl",
     model_type="qwen2_5_vl",
-    processor_class="Qwen2_5_VLProcessor",
     model_class="Qwen2_5_VLForConditionalGeneration",
     time_scaled_rope=True,
 )
@@ -139,9 +179,6 @@ QWEN2_5_VL = replace(
 QWEN3_VL = Family(
     name="qwen3-vl",
     model_type="qwen3_vl",
-    processor_class="Qwen3VLProcessor",
-    image_processor_class="Qwen2VLImageProcessor",
-    video_processor_class="Qwen3VLVideoProcessor",
     model_class="Qwen3VLForConditionalGeneration",
     tokenizer_class=_QWEN_TOKENIZER,
     patch_size=16,
@@ -158,6 +195,21 @@ QWEN3_VL = Family(
     video_timestamps=True,
     time_scaled_rope=False,
     deepstack=True,
+    modules=ModuleLayout(
+        vision=("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks"),
+        merger=("model.visual.merger", "model.visual.deepstack_merger_list"),
+        llm=_LLM,
+        embeddings=_EMBEDDINGS,
+        vision_chain=(
+            "model.visual.patch_embed",
+            "model.visual.pos_embed",
+            "model.visual.blocks",
+            "model.visual.deepstack_merger_list",
+            "model.visual.merger",
+        ),
+        lora_llm=_LORA_LLM,
+        lora_vision=_LORA_VISION,
+    ),
 )
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (QWEN2_VL, QWEN2_5_VL, QWEN3_VL)}

@@ -234,7 +234,8 @@ def _pixels(config: dict[str, Any], key: str, size_key: str) -> int | None:
 
 
 def vision_spec(folder: Path, cfg: ModelConfig, family: Family | None = None) -> VisionSpec:
-    """Vision settings: explicit config first, then the folder's processor configs, then the family's defaults.
+    """Vision settings: explicit config first, then the folder's processor configs, then the family's
+    defaults.
 
     Videos use `video_preprocessor_config.json` when present and otherwise the
     image processor's bounds, as `AutoProcessor` does for these folders.
@@ -297,13 +298,15 @@ def _renderer(tokenizer: Any, template: str) -> Callable[[list[dict[str, Any]]],
     try:
         from transformers.utils.chat_template_utils import _compile_jinja_template
     except ImportError:
-        _compile_jinja_template = None
-    if _compile_jinja_template is None:
+        compile_template = None
+    else:
+        compile_template = _compile_jinja_template
+    if compile_template is None:
         return lambda messages: tokenizer.apply_chat_template(
             messages, chat_template=template, tokenize=False
         )
     try:
-        compiled = _compile_jinja_template(template)
+        compiled = compile_template(template)
     except Exception as exc:  # jinja2.TemplateSyntaxError and whatever a hostile template's parse raises
         line = getattr(exc, "lineno", None)
         raise ConfigError(

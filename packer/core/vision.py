@@ -25,6 +25,7 @@ import av
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from packtrain.packer.core.contract import RejectReason
 from packtrain.packer.core.errors import MediaError
 
 MAX_ASPECT_RATIO = 200
@@ -97,7 +98,7 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     """
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise MediaError(
-            "aspect_ratio",
+            RejectReason.ASPECT_RATIO,
             f"{width}x{height}: aspect ratio {max(height, width) / min(height, width):.1f} exceeds "
             f"{MAX_ASPECT_RATIO}, which the Qwen2-VL processor refuses",
         )
@@ -138,7 +139,9 @@ def _volume_resize(num_frames: int, height: int, width: int, spec: VisionSpec) -
     factor, tf = spec.factor, spec.temporal_patch_size
     min_pixels, max_pixels = spec.video_min_pixels, spec.video_max_pixels
     if num_frames < tf:
-        raise MediaError("corrupt_media", f"{num_frames} sampled frame(s); at least {tf} are needed")
+        raise MediaError(
+            RejectReason.CORRUPT_MEDIA, f"{num_frames} sampled frame(s); at least {tf} are needed"
+        )
     if spec.cap_pixels_per_frame:
         frame_cap = spec.max_video_tokens * factor * factor
         per_frame = max(min(frame_cap, max_pixels // num_frames), int(min_pixels * 1.05))
@@ -148,7 +151,7 @@ def _volume_resize(num_frames: int, height: int, width: int, spec: VisionSpec) -
         height, width = int(height * scale), int(width * scale)
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise MediaError(
-            "aspect_ratio",
+            RejectReason.ASPECT_RATIO,
             f"{width}x{height}: aspect ratio {max(height, width) / min(height, width):.1f} exceeds "
             f"{MAX_ASPECT_RATIO}, which the Qwen3-VL video processor refuses",
         )
@@ -186,7 +189,8 @@ def _stride_indices(total_frames: int, video_fps: float, spec: VisionSpec) -> li
     n = math.floor(wanted / tp) * tp
     if n <= 0:
         raise MediaError(
-            "corrupt_media", f"video has {total_frames} frame(s); at least {tp} are needed to sample it"
+            RejectReason.CORRUPT_MEDIA,
+            f"video has {total_frames} frame(s); at least {tp} are needed to sample it",
         )
     step = total_frames / n
     count = math.ceil(total_frames / step)
@@ -200,7 +204,7 @@ def _linspace_indices(total_frames: int, video_fps: float, spec: VisionSpec) -> 
     n = min(max(n, spec.min_frames), spec.max_frames, total_frames)
     if n < spec.temporal_patch_size:
         raise MediaError(
-            "corrupt_media",
+            RejectReason.CORRUPT_MEDIA,
             f"video has {total_frames} frame(s); at least {spec.temporal_patch_size} are needed to sample it",
         )
     return np.linspace(0, total_frames - 1, n).round().astype(int).tolist()
@@ -239,18 +243,18 @@ def probe_image(
     decoded (the packer's media module passes its allow-list and cap).
     """
     try:
-        img = Image.open(io.BytesIO(data), formats=formats)
+        img = Image.open(io.BytesIO(data), formats=tuple(formats) if formats is not None else None)
     except Image.DecompressionBombError as exc:
-        raise MediaError("media_too_large", f"image too large to decode safely: {exc}") from exc
+        raise MediaError(RejectReason.MEDIA_TOO_LARGE, f"image too large to decode safely: {exc}") from exc
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         allowed = f" (allowed formats: {', '.join(formats)})" if formats else ""
-        raise MediaError("corrupt_media", f"not a readable image{allowed}: {exc}") from exc
+        raise MediaError(RejectReason.CORRUPT_MEDIA, f"not a readable image{allowed}: {exc}") from exc
     with img:
         fmt = img.format or "?"
         width, height = img.size
         if max_pixels is not None and width * height > max_pixels:
             raise MediaError(
-                "media_too_large",
+                RejectReason.MEDIA_TOO_LARGE,
                 f"{width}x{height} image has {width * height} pixels, over source.maxImageSourcePixels "
                 f"({max_pixels}); raise it to keep the image",
             )
@@ -263,9 +267,9 @@ def probe_image(
             try:
                 img.load()
             except (OSError, SyntaxError, ValueError) as exc:
-                raise MediaError("corrupt_media", f"{fmt} image does not decode: {exc}") from exc
+                raise MediaError(RejectReason.CORRUPT_MEDIA, f"{fmt} image does not decode: {exc}") from exc
     if width < 1 or height < 1:
-        raise MediaError("corrupt_media", f"image has no pixels ({width}x{height})")
+        raise MediaError(RejectReason.CORRUPT_MEDIA, f"image has no pixels ({width}x{height})")
     if exif and _orientation(exif) in (5, 6, 7, 8):
         width, height = height, width
     return ImageInfo(width, height, fmt)
@@ -327,9 +331,11 @@ def _check_jpeg(data: bytes) -> None:
             continue
         pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
     if sos < 0:
-        raise MediaError("corrupt_media", "JPEG has no image data (no start-of-scan marker)")
+        raise MediaError(RejectReason.CORRUPT_MEDIA, "JPEG has no image data (no start-of-scan marker)")
     if data.rfind(b"\xff\xd9") < sos:
-        raise MediaError("corrupt_media", "JPEG is truncated (no end-of-image marker after the image data)")
+        raise MediaError(
+            RejectReason.CORRUPT_MEDIA, "JPEG is truncated (no end-of-image marker after the image data)"
+        )
 
 
 def _check_png(data: bytes) -> None:
@@ -344,11 +350,13 @@ def _check_png(data: bytes) -> None:
         if ctype[:1].isupper():
             crc = int.from_bytes(data[end - 4 : end], "big")
             if zlib.crc32(data[pos + 4 : end - 4]) != crc:
-                raise MediaError("corrupt_media", f"PNG chunk {ctype.decode('latin-1')} fails its CRC check")
+                raise MediaError(
+                    RejectReason.CORRUPT_MEDIA, f"PNG chunk {ctype.decode('latin-1')} fails its CRC check"
+                )
         if ctype == b"IEND":
             return
         pos = end
-    raise MediaError("corrupt_media", "PNG is truncated (no IEND chunk)")
+    raise MediaError(RejectReason.CORRUPT_MEDIA, "PNG is truncated (no IEND chunk)")
 
 
 # Demuxers whose streams carry the codec's headers (size included) before any frame, so probing
@@ -387,22 +395,24 @@ def probe_video(
     target = str(source) if isinstance(source, Path) else source
     skip = headers_only and format in HEADER_SIZED_DEMUXERS
     try:
-        with av.open(target, format=format, options=dict(_SKIP_DECODE) if skip else None) as container:
+        with av.open(target, "r", format=format, options=dict(_SKIP_DECODE) if skip else None) as container:
             opened = set(container.format.name.split(","))
             if demuxers is not None and not opened & set(demuxers):
-                raise MediaError("corrupt_media", f"container {container.format.name!r} is not allowed")
+                raise MediaError(
+                    RejectReason.CORRUPT_MEDIA, f"container {container.format.name!r} is not allowed"
+                )
             if not container.streams.video:
-                raise MediaError("media_type_mismatch", "file has no video stream")
+                raise MediaError(RejectReason.MEDIA_TYPE_MISMATCH, "file has no video stream")
             stream = container.streams.video[0]
             header_frames = int(stream.frames or 0)
             rate = stream.average_rate
             if not rate:
-                raise MediaError("corrupt_media", "video has no frame rate in its header")
+                raise MediaError(RejectReason.CORRUPT_MEDIA, "video has no frame rate in its header")
             width, height = stream.codec_context.width, stream.codec_context.height
             if skip and not (width and height):
                 sized = False
             elif not (width and height):
-                raise MediaError("corrupt_media", "video has no frame size in its header")
+                raise MediaError(RejectReason.CORRUPT_MEDIA, "video has no frame size in its header")
             else:
                 sized = True
                 if check is not None and header_frames:
@@ -410,20 +420,20 @@ def probe_video(
                 packets = sum(1 for p in container.demux(video=0) if p.size > 0)
                 total = header_frames or packets
                 if not total:
-                    raise MediaError("corrupt_media", "video has no frames")
+                    raise MediaError(RejectReason.CORRUPT_MEDIA, "video has no frames")
                 if check is not None and not header_frames:
                     check(width, height, total, float(rate))
     except MediaError:
         raise
     except (av.FFmpegError, OSError, ValueError, StopIteration) as exc:
-        raise MediaError("corrupt_media", f"video does not open: {exc}") from exc
+        raise MediaError(RejectReason.CORRUPT_MEDIA, f"video does not open: {exc}") from exc
     if not sized:
         if not isinstance(target, str):
             target.seek(0)
         return probe_video(target, format=format, demuxers=demuxers, check=check, headers_only=False)
     if header_frames and packets < header_frames:
         raise MediaError(
-            "corrupt_media",
+            RejectReason.CORRUPT_MEDIA,
             f"video is truncated: the header lists {header_frames} frames, {packets} are present",
         )
     return VideoInfo(width, height, total, float(rate))

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from packtrain.packer.core.config import SourceConfig
+from packtrain.packer.core.contract import RejectReason
 from packtrain.packer.core.errors import ConfigError, MediaError
 from packtrain.packer.core.pack.shards import atomic_write
 from packtrain.packer.core.pixels import SNIFF_BYTES, looks_like_image, sniff_container
@@ -164,10 +165,13 @@ class MediaRoots:
         """The resolved path of a media reference, or MediaError; nothing outside the roots is opened."""
         if is_url(ref):
             raise MediaError(
-                "remote_media", f"{ref[:80]!r}: URLs are not fetched; name a file below the media root"
+                RejectReason.REMOTE_MEDIA,
+                f"{ref[:80]!r}: URLs are not fetched; name a file below the media root",
             )
         if "\0" in ref:
-            raise MediaError("missing_media", f"{ref[:80]!r}: a path cannot contain a NUL character")
+            raise MediaError(
+                RejectReason.MISSING_MEDIA, f"{ref[:80]!r}: a path cannot contain a NUL character"
+            )
         for old, new in self.path_map.items():
             if ref.startswith(old):
                 ref = new + ref[len(old) :]
@@ -180,7 +184,7 @@ class MediaRoots:
         except (OSError, ValueError):
             real = ""
         if not real or not within(real, self.roots(dataset_dir)):
-            raise MediaError("media_outside_root", f"{ref[:200]!r}: {_OUTSIDE}")
+            raise MediaError(RejectReason.MEDIA_OUTSIDE_ROOT, f"{ref[:200]!r}: {_OUTSIDE}")
         return Path(real)
 
 
@@ -272,7 +276,9 @@ class MediaAccess:
         data = ref.data
         cap = self.limits.image_bytes if kind == "image" else self.limits.video_bytes
         if len(data) > cap:
-            raise MediaError("media_too_large", f"{ref}: {_too_large(kind, len(data), cap).detail}")
+            raise MediaError(
+                RejectReason.MEDIA_TOO_LARGE, f"{ref}: {_too_large(kind, len(data), cap).detail}"
+            )
         digest = hashlib.sha256(data).hexdigest()
         path = (self.embedded_dir or Path(EMBEDDED_DIR)) / digest[:2] / digest
         item = self._cached(
@@ -298,7 +304,9 @@ def _decoded(name: str, work: Callable[[], MediaItem]) -> MediaItem:
     except MediaError as exc:
         raise MediaError(exc.reason, f"{name}: {exc.detail}") from exc
     except Exception as exc:  # one file must not stop a worker
-        raise MediaError("corrupt_media", f"{name}: unreadable ({type(exc).__name__}: {exc})") from exc
+        raise MediaError(
+            RejectReason.CORRUPT_MEDIA, f"{name}: unreadable ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 def measure(
@@ -316,9 +324,11 @@ def measure(
     except MediaError as exc:
         raise MediaError(exc.reason, f"{path}: {exc.detail}") from exc
     except OSError as exc:
-        raise MediaError("missing_media", f"{path}: cannot read ({exc.strerror or exc})") from exc
+        raise MediaError(RejectReason.MISSING_MEDIA, f"{path}: cannot read ({exc.strerror or exc})") from exc
     except Exception as exc:  # decoders raise anything on hostile input; one file must not stop a worker
-        raise MediaError("corrupt_media", f"{path}: unreadable ({type(exc).__name__}: {exc})") from exc
+        raise MediaError(
+            RejectReason.CORRUPT_MEDIA, f"{path}: unreadable ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 def open_regular(path: Path, kind: str, cap: int, roots: frozenset[str] | None = None) -> BinaryIO:
@@ -331,21 +341,24 @@ def open_regular(path: Path, kind: str, cap: int, roots: frozenset[str] | None =
     try:
         fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError as exc:
-        raise MediaError("missing_media", f"{path}: no such file") from exc
+        raise MediaError(RejectReason.MISSING_MEDIA, f"{path}: no such file") from exc
     except OSError as exc:
-        raise MediaError("missing_media", f"{path}: cannot open ({exc.strerror or exc})") from exc
+        raise MediaError(RejectReason.MISSING_MEDIA, f"{path}: cannot open ({exc.strerror or exc})") from exc
     f = os.fdopen(fd, "rb")
     try:
         st = os.fstat(fd)
         opened = _opened_path(fd)
         if roots is not None and opened is not None and not within(opened, roots):
-            raise MediaError("media_outside_root", f"{path}: {_OUTSIDE}")
+            raise MediaError(RejectReason.MEDIA_OUTSIDE_ROOT, f"{path}: {_OUTSIDE}")
         if not stat.S_ISREG(st.st_mode):
             raise MediaError(
-                "unsupported_media", f"{path}: not a regular file (a folder, FIFO, socket or device)"
+                RejectReason.UNSUPPORTED_MEDIA,
+                f"{path}: not a regular file (a folder, FIFO, socket or device)",
             )
         if st.st_size > cap:
-            raise MediaError("media_too_large", f"{path}: {_too_large(kind, st.st_size, cap).detail}")
+            raise MediaError(
+                RejectReason.MEDIA_TOO_LARGE, f"{path}: {_too_large(kind, st.st_size, cap).detail}"
+            )
     except BaseException:
         f.close()
         raise
@@ -383,7 +396,8 @@ def _too_large(kind: str, size: int, cap: int, at_least: bool = False) -> MediaE
     setting = "source.maxImageBytes" if kind == "image" else "source.maxVideoBytes"
     more = "more than " if at_least else ""
     return MediaError(
-        "media_too_large", f"{kind} file has {more}{size} bytes, over {setting} ({cap}); raise it to keep it"
+        RejectReason.MEDIA_TOO_LARGE,
+        f"{kind} file has {more}{size} bytes, over {setting} ({cap}); raise it to keep it",
     )
 
 
@@ -392,8 +406,8 @@ def _image_item(path: Path, data: bytes, spec: VisionSpec, limits: MediaLimits) 
     try:
         info = probe_image(data, formats=IMAGE_FORMATS, max_pixels=limits.image_pixels)
     except MediaError as exc:
-        if exc.reason == "corrupt_media" and sniff_container(data[:SNIFF_BYTES]) is not None:
-            raise MediaError("media_type_mismatch", "a video file is used as an image") from exc
+        if exc.reason == RejectReason.CORRUPT_MEDIA and sniff_container(data[:SNIFF_BYTES]) is not None:
+            raise MediaError(RejectReason.MEDIA_TYPE_MISMATCH, "a video file is used as an image") from exc
         raise
     g = image_grid(info, spec)
     return MediaItem(
@@ -406,8 +420,8 @@ def _video_item(path: Path, f: BinaryIO, cap: int, spec: VisionSpec, limits: Med
     demuxer = sniff_container(head)
     if demuxer is None:
         if looks_like_image(head):
-            raise MediaError("media_type_mismatch", "an image file is used as a video")
-        raise MediaError("corrupt_media", f"not a video in an allowed container ({_VIDEO_NAMES})")
+            raise MediaError(RejectReason.MEDIA_TYPE_MISMATCH, "an image file is used as a video")
+        raise MediaError(RejectReason.CORRUPT_MEDIA, f"not a video in an allowed container ({_VIDEO_NAMES})")
     f.seek(0)
     key = hash_capped(f, cap, "video")
     f.seek(0)
@@ -417,7 +431,7 @@ def _video_item(path: Path, f: BinaryIO, cap: int, spec: VisionSpec, limits: Med
         work = width * height * sampled
         if work > limits.video_pixels:
             raise MediaError(
-                "video_too_large",
+                RejectReason.VIDEO_TOO_LARGE,
                 f"{width}x{height} x {sampled} sampled frames = {work} source pixels to decode, over "
                 f"source.maxVideoSourcePixels ({limits.video_pixels}); raise it or lower model.maxFrames/fps",
             )

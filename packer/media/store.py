@@ -17,6 +17,7 @@ from typing import Any, BinaryIO
 import numpy as np
 from PIL import Image
 
+from packtrain.packer.core.contract import RejectReason
 from packtrain.packer.core.errors import ConfigError, MediaError
 from packtrain.packer.core.pixels import SNIFF_BYTES, decode_rgb, resize_uint8, sniff_container
 from packtrain.packer.media.access import MediaLimits, hash_capped, open_regular, read_capped
@@ -71,7 +72,7 @@ def _sampled(f: BinaryIO, indices: list[int], name: str) -> Iterator[tuple[int, 
         f.seek(0)
         demuxer = sniff_container(f.read(SNIFF_BYTES))
         if demuxer is None:
-            raise MediaError("corrupt_media", f"{name}: not a video in an allowed container")
+            raise MediaError(RejectReason.CORRUPT_MEDIA, f"{name}: not a video in an allowed container")
         f.seek(0)
         with av.open(f, format=demuxer) as container:
             stream = container.streams.video[0]
@@ -79,7 +80,7 @@ def _sampled(f: BinaryIO, indices: list[int], name: str) -> Iterator[tuple[int, 
             for i, frame in enumerate(container.decode(stream)):
                 if (frame.width, frame.height) != declared:
                     raise MediaError(
-                        "corrupt_media",
+                        RejectReason.CORRUPT_MEDIA,
                         f"{name}: frame {i} is {frame.width}x{frame.height}, but the stream declares "
                         f"{declared[0]}x{declared[1]}",
                     )
@@ -95,7 +96,7 @@ def _sampled(f: BinaryIO, indices: list[int], name: str) -> Iterator[tuple[int, 
     missing = wanted - got
     if missing:
         raise MediaError(
-            "corrupt_media",
+            RejectReason.CORRUPT_MEDIA,
             f"{name}: sampled frames {sorted(missing)[:5]} could not be decoded ({len(got)} of {len(wanted)} were)",
         )
 
@@ -116,7 +117,9 @@ def decode_failure(exc: Exception, name: str) -> MediaError | ConfigError:
             "readable at convert time. Restore it (or the storage it is on) and re-run, or re-pack into a "
             "new output folder"
         )
-    return MediaError("corrupt_media", f"{name}: video does not decode ({type(exc).__name__}: {exc})")
+    return MediaError(
+        RejectReason.CORRUPT_MEDIA, f"{name}: video does not decode ({type(exc).__name__}: {exc})"
+    )
 
 
 def _checked_open(

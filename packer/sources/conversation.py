@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from packtrain.packer.core.config import FieldMap
+from packtrain.packer.core.contract import RejectReason
 from packtrain.packer.core.families import Family
 
 
 class SampleError(Exception):
     """Why one record cannot become a sample; `reason` is a stable reject code."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: RejectReason, detail: str) -> None:
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
@@ -63,7 +64,8 @@ def detect_format(record: dict[str, Any], fm: FieldMap) -> str:
             return "typed"
         return "messages"
     raise SampleError(
-        "malformed_record", f"record has neither a {fm.conversations!r} nor a {fm.messages!r} list of turns"
+        RejectReason.MALFORMED_RECORD,
+        f"record has neither a {fm.conversations!r} nor a {fm.messages!r} list of turns",
     )
 
 
@@ -97,7 +99,9 @@ class ConversationParser:
         column = fm.conversations if fmt == "sharegpt" else fm.messages
         raw_turns = record.get(column)
         if not isinstance(raw_turns, list):
-            raise SampleError("malformed_record", f"format {fmt}: {column!r} is missing or not a list")
+            raise SampleError(
+                RejectReason.MALFORMED_RECORD, f"format {fmt}: {column!r} is missing or not a list"
+            )
         _refuse_audio(record, fm)
         role_key, content_key = (fm.role_key, fm.content_key) if fmt == "sharegpt" else ("role", "content")
         media = _MediaPool(
@@ -106,12 +110,14 @@ class ConversationParser:
         turns: list[Turn] = []
         for i, raw in enumerate(raw_turns):
             if not isinstance(raw, dict):
-                raise SampleError("malformed_record", f"turn {i} is a {type(raw).__name__}, not an object")
+                raise SampleError(
+                    RejectReason.MALFORMED_RECORD, f"turn {i} is a {type(raw).__name__}, not an object"
+                )
             role_name = raw.get(role_key, raw.get("role", raw.get("from")))
             role = self.roles.get(role_name) if isinstance(role_name, str) else None
             if role is None:
                 raise SampleError(
-                    "malformed_record",
+                    RejectReason.MALFORMED_RECORD,
                     f"turn {i}: unknown role {role_name!r} (known: {', '.join(self.roles)})",
                 )
             content = raw.get(content_key, raw.get("content", raw.get("value")))
@@ -122,10 +128,12 @@ class ConversationParser:
             elif content is None:
                 parts = []
             else:
-                raise SampleError("malformed_record", f"turn {i}: content is a {type(content).__name__}")
+                raise SampleError(
+                    RejectReason.MALFORMED_RECORD, f"turn {i}: content is a {type(content).__name__}"
+                )
             if role in ("function_call", "observation"):
                 if any(isinstance(p, MediaRef) for p in parts):
-                    raise SampleError("malformed_record", f"turn {i}: media in a {role} turn")
+                    raise SampleError(RejectReason.MALFORMED_RECORD, f"turn {i}: media in a {role} turn")
                 text = "".join(p for p in parts if isinstance(p, str))
                 if role == "function_call":
                     turns.append(Turn("assistant", [self.family.tool_call_text(text)]))
@@ -158,16 +166,19 @@ class ConversationParser:
                 parts.extend(self._split(part, media))
                 continue
             if not isinstance(part, dict):
-                raise SampleError("malformed_record", f"turn {i}: content part is a {type(part).__name__}")
+                raise SampleError(
+                    RejectReason.MALFORMED_RECORD, f"turn {i}: content part is a {type(part).__name__}"
+                )
             kind = part.get("type")
             if kind in _AUDIO_TYPES or "audio" in part:
                 raise SampleError(
-                    "unsupported_media", f"turn {i}: audio parts are not supported by Qwen2-VL models"
+                    RejectReason.UNSUPPORTED_MEDIA,
+                    f"turn {i}: audio parts are not supported by Qwen2-VL models",
                 )
             if kind == "text" or (kind is None and "text" in part):
                 text = part.get("text", part.get("value", ""))
                 if not isinstance(text, str):
-                    raise SampleError("malformed_record", f"turn {i}: text part without a string")
+                    raise SampleError(RejectReason.MALFORMED_RECORD, f"turn {i}: text part without a string")
                 parts.extend(self._split(text, media))
             elif (
                 kind in _TYPED_IMAGE
@@ -177,7 +188,9 @@ class ConversationParser:
                 media_kind = "video" if kind == "video" or (kind is None and "video" in part) else "image"
                 parts.append(media.take(media_kind, _part_path(part, i)))
             else:
-                raise SampleError("malformed_record", f"turn {i}: unknown content part type {kind!r}")
+                raise SampleError(
+                    RejectReason.MALFORMED_RECORD, f"turn {i}: unknown content part type {kind!r}"
+                )
         return parts
 
 
@@ -195,7 +208,7 @@ class _MediaPool:
         pool, used = self.pools[kind], self.used[kind]
         if used >= len(pool):
             raise SampleError(
-                "placeholder_mismatch",
+                RejectReason.PLACEHOLDER_MISMATCH,
                 f"more {kind} placeholders than paths in {self.columns[kind]!r} ({len(pool)})",
             )
         self.used[kind] = used + 1
@@ -205,7 +218,7 @@ class _MediaPool:
         for kind, pool in self.pools.items():
             if self.used[kind] != len(pool):
                 raise SampleError(
-                    "placeholder_mismatch",
+                    RejectReason.PLACEHOLDER_MISMATCH,
                     f"{len(pool)} path(s) in {self.columns[kind]!r} but {self.used[kind]} {kind} placeholder(s) in the turns",
                 )
 
@@ -218,7 +231,9 @@ def _part_path(part: dict[str, Any], i: int) -> str | None:
         if isinstance(value, str) and value:
             return value
         if value is not None and not isinstance(value, str):
-            raise SampleError("malformed_record", f"turn {i}: media part {key!r} is not a path string")
+            raise SampleError(
+                RejectReason.MALFORMED_RECORD, f"turn {i}: media part {key!r} is not a path string"
+            )
     return None
 
 
@@ -231,14 +246,14 @@ def _media_list(record: dict[str, Any], column: str, kind: str) -> list[str]:
         return []
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(v, str) and v for v in items):
-        raise SampleError("malformed_record", f"{column!r} must be a path or a list of paths")
+        raise SampleError(RejectReason.MALFORMED_RECORD, f"{column!r} must be a path or a list of paths")
     return items
 
 
 def _refuse_audio(record: dict[str, Any], fm: FieldMap) -> None:
     if record.get(fm.audios):
         raise SampleError(
-            "unsupported_media",
+            RejectReason.UNSUPPORTED_MEDIA,
             f"record has {fm.audios!r}: audio input is not supported by the Qwen-VL families",
         )
 
@@ -247,7 +262,7 @@ def _check_media_roles(turns: list[Turn]) -> None:
     for i, turn in enumerate(turns):
         if turn.role == "assistant" and turn.has_media:
             raise SampleError(
-                "malformed_record", f"turn {i}: media in an assistant turn cannot be trained on"
+                RejectReason.MALFORMED_RECORD, f"turn {i}: media in an assistant turn cannot be trained on"
             )
 
 
@@ -259,7 +274,7 @@ def _with_system(turns: list[Turn], record: dict[str, Any], fm: FieldMap, family
         head, rest = turns[0], turns[1:]
         system_text: str | None = head.text
         if head.has_media:
-            raise SampleError("malformed_record", "media in the system turn are not supported")
+            raise SampleError(RejectReason.MALFORMED_RECORD, "media in the system turn are not supported")
     else:
         rest = turns
         system_text = system if isinstance(system, str) and system else None
@@ -275,9 +290,11 @@ def _tools(value: Any) -> list[Any]:
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
-            raise SampleError("malformed_record", f"tools: not valid JSON ({exc})") from exc
+            raise SampleError(RejectReason.MALFORMED_RECORD, f"tools: not valid JSON ({exc})") from exc
     if isinstance(value, dict):
         return [value]
     if not isinstance(value, list):
-        raise SampleError("malformed_record", f"tools: expected a list, got {type(value).__name__}")
+        raise SampleError(
+            RejectReason.MALFORMED_RECORD, f"tools: expected a list, got {type(value).__name__}"
+        )
     return value

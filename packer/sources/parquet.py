@@ -24,7 +24,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from packtrain.packer.sources.records import MAX_NESTING_DEPTH, SKIPPED, RawRecord, Want
+from packtrain.packer.core.contract import RejectReason
+from packtrain.packer.sources.raw import MAX_NESTING_DEPTH, RawRecord, Want, skipped
 
 BATCH_ROWS = 64
 """Rows decoded at a time: a batch of images is what memory holds, whatever the row group size."""
@@ -93,7 +94,9 @@ def read_parquet(path: Path, unit_wanted: Want, times: Sequence[int] | None = No
     """
     opened = _open(path)
     if isinstance(opened, str):
-        yield RawRecord(path, 0, None, opened, "bad_parquet") if unit_wanted() else _skipped(path, 0)
+        yield (
+            RawRecord(path, 0, None, opened, RejectReason.BAD_PARQUET) if unit_wanted() else skipped(path, 0)
+        )
         return
     meta = opened.metadata
     start = 0
@@ -104,12 +107,8 @@ def read_parquet(path: Path, unit_wanted: Want, times: Sequence[int] | None = No
             yield from _read_group(opened, path, g, start, rows)
         else:
             for i in range(start, start + rows):
-                yield _skipped(path, i)
+                yield skipped(path, i)
         start += rows
-
-
-def _skipped(path: Path, index: int) -> RawRecord:
-    return RawRecord(path, index, None, None, SKIPPED)
 
 
 def _read_group(pf: pq.ParquetFile, path: Path, group: int, start: int, rows: int) -> Iterator[RawRecord]:
@@ -126,11 +125,11 @@ def _read_group(pf: pq.ParquetFile, path: Path, group: int, start: int, rows: in
     except Exception as exc:  # a corrupt page, a bad compression stream, an unsupported type
         detail = f"{path.name}: row group {group} does not decode ({type(exc).__name__}: {str(exc)[:200]})"
         for i in range(index, end):
-            yield RawRecord(path, i, None, detail, "bad_parquet")
+            yield RawRecord(path, i, None, detail, RejectReason.BAD_PARQUET)
         return
     for i in range(index, end):
         detail = f"{path.name}: row group {group} holds fewer rows than its footer declares ({rows})"
-        yield RawRecord(path, i, None, detail, "bad_parquet")
+        yield RawRecord(path, i, None, detail, RejectReason.BAD_PARQUET)
 
 
 def _batch_records(batch: pa.RecordBatch, path: Path, start: int) -> list[RawRecord]:
@@ -145,7 +144,9 @@ def _batch_records(batch: pa.RecordBatch, path: Path, start: int) -> list[RawRec
         try:
             out.append(_record(path, start + i, batch.slice(i, 1).to_pylist()[0]))
         except Exception as exc:
-            reason = "bad_utf8" if isinstance(exc, UnicodeDecodeError) else "bad_parquet"
+            reason = (
+                RejectReason.BAD_UTF8 if isinstance(exc, UnicodeDecodeError) else RejectReason.BAD_PARQUET
+            )
             detail = f"{path.name}: row {start + i} does not convert ({type(exc).__name__}: {str(exc)[:200]})"
             out.append(RawRecord(path, start + i, None, detail, reason))
     return out

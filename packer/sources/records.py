@@ -21,25 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from packtrain.packer.core.contract import RejectReason
 from packtrain.packer.core.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class RawRecord:
-    """One input record, or why it could not be read (`reason` is the reject code)."""
-
-    source: Path
-    index: int
-    record: dict[str, Any] | None
-    error: str | None
-    reason: str | None = None
-    name: str = ""  # the source's name in rejects and shards (see `source_names`); default: the file name
-    copy: int = 0  # which repeat of the record this is, when a mixture weight above 1 repeats it
-
-    @property
-    def source_name(self) -> str:
-        return self.name or self.source.name
-
+from packtrain.packer.sources.raw import MAX_NESTING_DEPTH, RawRecord, Want, skipped
 
 _GLOB_CHARS = frozenset("*?[")
 
@@ -108,10 +92,6 @@ def source_names(files: Sequence[Path]) -> list[str]:
     return names
 
 
-SKIPPED = "skipped"
-"""`RawRecord.reason` of a record `iter_records(select=...)` did not read (it is not a reject)."""
-
-Want = Callable[[], bool]
 Copies = Sequence[int] | None
 """How many times each record of a file is taken (a mixture's sample); None: each once."""
 Weigh = Callable[[list[SourceFile]], list[Copies]]
@@ -182,10 +162,6 @@ def count_records(path: Path) -> int:
     return sum(1 for _ in _read_file(path, lambda: False))
 
 
-def _skipped(path: Path, index: int) -> RawRecord:
-    return RawRecord(path, index, None, None, SKIPPED)
-
-
 def _read_file(path: Path, want: Want | None = None) -> Iterator[RawRecord]:
     with path.open("rb") as f:
         head = f.read(4096).lstrip()
@@ -204,12 +180,6 @@ A larger one is a `record_too_large` reject, counted but never decoded or parsed
 in memory whole: a line is read in bounded pieces, an array item scanned chunk by chunk. Real
 samples are far smaller (media are files, not inline), so this only stops a hostile record from
 taking a worker's memory."""
-
-MAX_NESTING_DEPTH = 64
-"""Deepest nesting of objects and arrays a record may have; deeper is a `bad_json` reject.
-
-Found by counting brackets before anything is parsed, so neither `json.loads` nor a later stage
-(chat templates render `tools`) recurses towards Python's limit; real records nest ~10 deep."""
 
 READ_CHUNK_BYTES = 1 << 20
 """Bytes read at a time while streaming a JSON array (and discarding an over-long line)."""
@@ -384,7 +354,7 @@ def _read_array(path: Path, want: Want | None = None) -> Iterator[RawRecord]:
                 if item is None:
                     yield _broken(path, index, start, f"the file ends inside item {index}", wanted)
                     return
-                yield _array_record(path, index, item) if wanted else _skipped(path, index)
+                yield _array_record(path, index, item) if wanted else skipped(path, index)
                 index += 1
                 c = reader.peek()
                 if c != _COMMA and c != _CLOSE:
@@ -405,12 +375,12 @@ def _wants(want: Want | None) -> bool:
 def _broken(path: Path, index: int, offset: int, what: str, wanted: bool) -> RawRecord:
     """The rest of a JSON array that no longer splits into items, as one record at `index`."""
     if not wanted:
-        return _skipped(path, index)
+        return skipped(path, index)
     detail = (
         f"{path.name}: the JSON array breaks at byte {offset}: {what}; "
         "the rest of the file is this one reject"
     )
-    return RawRecord(path, index, None, detail, "bad_json")
+    return RawRecord(path, index, None, detail, RejectReason.BAD_JSON)
 
 
 def _array_record(path: Path, index: int, item: _Item) -> RawRecord:
@@ -431,7 +401,7 @@ def _read_lines(path: Path, want: Want | None = None) -> Iterator[RawRecord]:
             if line is not None and not line:
                 continue
             if want is not None and not want():
-                yield _skipped(path, index)
+                yield skipped(path, index)
             elif line is None:
                 yield _too_large(path, index, f"line {lineno}", size)
             elif (deepest := _deepest(line)) > MAX_NESTING_DEPTH:
@@ -472,12 +442,12 @@ def _line_content(raw: bytes, lineno: int) -> bytes:
 
 def _too_large(path: Path, index: int, where: str, size: int) -> RawRecord:
     detail = f"{where}: {size} bytes of JSON, more than the {MAX_RECORD_BYTES} a record may have; not read"
-    return RawRecord(path, index, None, detail, "record_too_large")
+    return RawRecord(path, index, None, detail, RejectReason.RECORD_TOO_LARGE)
 
 
 def _too_deep(path: Path, index: int, where: str, deepest: int) -> RawRecord:
     detail = f"{where}: nested {deepest} levels deep, more than the {MAX_NESTING_DEPTH} a record may have"
-    return RawRecord(path, index, None, detail, "bad_json")
+    return RawRecord(path, index, None, detail, RejectReason.BAD_JSON)
 
 
 def _parse(path: Path, index: int, data: bytes, where: str) -> RawRecord:
@@ -485,11 +455,11 @@ def _parse(path: Path, index: int, data: bytes, where: str) -> RawRecord:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return RawRecord(path, index, None, f"{where}: not valid UTF-8 ({exc})", "bad_utf8")
+        return RawRecord(path, index, None, f"{where}: not valid UTF-8 ({exc})", RejectReason.BAD_UTF8)
     try:
         item = json.loads(text)
     except (ValueError, RecursionError) as exc:  # also too-long ints
-        return RawRecord(path, index, None, f"{where}: not valid JSON ({exc})", "bad_json")
+        return RawRecord(path, index, None, f"{where}: not valid JSON ({exc})", RejectReason.BAD_JSON)
     return _as_record(path, index, item, where, _has_surrogate_escape(data))
 
 
@@ -511,9 +481,13 @@ def _as_record(path: Path, index: int, item: Any, where: str, escapes: bool = Fa
                     index,
                     None,
                     f"{where}: contains an unpaired UTF-16 surrogate escape, which is not valid Unicode text",
-                    "bad_utf8",
+                    RejectReason.BAD_UTF8,
                 )
         return RawRecord(path, index, item, None)
     return RawRecord(
-        path, index, None, f"{where}: expected a JSON object, got {type(item).__name__}", "malformed_record"
+        path,
+        index,
+        None,
+        f"{where}: expected a JSON object, got {type(item).__name__}",
+        RejectReason.MALFORMED_RECORD,
     )

@@ -32,6 +32,7 @@ from packtrain.packer.core.contract import (
     MaterializeSummary,
     PackCounts,
     PlanSummary,
+    RejectReason,
     pack_outcome_error,
 )
 from packtrain.packer.core.errors import ConfigError, MediaError
@@ -54,7 +55,8 @@ from packtrain.packer.core.pack.shards import (
 from packtrain.packer.media.access import EMBEDDED_DIR, MediaLimits, MediaRoots
 from packtrain.packer.media.store import media_blob
 from packtrain.packer.sources.mixture import repeat, source_counts, weigher
-from packtrain.packer.sources.records import SKIPPED, iter_records, source_files
+from packtrain.packer.sources.raw import SKIPPED
+from packtrain.packer.sources.records import iter_records, source_files
 from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample
 
 WORK = "work"
@@ -221,7 +223,7 @@ def _apply_overlong(
         if cut is not None:
             return cut
         detail += "; cannot truncate without cutting a vision-token run or losing all labels"
-    return Reject(sample.source, sample.index, sample.sample_id, "overlong", detail)
+    return Reject(sample.source, sample.index, sample.sample_id, RejectReason.OVERLONG, detail)
 
 
 def sample_tokenizer(cfg: PackConfig, out: Path) -> SampleTokenizer:

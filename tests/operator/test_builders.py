@@ -11,7 +11,7 @@ from operator_fixtures import assert_golden
 
 from packtrain.operator import builders
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
-from packtrain.operator.commands import EXIT_CONFIG
+from packtrain.packer.core.errors import EXIT_CONFIG
 
 DEFAULTS = builders.OperatorDefaults(
     packer_image="ghcr.io/packtrain/packer:test", trainer_image="ghcr.io/packtrain/trainer:test"

@@ -16,7 +16,8 @@ from helm_python.errors import HelmValuesError
 
 from packtrain.operator import builders, cli, render
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
-from packtrain.operator.commands import EXIT_CONFIG, PACK_STAGES
+from packtrain.packer.core.contract import PACK_STAGES
+from packtrain.packer.core.errors import EXIT_CONFIG
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "examples" / "quickstart.yaml"

@@ -17,7 +17,7 @@ from packtrain.packer.core.families import FAMILIES
 from packtrain.packer.core.model_spec import detect_family, family_for_model_type, get_family, model_spec
 from packtrain.packer.core.pack.integrity import grid_problem, model_facts
 from packtrain.packer.core.pack.schema import IGNORE_INDEX
-from packtrain.packer.sources.records import RawRecord
+from packtrain.packer.sources.raw import RawRecord
 from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"

@@ -20,7 +20,8 @@ import pytest
 from packtrain.packer.core.config import ModelConfig, PackConfig, PackingConfig, SourceConfig
 from packtrain.packer.core.errors import MediaError
 from packtrain.packer.media.access import open_regular
-from packtrain.packer.sources.records import RawRecord, iter_records
+from packtrain.packer.sources.raw import RawRecord
+from packtrain.packer.sources.records import iter_records
 from packtrain.packer.stages import all_stages as stages
 from packtrain.packer.tokenize import REJECT_REASONS, Reject, SampleTokenizer, TokenizedSample
 

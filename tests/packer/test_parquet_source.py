@@ -28,7 +28,8 @@ from support.pack_runner import run_in_process
 
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.pack.shards import ShardReader, read_table
-from packtrain.packer.sources.records import SKIPPED, iter_records
+from packtrain.packer.sources.raw import SKIPPED
+from packtrain.packer.sources.records import iter_records
 from packtrain.packer.stages import all_stages as stages
 from packtrain.packer.tools import unpack, verify
 

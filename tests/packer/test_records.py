@@ -15,7 +15,8 @@ import pytest
 from packtrain.packer.core.config import FieldMap, ModelConfig, PackingConfig, SourceConfig
 from packtrain.packer.core.errors import ConfigError
 from packtrain.packer.core.pack.schema import IGNORE_INDEX
-from packtrain.packer.sources.records import RawRecord, expand_paths, iter_records
+from packtrain.packer.sources.raw import RawRecord
+from packtrain.packer.sources.records import expand_paths, iter_records
 from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"

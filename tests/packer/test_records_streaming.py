@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from packtrain.packer.sources import records
-from packtrain.packer.sources.records import SKIPPED, RawRecord, iter_records
+from packtrain.packer.sources.raw import MAX_NESTING_DEPTH, SKIPPED, RawRecord
+from packtrain.packer.sources.records import iter_records
 
 MIXED: list[Any] = [
     {"messages": [{"role": "user", "content": 'quote " bracket ] brace } comma , colon :'}]},
@@ -208,7 +209,7 @@ def test_lone_surrogate_escape_in_an_item_is_bad_utf8(tmp_path: Path) -> None:
 def test_deep_nesting_is_one_bad_json_record(tmp_path: Path, suffix: str) -> None:
     """1000 levels (and 10^5) are one reject, decided by counting brackets: no RecursionError, and
     the neighbours are read; the deepest record still allowed is read as usual."""
-    limit = records.MAX_NESTING_DEPTH
+    limit = MAX_NESTING_DEPTH
     deep = '{"tools": ' + "[" * 999 + "]" * 999 + "}"
     deeper = '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"
     allowed = '{"a": ' + "[" * (limit - 1) + "]" * (limit - 1) + "}"

@@ -19,7 +19,8 @@ import media_factory as mf
 import pytest
 
 from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
-from packtrain.packer.sources.records import RawRecord, iter_records
+from packtrain.packer.sources.raw import RawRecord
+from packtrain.packer.sources.records import iter_records
 from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"

@@ -290,11 +290,12 @@ def test_flex_packed_equals_each_sample_alone(family, shared_dir):
 
 
 def test_chosen_backend_is_a_metric_label():
-    from packtrain.trainer.metrics import INFO_METRIC, TrainMetrics
+    from packtrain.packer.core.contract import TRAIN_INFO
+    from packtrain.trainer.metrics import TrainMetrics
 
     metrics = TrainMetrics(rank=0, device=CPU)
     metrics.info(attention="varlen", mode="packed")
-    samples = [s for m in metrics.registry.collect() if m.name == INFO_METRIC for s in m.samples]
+    samples = [s for m in metrics.registry.collect() if m.name == TRAIN_INFO for s in m.samples]
     assert [(s.labels, s.value) for s in samples] == [
         ({"rank": "0", "attention": "varlen", "mode": "packed"}, 1.0)
     ]

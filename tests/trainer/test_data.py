@@ -159,7 +159,7 @@ def test_pixels_equal_the_processor_in_both_storage_modes(tmp_path, family):
     from transformers import AutoProcessor
 
     from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
-    from packtrain.packer.sources.records import RawRecord
+    from packtrain.packer.sources.raw import RawRecord
     from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
     from packtrain.trainer.media import media_pixels
 
@@ -224,7 +224,7 @@ def test_video_pixels_equal_the_processor_in_both_storage_modes(tmp_path, family
     from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
     from packtrain.packer.media.access import MediaLimits
     from packtrain.packer.media.store import media_blob
-    from packtrain.packer.sources.records import RawRecord
+    from packtrain.packer.sources.raw import RawRecord
     from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
     from packtrain.trainer.media import media_pixels
 

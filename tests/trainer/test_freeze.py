@@ -55,8 +55,8 @@ def test_every_parameter_is_in_exactly_one_part(family, shared_dir):
     model = tiny_qwen3_vl() if family == "qwen3-vl" else tiny(family)
     owner = param_groups.part_of_parameters(model)
     parts_of: dict[int, set[str]] = {}
-    for part, paths in param_groups.layout(model).parts.items():
-        for path in paths:
+    for part in param_groups.MODULES:
+        for path in param_groups.layout(model).part(part):
             for p in model.get_submodule(path).parameters():
                 parts_of.setdefault(id(p), set()).add(part)
     assert all(len(parts) == 1 for parts in parts_of.values())

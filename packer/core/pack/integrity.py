@@ -17,7 +17,7 @@ import io
 import json
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,9 @@ def model_facts(folder: str | Path) -> tuple[ModelFacts, str | None]:
             f"model folder {folder} has no readable config.json ({exc}): token ids are not checked "
             "against the vocabulary, nor vision tokens against the media grids"
         )
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        text = {}
     vocab = _int(config.get("vocab_size")) or _int(text.get("vocab_size"))
     merge = 2
     try:
@@ -168,7 +170,7 @@ class Scan:
     tokens: int = 0
     label_tokens: int = 0
     packed: int = 0
-    sample_ids: list[str] | None = None
+    sample_ids: list[str] = field(default_factory=list)
 
 
 def _png_size(data: bytes) -> tuple[int, int] | None:
@@ -210,7 +212,7 @@ def _lists(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
 def scan_rows(reader: ShardReader, facts: ModelFacts, max_length: int, limit: int = 50) -> Scan:
     """Every row of every shard against `row_problem`, `grid_problem`, `max_length` and its shard's media
     table; each problem names the shard file and row (at most `limit` are listed)."""
-    out = Scan([], Counter(), sample_ids=[])
+    out = Scan([], Counter())
     for s, entry in enumerate(reader.manifest["shards"]):
         table = reader.table(s)
         keys = set(reader.media_table(s).column("key").to_pylist())

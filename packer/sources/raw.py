@@ -1,0 +1,47 @@
+"""What every dataset reader yields: one `RawRecord` per record, readable or not.
+
+Kept apart from the readers (`records` for JSON, `parquet`) so each imports it without
+importing the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    """One input record, or why it could not be read (`reason` is the reject code)."""
+
+    source: Path
+    index: int
+    record: dict[str, Any] | None
+    error: str | None
+    reason: str | None = None
+    name: str = ""  # the source's name in rejects and shards (see `source_names`); default: the file name
+    copy: int = 0  # which repeat of the record this is, when a mixture weight above 1 repeats it
+
+    @property
+    def source_name(self) -> str:
+        return self.name or self.source.name
+
+
+SKIPPED = "skipped"
+"""`RawRecord.reason` of a record `iter_records(select=...)` did not read (it is not a reject)."""
+
+Want = Callable[[], bool]
+"""Asked once per unit of work (a JSON record, a Parquet row group): whether to read it."""
+
+MAX_NESTING_DEPTH = 64
+"""Deepest nesting of objects and arrays a record may have; deeper is a `bad_json` reject.
+
+Found by counting brackets before anything is parsed, so neither `json.loads` nor a later stage
+(chat templates render `tools`) recurses towards Python's limit; real records nest ~10 deep."""
+
+
+def skipped(path: Path, index: int) -> RawRecord:
+    """The placeholder for a record not read (another worker's, or one the mixture does not take)."""
+    return RawRecord(path, index, None, None, SKIPPED)
