@@ -20,7 +20,8 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, model_validator
+from pydantic.config import JsonDict
 
 from packtrain.packer.core.config import CamelModel, ModelConfig, PackingConfig, SourceConfig
 from packtrain.trainer.config import DataSpec, TrainingSpec, TrainModelSpec
@@ -135,7 +136,7 @@ OUTPUT_MOUNT_MESSAGE = (
 UNIQUE_MOUNTS_MESSAGE = "spec.volumes[].mountPath must differ from each other and from spec.output.mountPath"
 
 
-def immutable_rules(kind: str, fields: list[str], required: frozenset[str]) -> list[dict[str, str]]:
+def immutable_rules(kind: str, fields: list[str], required: frozenset[str]) -> list[JsonDict]:
     """CEL transition rules that refuse spec changes after creation, one per field so the error names it.
 
     A half-applied change (new packing for an existing pack, new node count for a
@@ -143,7 +144,7 @@ def immutable_rules(kind: str, fields: list[str], required: frozenset[str]) -> l
     the API server rejects the update instead and says what to do. A field that
     may be absent is compared with `has()` first: adding or removing it is a change too.
     """
-    rules = []
+    rules: list[JsonDict] = []
     for f in fields:
         if f in required:
             rule = f"self.{f} == oldSelf.{f}"
@@ -191,7 +192,7 @@ class Toleration(CamelModel):
 
 
 class Scheduling(CamelModel):
-    """Where pods go, and what they carry. Unset fields take the operator's pool defaults (the chart's values)."""
+    """Where pods go, and what they carry. Unset fields take the operator's pool defaults (the chart's values)."""  # noqa: E501 (the CRD's description)
 
     pod_annotations: dict[str, str] | None = Field(
         None, description="Added to every pod (e.g. cluster-autoscaler or service-mesh opt-outs)."
@@ -212,17 +213,18 @@ RESERVED_VOLUMES = ("output", "config", "tmp")
 class ClaimMount(CamelModel):
     """An extra PersistentVolumeClaim mounted into every pod of the job."""
 
-    model_config = CamelModel.model_config | {
-        "json_schema_extra": {
+    model_config = CamelModel.model_config | ConfigDict(
+        json_schema_extra={
             "x-kubernetes-validations": [
                 {
                     "rule": f"!(self.name in {list(RESERVED_VOLUMES)})",
-                    "message": f"volume names {', '.join(RESERVED_VOLUMES)} are the operator's own: pick another",
+                    "message": f"volume names {', '.join(RESERVED_VOLUMES)} are the operator's own: pick "
+                    "another",
                     "fieldPath": ".name",
                 }
             ]
         }
-    }
+    )
 
     name: str = Field(..., pattern=_NAME, max_length=50, description="Volume name in the pod.")
     claim_name: str = Field(..., min_length=1, description="The PersistentVolumeClaim.")
@@ -245,8 +247,8 @@ class ClaimMount(CamelModel):
 class PackOutput(CamelModel):
     """Where the pack goes: a claim mounted at `mountPath`, the pack under `subPath`."""
 
-    model_config = CamelModel.model_config | {
-        "json_schema_extra": {
+    model_config = CamelModel.model_config | ConfigDict(
+        json_schema_extra={
             "x-kubernetes-validations": [
                 {
                     "rule": f"!(self.mountPath in {list(TRAINING_MOUNTS)})",
@@ -255,7 +257,7 @@ class PackOutput(CamelModel):
                 }
             ]
         }
-    }
+    )
 
     claim_name: str = Field(
         ..., min_length=1, description="PersistentVolumeClaim (ReadWriteMany for >1 worker)."
@@ -289,8 +291,8 @@ class PackWorkers(Scheduling):
 class PackJobSpec(CamelModel):
     """A pack: the packer's `source`, `model` and `packing` plus where and how to run it."""
 
-    model_config = CamelModel.model_config | {
-        "json_schema_extra": {
+    model_config = CamelModel.model_config | ConfigDict(
+        json_schema_extra={
             "x-kubernetes-validations": [
                 {
                     "rule": "!has(self.volumes) || self.volumes.all(v, v.mountPath != self.output.mountPath"
@@ -305,7 +307,7 @@ class PackJobSpec(CamelModel):
                 ),
             ]
         }
-    }
+    )
 
     source: SourceConfig
     model: ModelConfig
@@ -401,7 +403,7 @@ class PackJobStatus(CamelModel):
 
 
 class PackJob(CamelModel):
-    """Packs a vision-language dataset into fixed-length sequences on the CPU pool (convert, plan, materialize)."""
+    """Packs a vision-language dataset into fixed-length sequences on the CPU pool (convert, plan, materialize)."""  # noqa: E501 (the CRD's description)
 
     KIND: ClassVar[str] = "PackJob"
     PLURAL: ClassVar[str] = "packjobs"
@@ -504,12 +506,13 @@ class SFTJobSpec(CamelModel):
         "cleanPodPolicy",
         "serviceAccountName",
     ]
-    model_config = CamelModel.model_config | {
-        "json_schema_extra": {
+    model_config = CamelModel.model_config | ConfigDict(
+        json_schema_extra={
             "x-kubernetes-validations": [
                 {
                     "rule": "has(self.data.path) != has(self.data.packJobRef)",
-                    "message": "spec.data needs exactly one of path (a pack folder) or packJobRef (a PackJob name)",
+                    "message": "spec.data needs exactly one of path (a pack folder) or packJobRef (a "
+                    "PackJob name)",
                     "fieldPath": ".data",
                 },
                 {
@@ -519,13 +522,14 @@ class SFTJobSpec(CamelModel):
                 },
                 {
                     "rule": "has(self.data.packJobRef) || has(self.volumes.data)",
-                    "message": "spec.volumes.data is required with data.path: name the claim that holds the pack",
+                    "message": "spec.volumes.data is required with data.path: name the claim that holds the "
+                    "pack",
                     "fieldPath": ".volumes",
                 },
                 *immutable_rules("SFTJob", IMMUTABLE, required=frozenset({"data", "model", "volumes"})),
             ]
         }
-    }
+    )
 
     data: DataSpec
     model: TrainModelSpec
@@ -567,7 +571,8 @@ class SFTJobSpec(CamelModel):
     def train_config(
         self, data_path: str, metrics: bool = True, eval_path: str | None = None
     ) -> dict[str, Any]:
-        """What `packtrain train -c` reads: the trainer sections, data (and evaluation data) resolved to folders."""
+        """What `packtrain train -c` reads: the trainer sections, data (and evaluation data) resolved to
+        folders."""
         data = self.data.model_copy(
             update={
                 "path": data_path,

@@ -88,7 +88,8 @@ def _policy(raw: Any) -> Policy:
 def _deadlines(raw: Any) -> Deadlines:
     if not isinstance(raw, dict):
         raise ValueError(
-            f"environment variable PACKTRAIN_DEADLINES (the chart's `deadlines`) must be a mapping, got {raw!r}"
+            "environment variable PACKTRAIN_DEADLINES (the chart's `deadlines`) must be a mapping, got "
+            f"{raw!r}"
         )
     try:
         return Deadlines.from_dict(raw)
@@ -149,7 +150,8 @@ class OperatorDefaults:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorDefaults:
-        """`PACKTRAIN_PACKER_IMAGE`, `PACKTRAIN_TRAINER_IMAGE`, JSON `PACKTRAIN_{CPU,GPU}_{NODE_SELECTOR,TOLERATIONS,
+        """`PACKTRAIN_PACKER_IMAGE`, `PACKTRAIN_TRAINER_IMAGE`, JSON
+        `PACKTRAIN_{CPU,GPU}_{NODE_SELECTOR,TOLERATIONS,
         RESOURCES}`, `PACKTRAIN_{RUN_AS_USER,RUN_AS_GROUP,FS_GROUP}`, `PACKTRAIN_JOB_TTL_SECONDS` (JSON: a
         number, or null to keep finished Jobs) and `PACKTRAIN_DEADLINES` (JSON: dataWaitSeconds,
         unschedulableSeconds, stallSeconds)."""
@@ -380,7 +382,11 @@ def _pack_container(name: str, spec: PackJobSpec, stage: PackStage, defaults: Op
     workers = spec.workers
     indexed = stage in INDEXED_STAGES
     extra_mounts = _extra_volumes(spec.volumes)[1]
-    own = workers.resources.model_dump(mode="json", by_alias=True, exclude_none=True) if workers.resources is not None else None
+    own = (
+        workers.resources.model_dump(mode="json", by_alias=True, exclude_none=True)
+        if workers.resources is not None
+        else None
+    )
     return {
         "name": PACK_CONTAINER,
         "image": workers.image or defaults.packer_image,
@@ -589,7 +595,8 @@ def _train_metadata(name: str, namespace: str, spec: SFTJobSpec) -> dict[str, An
 
 
 def _train_scheduling(spec: SFTJobSpec, defaults: OperatorDefaults) -> dict[str, Any]:
-    """The training pods' placement: the SFTJob's own, else the operator's GPU pool (CPU pool with no GPUs)."""
+    """The training pods' placement: the SFTJob's own, else the operator's GPU pool (CPU pool with no
+    GPUs)."""
     res = spec.resources
     if res.gpus_per_node == 0:
         selector, tolerations = defaults.cpu_node_selector, defaults.cpu_tolerations
@@ -679,7 +686,8 @@ def pytorch_job(
 def train_job(
     name: str, namespace: str, spec: SFTJobSpec, data: DataSource, defaults: OperatorDefaults
 ) -> dict:
-    """A `trainer.kubeflow.org/v1alpha1` TrainJob against a (Cluster)TrainingRuntime, default torch-distributed.
+    """A `trainer.kubeflow.org/v1alpha1` TrainJob against a (Cluster)TrainingRuntime, default
+    torch-distributed.
 
     The runtime owns the pod template; volumes and scheduling go in as
     `podTemplateOverrides` on its `node` job. Trainer v2 lets a TrainJob override neither

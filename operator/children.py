@@ -33,7 +33,13 @@ PYTORCHJOB = ChildKind(
     "PyTorchJob", "kubeflow.org", "v1", "pytorchjobs", "pytorchjob", TRAIN_CONTAINER, "pytorchjob_index"
 )
 TRAINJOB = ChildKind(
-    "TrainJob", "trainer.kubeflow.org", "v1alpha1", "trainjobs", "trainjob", TRAINJOB_CONTAINER, "trainjob_index"
+    "TrainJob",
+    "trainer.kubeflow.org",
+    "v1alpha1",
+    "trainjobs",
+    "trainjob",
+    TRAINJOB_CONTAINER,
+    "trainjob_index",
 )
 CHILD_KINDS: tuple[ChildKind, ...] = (PYTORCHJOB, TRAINJOB)
 BY_BACKEND: dict[str, ChildKind] = {c.backend: c for c in CHILD_KINDS}

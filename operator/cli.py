@@ -60,7 +60,8 @@ def _operator_parser(sub: argparse._SubParsersAction) -> None:
         "--log-format",
         choices=("plain", "full", "json"),
         default="full",
-        help="log lines as text (plain: no timestamps) or JSON objects; each names its resource (default: %(default)s)",
+        help="log lines as text (plain: no timestamps) or JSON objects; each names its resource (default: "
+        "%(default)s)",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 

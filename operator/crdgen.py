@@ -28,7 +28,8 @@ class SchemaError(ValueError):
 
 
 def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
-    """Inline `$ref`, `allOf: [$ref]` and `anyOf: [X, null]`, keeping the outer keys (description, default)."""
+    """Inline `$ref`, `allOf: [$ref]` and `anyOf: [X, null]`, keeping the outer keys (description,
+    default)."""
     node = dict(node)
     while True:
         if "$ref" in node:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from packtrain.operator.reasons import ConditionReason as R
 from packtrain.packer.core.contract import TRAIN_DATA_WAIT
@@ -48,7 +48,7 @@ class Deadlines:
         values = {keys[k]: None if k in never and not v else float(v) for k, v in raw.items()}
         if any(v is not None and v <= 0 for v in values.values()):
             raise ValueError(f"deadlines must be positive seconds, got {dict(raw)}")
-        out = cls(**values)
+        out = cls(**cast(dict[str, Any], values))  # None only for the optional training_stall_fail
         if out.training_stall_fail is not None and out.training_stall_fail <= out.training_stall:
             raise ValueError(
                 "trainingStallFailSeconds must be longer than trainingStallSeconds (or 0: never fail), "
@@ -76,7 +76,8 @@ def blocked_since(previous: Mapping[str, Any] | None, reason: str | None, now: s
     return {"reason": str(reason), "since": now}
 
 
-# Training stalls: the trainer's step, scraped while an SFTJob runs (`progress`), against a clock kept in status.
+# Training stalls: the trainer's step, scraped while an SFTJob runs (`progress`), against a clock kept in
+# status.
 
 
 def last_advance(previous: Mapping[str, Any] | None, step: int, now: str) -> str:
@@ -148,24 +149,7 @@ def training_stall(
     logs = f"kubectl logs -n {namespace} {pod}" if pod else f"kubectl logs -n {namespace} -l {selector}"
     limit = duration(deadlines.training_stall)
     if not live or (error and not seen_still):
-        last = (
-            f"the last reading ({read_at}) was step {step}, unchanged since {since}"
-            if step is not None
-            else (f"no step was read since it started running at {since}")
-        )
-        why = (
-            f"{error.get('message')} (since {error.get('since')})"
-            if error
-            else (
-                f"no reading in the last {duration(recent)} (the operator reads again within that time after a restart)"
-            )
-        )
-        return Stall(
-            R.NO_LIVE_PROGRESS,
-            f"no live progress: {why}; {last}, so whether training moves within the {limit} training-stall "
-            f"deadline is unknown. Check that the operator can reach the trainer's metrics port (a "
-            f"NetworkPolicy), then the trainer's log ({logs})",
-        )
+        return _no_live_progress(step, since, read_at, error, recent, limit, logs)
     if not seen_still:  # the readings so far are within the deadline; the next one decides
         return None
     said = (
@@ -174,9 +158,10 @@ def training_stall(
         else (f"no training step since the job started running at {since}")
     )
     message = (
-        f"{said}, longer than the {limit} training-stall deadline (last read {read_at}). Look at rank 0's log "
-        f"({logs}) and every rank's (kubectl logs -n {namespace} -l {selector} --prefix) for a hung collective "
-        f"or a dead rank, and at {TRAIN_DATA_WAIT} (time the last steps waited for data) for a stuck data loader"
+        f"{said}, longer than the {limit} training-stall deadline (last read {read_at}). Look at rank "
+        f"0's log ({logs}) and every rank's (kubectl logs -n {namespace} -l {selector} --prefix) for a "
+        f"hung collective or a dead rank, and at {TRAIN_DATA_WAIT} (time the last steps waited for data) "
+        "for a stuck data loader"
     )
     fail_after = deadlines.training_stall_fail
     if fail_after is not None and still_for > fail_after:
@@ -187,6 +172,31 @@ def training_stall(
             fail=True,
         )
     return Stall(R.TRAINING_STALLED, message)
+
+
+def _no_live_progress(
+    step: Any, since: str, read_at: Any, error: Mapping[str, Any], recent: float, limit: str, logs: str
+) -> Stall:
+    """No recent reading (or only failed ones): say so, and fail nothing."""
+    last = (
+        f"the last reading ({read_at}) was step {step}, unchanged since {since}"
+        if step is not None
+        else (f"no step was read since it started running at {since}")
+    )
+    why = (
+        f"{error.get('message')} (since {error.get('since')})"
+        if error
+        else (
+            f"no reading in the last {duration(recent)} (the operator reads again within that time "
+            "after a restart)"
+        )
+    )
+    return Stall(
+        R.NO_LIVE_PROGRESS,
+        f"no live progress: {why}; {last}, so whether training moves within the {limit} training-stall "
+        f"deadline is unknown. Check that the operator can reach the trainer's metrics port (a "
+        f"NetworkPolicy), then the trainer's log ({logs})",
+    )
 
 
 def _later(a: str | None, b: str | None) -> str | None:

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import dataclasses
 import logging
 import os
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import kopf
 import kubernetes
@@ -35,15 +34,14 @@ from pydantic import ValidationError
 from packtrain.operator import builders, deadlines, logs, metrics, ownership, policy, progress
 from packtrain.operator import status as st
 from packtrain.operator.api import GROUP, VERSION, PackJobSpec, SFTJobSpec
-from packtrain.operator.commands import PackStage
+from packtrain.operator.children import BY_BACKEND, BY_KIND, PYTORCHJOB, TRAINJOB, ChildKind
+from packtrain.operator.names import JOB_NAME_LABEL, PACKJOB_LABEL, SFTJOB_LABEL
+from packtrain.operator.reasons import ConditionReason as R
 from packtrain.operator.view import CachedKube, Kube
+from packtrain.packer.core.contract import PACK_STAGES, PackStage
 
 log = logging.getLogger("packtrain.operator")
 
-CHILD_KINDS = {
-    "pytorchjob": ("kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"),
-    "trainjob": ("trainer.kubeflow.org", "v1alpha1", "trainjobs", "TrainJob"),
-}
 RESYNC_INTERVAL = float(os.environ.get("PACKTRAIN_RESYNC_INTERVAL", "60"))
 # Seconds between looks at a parent waiting for its predecessor's children to be garbage-collected.
 LEFTOVER_RECHECK = 2.0
@@ -59,8 +57,10 @@ class ChildRefused(Exception):
     """The API server refused a child for good (a quota or an admission policy, an invalid object)."""
 
 
-class Blocked(Exception):
-    """A same-named object is in a child's way: an earlier parent's being deleted, or someone else's."""
+class ChildInTheWay(Exception):
+    """A same-named object is in a child's way: an earlier parent's being deleted, or someone else's.
+
+    (Not `api.Blocked`, the `status.blocked` model: this one stops a create.)"""
 
     def __init__(self, blocker: ownership.Blocker) -> None:
         super().__init__(blocker.message)
@@ -68,8 +68,9 @@ class Blocked(Exception):
 
 
 def _create_owned(kube: Any, owner: Mapping[str, Any], child: dict[str, Any]) -> None:
-    """Create `child` owned by `owner`; one already there must be the owner's own (`Blocked` otherwise)."""
-    kopf.adopt(child, owner=dict(owner))
+    """Create `child` owned by `owner`; one already there must be the owner's own (`ChildInTheWay`
+    otherwise)."""
+    kopf.adopt(child, owner=kopf.Body(cast(kopf.RawBody, owner)))  # as read from the API: a raw body
     meta = child["metadata"]
     try:
         created = kube.create(child)
@@ -90,67 +91,14 @@ def _create_owned(kube: Any, owner: Mapping[str, Any], child: dict[str, Any]) ->
         return
     existing = kube.read(child)
     if existing is None:  # deleted (by the garbage collector) between the create and the read
-        raise Blocked(
+        raise ChildInTheWay(
             ownership.Blocker(
-                ownership.LEFTOVER,
+                R.PREVIOUS_OBJECT_BEING_DELETED,
                 f"{child['kind']} {meta['namespace']}/{meta['name']} was being deleted; creating it again",
             )
         )
     if (blocker := ownership.blocker(owner, [existing])) is not None:
-        raise Blocked(blocker)
-
-
-def _blocked(body: Mapping[str, Any], blocker: ownership.Blocker) -> dict[str, Any]:
-    """Pending while a predecessor's child is deleted; Failed (NameConflict) for someone else's object."""
-    if not blocker.waiting:
-        return _failed(body, blocker.reason, blocker.message)
-    prev = body.get("status") or {}
-    generation = body["metadata"].get("generation")
-    outcome = st.Outcome("Pending", blocker.reason, blocker.message)
-    return {
-        **prev,
-        "phase": "Pending",
-        "observedGeneration": generation,
-        "conditions": st.lifecycle_conditions(prev.get("conditions") or [], outcome, now(), generation),
-    }
-
-
-def _child_refused(kind: str, body: Mapping[str, Any], exc: ChildRefused) -> dict[str, Any]:
-    """Status for a child the API server would not create: Failed with its message (and a Warning Event)."""
-    return _failed(body, "ChildRefused", f"{exc}. Fix that, then delete and re-create the {kind}.")
-
-
-def _invalid(kind: str, body: Mapping[str, Any], exc: ValidationError) -> dict[str, Any]:
-    """Status for a spec the API server accepted but the models reject (a rule CEL cannot express)."""
-    errors = "; ".join(
-        f"spec.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False)
-    )
-    message = f"invalid {kind} spec: {errors}. Fix it, then delete and re-create the {kind}."
-    return _failed(body, "InvalidSpec", message)
-
-
-def _refused(kind: str, body: Mapping[str, Any], violations: list[policy.Violation]) -> dict[str, Any]:
-    """Status for a spec the cluster policy refuses (created while the admission policy was absent)."""
-    return _failed(
-        body,
-        "PolicyViolation",
-        f"{policy.summary(kind, violations)}. Fix it, then delete and re-create the {kind}.",
-    )
-
-
-def _failed(body: Mapping[str, Any], reason: str, message: str) -> dict[str, Any]:
-    """A terminal `Failed` status; `_post_transition` turns it into a Warning Event."""
-    prev = body.get("status") or {}
-    generation = body["metadata"].get("generation")
-    conds = st.lifecycle_conditions(
-        prev.get("conditions") or [], st.Outcome("Failed", reason, message), now(), generation
-    )
-    return {
-        "phase": "Failed",
-        "observedGeneration": generation,
-        "conditions": conds,
-        "completionTime": prev.get("completionTime") or now(),
-    }
+        raise ChildInTheWay(blocker)
 
 
 def _post_transition(kind: str, body: Mapping[str, Any], status: Mapping[str, Any]) -> None:
@@ -158,7 +106,7 @@ def _post_transition(kind: str, body: Mapping[str, Any], status: Mapping[str, An
     prev = body.get("status") or {}
     event = st.transition_event(prev.get("phase"), st.event_reason(prev), status)
     if event is not None:
-        kopf.event(dict(body), type=event[0], reason=event[1], message=event[2])
+        kopf.event(kopf.Body(cast(kopf.RawBody, body)), type=event[0], reason=event[1], message=event[2])
     meta = body["metadata"]
     metrics.PHASES.record(kind, f"{meta['namespace']}/{meta['name']}", status.get("phase"))
     # One observation per stage per pack: only the write that first records a stage observes it,
@@ -185,13 +133,13 @@ def reconcile_packjob(
     try:
         spec = PackJobSpec.model_validate(body["spec"])
     except ValidationError as exc:
-        return _invalid("PackJob", body, exc)
+        return st.invalid_status("PackJob", body, exc, now())
     jobs = {
         stage: kube.get("batch", "v1", "jobs", namespace, builders.pack_job_name(name, stage))
-        for stage in st.PACK_STAGES
+        for stage in PACK_STAGES
     }
     if (blocker := ownership.blocker(body, jobs.values())) is not None:
-        return _blocked(body, blocker)
+        return st.blocked_status(body, blocker, now())
     pods = {
         stage: ownership.pods_of(job, kube.pods(namespace, _job_selector(name, stage)))
         for stage, job in jobs.items()
@@ -200,24 +148,24 @@ def reconcile_packjob(
     decision = st.pack_status(name, meta.get("generation"), spec, jobs, pods, prev, now(), defaults.deadlines)
     if decision.create is not None:
         if violations := policy.check(spec, defaults):
-            return _refused("PackJob", body, violations)
+            return st.policy_status("PackJob", body, violations, now())
         job_name = builders.pack_job_name(name, decision.create)
         stale_pods = kube.pods(namespace, _job_selector(name, decision.create))
         if (leftover := ownership.leftover_pod(body, f"Job {job_name}", stale_pods)) is not None:
-            return _blocked(body, leftover)
+            return st.blocked_status(body, leftover, now())
         try:
-            if decision.create == st.PACK_STAGES[0]:  # the stages share the config the first one gets
+            if decision.create == PACK_STAGES[0]:  # the stages share the config the first one gets
                 _create_owned(kube, body, builders.pack_config_map(name, namespace, spec))
             _create_owned(kube, body, builders.pack_job(name, namespace, spec, decision.create, defaults))
         except ChildRefused as exc:
-            return _child_refused("PackJob", body, exc)
-        except Blocked as exc:
-            return _blocked(body, exc.blocker)
+            return st.child_refused_status("PackJob", body, str(exc), now())
+        except ChildInTheWay as exc:
+            return st.blocked_status(body, exc.blocker, now())
     return decision.status
 
 
 def _job_selector(name: str, stage: PackStage) -> str:
-    return f"{builders.JOB_NAME_LABEL}={builders.pack_job_name(name, stage)}"
+    return f"{JOB_NAME_LABEL}={builders.pack_job_name(name, stage)}"
 
 
 RECONCILERS = {"packjobs": ("PackJob", reconcile_packjob)}
@@ -289,14 +237,15 @@ def _track_leftovers(
         return
     key = (plural, meta["namespace"], meta["name"])
     ready = st.get_condition(status.get("conditions"), "Ready") or {}
-    if status.get("phase") == "Pending" and ready.get("reason") == ownership.LEFTOVER:
+    if status.get("phase") == "Pending" and ready.get("reason") == R.PREVIOUS_OBJECT_BEING_DELETED:
         leftovers.add(key)
     else:
         leftovers.discard(key)
 
 
-def _parent_event(memo: kopf.Memo, plural: str, namespace: str, name: str, **hints: Any) -> None:
-    parent = memo.view.get(GROUP, VERSION, plural, namespace, name)
+def _parent_event(memo: kopf.Memo, plural: str, namespace: str | None, name: str, **hints: Any) -> None:
+    """A child changed: reconcile its parent (kopf types `namespace` optional; ours are all namespaced)."""
+    parent = memo.view.get(GROUP, VERSION, plural, namespace or "", name)
     if parent is not None and not parent["metadata"].get("deletionTimestamp"):
         write_status(memo, plural, parent, **hints)
 
@@ -320,38 +269,42 @@ def _key(namespace: str | None, name: str) -> tuple[str, str]:
     return (namespace or "", name)
 
 
-@kopf.index("batch", "v1", "jobs", labels={builders.PACKJOB_LABEL: kopf.PRESENT})
-def job_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+@kopf.index("batch", "v1", "jobs", labels={PACKJOB_LABEL: kopf.PRESENT})
+def job_index(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
     return {_key(namespace, name): dict(body)}
 
 
-@kopf.index("", "v1", "pods", labels={builders.PACKJOB_LABEL: kopf.PRESENT})
-def pack_pod_index(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict[Any, Any]:
-    return {(builders.JOB_NAME_LABEL, *_key(namespace, labels.get(builders.JOB_NAME_LABEL, ""))): dict(body)}
+@kopf.index("", "v1", "pods", labels={PACKJOB_LABEL: kopf.PRESENT})
+def pack_pod_index(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[Any, Any]:
+    return {(JOB_NAME_LABEL, *_key(namespace, labels.get(JOB_NAME_LABEL, ""))): dict(body)}
 
 
-@kopf.index("", "v1", "pods", labels={builders.SFTJOB_LABEL: kopf.PRESENT})
-def sft_pod_index(namespace: str, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict[Any, Any]:
-    return {(builders.SFTJOB_LABEL, *_key(namespace, labels[builders.SFTJOB_LABEL])): dict(body)}
+@kopf.index("", "v1", "pods", labels={SFTJOB_LABEL: kopf.PRESENT})
+def sft_pod_index(
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[Any, Any]:
+    return {(SFTJOB_LABEL, *_key(namespace, labels[SFTJOB_LABEL])): dict(body)}
 
 
-@kopf.index("kubeflow.org", "v1", "pytorchjobs", labels={builders.SFTJOB_LABEL: kopf.PRESENT})
-def pytorchjob_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+@kopf.index(PYTORCHJOB.group, PYTORCHJOB.version, PYTORCHJOB.plural, labels={SFTJOB_LABEL: kopf.PRESENT})
+def pytorchjob_index(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
     return {_key(namespace, name): dict(body)}
 
 
-@kopf.index("trainer.kubeflow.org", "v1alpha1", "trainjobs", labels={builders.SFTJOB_LABEL: kopf.PRESENT})
-def trainjob_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+@kopf.index(TRAINJOB.group, TRAINJOB.version, TRAINJOB.plural, labels={SFTJOB_LABEL: kopf.PRESENT})
+def trainjob_index(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
     return {_key(namespace, name): dict(body)}
 
 
 @kopf.index(GROUP, VERSION, "packjobs")
-def packjob_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+def packjob_index(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
     return {_key(namespace, name): dict(body)}
 
 
 @kopf.index(GROUP, VERSION, "sftjobs")
-def sftjob_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+def sftjob_index(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
     return {_key(namespace, name): dict(body)}
 
 
@@ -369,22 +322,26 @@ def packjob_start(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
     )
 
 
-@kopf.on.event("batch", "v1", "jobs", labels={builders.PACKJOB_LABEL: kopf.PRESENT})
-def packjob_child_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **kwargs: Any) -> None:
+@kopf.on.event("batch", "v1", "jobs", labels={PACKJOB_LABEL: kopf.PRESENT})
+def packjob_child_event(
+    namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **kwargs: Any
+) -> None:
     """A stage Job changed: move its PackJob on."""
     _sync(memo, kwargs)
-    _parent_event(memo, "packjobs", namespace, labels[builders.PACKJOB_LABEL])
+    _parent_event(memo, "packjobs", namespace, labels[PACKJOB_LABEL])
 
 
-@kopf.on.event("", "v1", "pods", labels={builders.PACKJOB_LABEL: kopf.PRESENT})
-def packjob_pod_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **kwargs: Any) -> None:
+@kopf.on.event("", "v1", "pods", labels={PACKJOB_LABEL: kopf.PRESENT})
+def packjob_pod_event(
+    namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **kwargs: Any
+) -> None:
     """A stage pod changed (e.g. cannot be scheduled, which its Job does not report): refresh the PackJob."""
     _sync(memo, kwargs)
-    _parent_event(memo, "packjobs", namespace, labels[builders.PACKJOB_LABEL])
+    _parent_event(memo, "packjobs", namespace, labels[PACKJOB_LABEL])
 
 
 @kopf.on.event(GROUP, VERSION, "packjobs")
-def packjob_event(type: str | None, namespace: str, name: str, memo: kopf.Memo, **kwargs: Any) -> None:
+def packjob_event(type: str | None, namespace: str | None, name: str, memo: kopf.Memo, **kwargs: Any) -> None:
     """A PackJob changed or went: its gauge, and the SFTJobs that wait for (or train on) its pack."""
     _sync(memo, kwargs)
     if type == "DELETED":
@@ -396,8 +353,10 @@ def packjob_event(type: str | None, namespace: str, name: str, memo: kopf.Memo, 
             write_status(memo, "sftjobs", sft)
 
 
-def _forget(memo: kopf.Memo, kind: str, plural: str, namespace: str, name: str) -> None:
-    """A deleted resource leaves the phase gauge and the caches (kopf runs no delete handler without a finalizer)."""
+def _forget(memo: kopf.Memo, kind: str, plural: str, namespace: str | None, name: str) -> None:
+    """A deleted resource leaves the phase gauge and the caches (kopf runs no delete handler without a
+    finalizer)."""
+    namespace = namespace or ""
     metrics.PHASES.forget(kind, f"{namespace}/{name}")
     memo.latest.pop((plural, namespace, name), None)
     memo.running.discard((namespace, name))
@@ -415,12 +374,13 @@ def reconcile_sftjob(
 ) -> dict[str, Any]:
     """Wait for the data, create the training job once, and mirror its state.
 
+    Reads, then `st.decide_start` (no training job yet) or `st.mirror` (one exists) decides.
     `pod`: the trainer pod of the event being handled, as the event carried it; a pod being
     deleted is already gone from the cache, but its termination message is in this body.
     """
     metrics.RECONCILES.labels("SFTJob").inc()
     meta = body["metadata"]
-    name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
+    name, namespace = meta["name"], meta["namespace"]
     prev = body.get("status") or {}
     if prev.get("phase") in st.TERMINAL:
         _stop_stalled(kube, body, prev)  # again after a restart between the Failed write and the delete
@@ -428,101 +388,84 @@ def reconcile_sftjob(
     try:
         spec = SFTJobSpec.model_validate(body["spec"])
     except ValidationError as exc:
-        return _invalid("SFTJob", body, exc)
-    group, version, plural, kind = CHILD_KINDS[spec.backend]
-    child = kube.get(group, version, plural, namespace, builders.training_job_name(name))
+        return st.invalid_status("SFTJob", body, exc, now())
+    kind = BY_BACKEND[spec.backend]
+    child = kube.get(kind.group, kind.version, kind.plural, namespace, builders.training_job_name(name))
     if child is not None and (blocker := ownership.blocker(body, [child])) is not None:
-        return _blocked(body, blocker)
+        return st.blocked_status(body, blocker, now())
+    packjob = _packjob(kube, namespace, spec.data.pack_job_ref)
     data_path = prev.get("dataPath")
     if child is None:
-        if violations := policy.check(spec, defaults):
-            return _refused("SFTJob", body, violations)
-        pack_spec, pack_status = None, None
-        if spec.data.pack_job_ref is not None:
-            packjob = kube.get(GROUP, VERSION, "packjobs", namespace, spec.data.pack_job_ref)
-            readiness = st.data_readiness(spec.data.pack_job_ref, packjob)
-            if not readiness.ready or packjob is None:
-                return st.waiting_status(generation, readiness, prev, now(), defaults.deadlines)
-            pack_spec, pack_status = PackJobSpec.model_validate(packjob["spec"]), packjob.get("status")
-        data = builders.data_source(spec, pack_spec, pack_status)
-        if (eval_ref := spec.data.eval_pack_job_ref) is not None:
-            evaljob = kube.get(GROUP, VERSION, "packjobs", namespace, eval_ref)
-            readiness = st.data_readiness(eval_ref, evaljob)
-            if not readiness.ready or evaljob is None:
-                return st.waiting_status(generation, readiness, prev, now(), defaults.deadlines)
-            evals = builders.eval_source(data, eval_ref, PackJobSpec.model_validate(evaljob["spec"]))
-            data = dataclasses.replace(data, eval=evals)
+        evaljob = _packjob(kube, namespace, spec.data.eval_pack_job_ref)
+        decision = st.decide_start(body, spec, defaults, packjob, evaljob, now())
+        if (data := decision.create) is None:
+            assert decision.status is not None  # a decision either creates or says why not
+            return decision.status
         data_path = data.path
         child = builders.training_job(name, namespace, spec, data, defaults)
-        stale_pods = kube.pods(namespace, f"{builders.SFTJOB_LABEL}={name}")
-        if (leftover := ownership.leftover_pod(body, f"{kind} {name}", stale_pods)) is not None:
-            return _blocked(body, leftover)
-        try:
-            _create_owned(kube, body, builders.train_config_map(name, namespace, spec, data))
-            _create_owned(kube, body, child)
-        except ChildRefused as exc:
-            return _child_refused("SFTJob", body, exc)
-        except Blocked as exc:
-            return _blocked(body, exc.blocker)
-        except ApiException as exc:
-            if exc.status == 404:
-                raise kopf.TemporaryError(
-                    f"the {kind} API ({group}/{version}) is not installed: install the Kubeflow "
-                    f"{'Trainer v2' if kind == 'TrainJob' else 'training-operator'} CRDs or change spec.backend",
-                    delay=60,
-                ) from exc
-            raise
-    container = builders.TRAIN_CONTAINER if kind == "PyTorchJob" else builders.TRAINJOB_CONTAINER
-    phase = st.child_phase(kind, child)[0]
-    pods = kube.pods(namespace, f"{builders.SFTJOB_LABEL}={name}") if phase != "Suspended" else []
-    if pod is not None:
-        pods = [p for p in pods if p["metadata"]["name"] != pod["metadata"]["name"]] + [dict(pod)]
-    pods = ownership.pods_of(child, pods)
-    failure = next((f for f in (st.pod_failure(p, container, now()) for p in pods) if f is not None), None)
-    known = prev.get("lastFailure") or {}
-    if failure and (failure["pod"], failure["exitCode"]) == (known.get("pod"), known.get("exitCode")):
-        failure = None  # already recorded (keep its first time)
-    train_progress = None
-    if phase in st.TERMINAL:
-        for p in pods:
-            term = st.terminated(p, container)
-            train_progress = train_progress or (st.train_progress(term.summary, now()) if term else None)
-        if train_progress is not None and (max_steps := spec.training.fixed_steps()) is not None:
-            train_progress["maxSteps"] = max_steps
-    data_gone = None
-    ref = spec.data.pack_job_ref
-    if (
-        ref is not None
-        and phase not in st.TERMINAL
-        and kube.get(GROUP, VERSION, "packjobs", namespace, ref) is None
-    ):
-        data_gone = (
-            f"PackJob {ref} was deleted while this SFTJob trains on its pack; the files stay on the claim "
-            f"until removed, but re-creating PackJob {ref} now would rewrite them under a running job"
-        )
+        configmap = builders.train_config_map(name, namespace, spec, data)
+        if (refused := _create_training_job(kube, body, kind, configmap, child)) is not None:
+            return refused
+    phase = st.child_phase(kind.kind, child)[0]
+    pods = _training_pods(kube, child, phase, pod)
+    running = phase == "Running"
     stall = (
-        _training_stall(body, pods, f"{kind} {child['metadata']['name']}", defaults)
-        if phase == "Running"
-        else None
+        _training_stall(body, pods, f"{kind.kind} {child['metadata']['name']}", defaults) if running else None
     )
-    status = st.sft_status(
-        generation,
+    return st.mirror(
+        body,
+        spec,
         kind,
         child,
-        data_path or spec.data.path or "",
-        prev,
-        now(),
-        train_progress,
-        pods=pods,
-        deadlines=defaults.deadlines,
-        failure_seen=failure,
-        data_gone=data_gone,
-        queued=spec.queue_name if phase == "Suspended" and not spec.suspend else None,
+        pods,
+        data_path=data_path or spec.data.path or "",
+        pack_present=packjob is not None,
         stall=stall,
+        defaults=defaults,
+        now=now(),
     )
-    if prev.get("scrapeError"):  # kept while it says something about a running trainer
-        status["scrapeError"] = prev["scrapeError"] if status["phase"] == "Running" else None
-    return status
+
+
+def _packjob(kube: Any, namespace: str, ref: str | None) -> dict[str, Any] | None:
+    return None if ref is None else kube.get(GROUP, VERSION, "packjobs", namespace, ref)
+
+
+def _create_training_job(
+    kube: Any, body: Mapping[str, Any], kind: ChildKind, configmap: dict[str, Any], child: dict[str, Any]
+) -> dict[str, Any] | None:
+    """Create the training config and job (after any predecessor's pods are gone); a status when it cannot."""
+    name = body["metadata"]["name"]
+    stale_pods = kube.pods(body["metadata"]["namespace"], f"{SFTJOB_LABEL}={name}")
+    if (leftover := ownership.leftover_pod(body, f"{kind.kind} {name}", stale_pods)) is not None:
+        return st.blocked_status(body, leftover, now())
+    try:
+        _create_owned(kube, body, configmap)
+        _create_owned(kube, body, child)
+    except ChildRefused as exc:
+        return st.child_refused_status("SFTJob", body, str(exc), now())
+    except ChildInTheWay as exc:
+        return st.blocked_status(body, exc.blocker, now())
+    except ApiException as exc:
+        if exc.status == 404:
+            operator = "Trainer v2" if kind is TRAINJOB else "training-operator"
+            raise kopf.TemporaryError(
+                f"the {kind.kind} API ({kind.group}/{kind.version}) is not installed: install the Kubeflow "
+                f"{operator} CRDs or change spec.backend",
+                delay=60,
+            ) from exc
+        raise
+    return None
+
+
+def _training_pods(
+    kube: Any, child: Mapping[str, Any], phase: str, pod: Mapping[str, Any] | None
+) -> list[dict[str, Any]]:
+    """The training job's own pods (none read while it is suspended), with the event's pod as it came."""
+    meta = child["metadata"]
+    pods = kube.pods(meta["namespace"], f"{SFTJOB_LABEL}={meta['name']}") if phase != "Suspended" else []
+    if pod is not None:
+        pods = [p for p in pods if p["metadata"]["name"] != pod["metadata"]["name"]] + [dict(pod)]
+    return ownership.pods_of(child, pods)
 
 
 def _training_stall(
@@ -539,7 +482,7 @@ def _training_stall(
         defaults.deadlines,
         recent=progress.RECENT,
         namespace=meta["namespace"],
-        selector=f"{builders.SFTJOB_LABEL}={meta['name']}",
+        selector=f"{SFTJOB_LABEL}={meta['name']}",
         pod=master["metadata"]["name"] if master is not None else None,
         child=child,
     )
@@ -555,20 +498,20 @@ def _stop_stalled(kube: Any, body: Mapping[str, Any], status: Mapping[str, Any])
     would be created again.
     """
     failed = st.get_condition(status.get("conditions"), "Failed") or {}
-    if status.get("phase") != "Failed" or failed.get("reason") != deadlines.TRAINING_STALLED:
+    if status.get("phase") != "Failed" or failed.get("reason") != R.TRAINING_STALLED:
         return
     ref = status.get("trainingJob") or {}
-    group, version, plural, kind = next(c for c in CHILD_KINDS.values() if c[3] == ref.get("kind"))
+    kind = BY_KIND[ref.get("kind", "")]
     namespace = body["metadata"]["namespace"]
-    child = kube.get(group, version, plural, namespace, ref.get("name", ""))
+    child = kube.get(kind.group, kind.version, kind.plural, namespace, ref.get("name", ""))
     if child is None or child["metadata"].get("deletionTimestamp"):
         return
     if ownership.claim(child, body) is not ownership.Claim.OURS:  # a same-named object that is not this job's
         return
-    kube.delete(group, version, plural, namespace, ref["name"], uid=child["metadata"]["uid"])  # that one only
+    kube.delete(kind.group, kind.version, kind.plural, namespace, ref["name"], uid=child["metadata"]["uid"])
     log.warning(
         "deleted %s %s/%s: training stalled",
-        kind,
+        kind.kind,
         namespace,
         ref["name"],
         extra=logs.ref("SFTJob", namespace, body["metadata"]["name"]),
@@ -586,32 +529,34 @@ def sftjob_start(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
     )
 
 
-@kopf.on.event("kubeflow.org", "v1", "pytorchjobs", labels={builders.SFTJOB_LABEL: kopf.PRESENT})
+@kopf.on.event(PYTORCHJOB.group, PYTORCHJOB.version, PYTORCHJOB.plural, labels={SFTJOB_LABEL: kopf.PRESENT})
 def sftjob_pytorchjob_event(
-    namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **kwargs: Any
+    namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **kwargs: Any
 ) -> None:
     _sync(memo, kwargs)
-    _parent_event(memo, "sftjobs", namespace, labels[builders.SFTJOB_LABEL])
+    _parent_event(memo, "sftjobs", namespace, labels[SFTJOB_LABEL])
 
 
-@kopf.on.event("trainer.kubeflow.org", "v1alpha1", "trainjobs", labels={builders.SFTJOB_LABEL: kopf.PRESENT})
-def sftjob_trainjob_event(namespace: str, labels: Mapping[str, str], memo: kopf.Memo, **kwargs: Any) -> None:
+@kopf.on.event(TRAINJOB.group, TRAINJOB.version, TRAINJOB.plural, labels={SFTJOB_LABEL: kopf.PRESENT})
+def sftjob_trainjob_event(
+    namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **kwargs: Any
+) -> None:
     _sync(memo, kwargs)
-    _parent_event(memo, "sftjobs", namespace, labels[builders.SFTJOB_LABEL])
+    _parent_event(memo, "sftjobs", namespace, labels[SFTJOB_LABEL])
 
 
-@kopf.on.event("", "v1", "pods", labels={builders.SFTJOB_LABEL: kopf.PRESENT})
+@kopf.on.event("", "v1", "pods", labels={SFTJOB_LABEL: kopf.PRESENT})
 def sftjob_pod_event(
-    namespace: str, labels: Mapping[str, str], body: kopf.Body, memo: kopf.Memo, **kwargs: Any
+    namespace: str | None, labels: Mapping[str, str], body: kopf.Body, memo: kopf.Memo, **kwargs: Any
 ) -> None:
     """A trainer pod changed: mirror it, keeping its termination message before the pod is deleted."""
     _sync(memo, kwargs)
-    _parent_event(memo, "sftjobs", namespace, labels[builders.SFTJOB_LABEL], pod=dict(body))
+    _parent_event(memo, "sftjobs", namespace, labels[SFTJOB_LABEL], pod=dict(body))
 
 
 @kopf.on.event(GROUP, VERSION, "sftjobs")
 def sftjob_event(
-    type: str | None, namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **kwargs: Any
+    type: str | None, namespace: str | None, name: str, body: kopf.Body, memo: kopf.Memo, **kwargs: Any
 ) -> None:
     """Track running SFTJobs for the progress scrape; forget deleted ones."""
     _sync(memo, kwargs)
@@ -625,7 +570,14 @@ def sftjob_event(
 
 @kopf.on.field(GROUP, VERSION, "sftjobs", field="spec.suspend")
 def sftjob_suspend(
-    spec: kopf.Spec, name: str, namespace: str, old: Any, new: Any, body: kopf.Body, memo: kopf.Memo, **_: Any
+    spec: kopf.Spec,
+    name: str,
+    namespace: str | None,
+    old: Any,
+    new: Any,
+    body: kopf.Body,
+    memo: kopf.Memo,
+    **_: Any,
 ) -> None:
     """Pass `spec.suspend` on to the training job (only on change, so Kueue's own toggling is left alone).
 
@@ -634,17 +586,19 @@ def sftjob_suspend(
     """
     if old is None or (not new and spec.get("queueName")):
         return
-    group, version, plural, kind = CHILD_KINDS[spec.get("backend", "pytorchjob")]
-    child = memo.view.get(group, version, plural, namespace, builders.training_job_name(name))
+    kind = BY_BACKEND[spec.get("backend", PYTORCHJOB.backend)]
+    child = memo.view.get(kind.group, kind.version, kind.plural, namespace, builders.training_job_name(name))
     if child is None or ownership.claim(child, body) is not ownership.Claim.OURS:
         return  # not created yet (it will be created with the new value), or not this SFTJob's to change
     patch = (
         {"spec": {"runPolicy": {"suspend": bool(new)}}}
-        if kind == "PyTorchJob"
+        if kind is PYTORCHJOB
         else {"spec": {"suspend": bool(new)}}
     )
     try:
-        memo.kube.patch(group, version, plural, namespace, builders.training_job_name(name), patch)
+        memo.kube.patch(
+            kind.group, kind.version, kind.plural, namespace, builders.training_job_name(name), patch
+        )
     except ApiException as exc:
         if exc.status != 404:  # not created yet: it will be created with the new value
             raise

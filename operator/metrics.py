@@ -3,33 +3,40 @@
 from __future__ import annotations
 
 import threading
+from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from packtrain.packer.core.contract import PACK_STAGES
 
+# The names as Prometheus shows them (a counter's with `_total`): the chart's dashboard queries these.
+RECONCILES_TOTAL: Final = "packtrain_operator_reconciles_total"
+RECONCILE_ERRORS_TOTAL: Final = "packtrain_operator_reconcile_errors_total"
+JOBS_BY_PHASE: Final = "packtrain_operator_jobs"
+STAGE_DURATION: Final = "packtrain_operator_stage_duration_seconds"
+
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 RECONCILES = Counter(
-    "packtrain_operator_reconciles_total",
+    RECONCILES_TOTAL,
     "Reconciliations run, by custom resource kind.",
     ["kind"],
     registry=REGISTRY,
 )
 ERRORS = Counter(
-    "packtrain_operator_reconcile_errors_total",
+    RECONCILE_ERRORS_TOTAL,
     "Reconciliations that raised, by kind and error class.",
     ["kind", "error"],
     registry=REGISTRY,
 )
 JOBS = Gauge(
-    "packtrain_operator_jobs",
+    JOBS_BY_PHASE,
     "Custom resources this operator tracks, by kind and phase.",
     ["kind", "phase"],
     registry=REGISTRY,
 )
 STAGE_SECONDS = Histogram(
-    "packtrain_operator_stage_duration_seconds",
+    STAGE_DURATION,
     "Wall time of finished PackJob stages (Job start to completion).",
     ["stage"],
     buckets=(10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400, 28800, 86400),

@@ -19,7 +19,6 @@ from packtrain.operator.reasons import ConditionReason as R
 Pod = TypeVar("Pod", bound=Mapping[str, Any])
 
 
-
 class Claim(enum.Enum):
     OURS = "ours"
     LEFTOVER = (
@@ -30,7 +29,8 @@ class Claim(enum.Enum):
 
 @dataclass(frozen=True)
 class Blocker:
-    """Why a parent creates nothing now: a leftover to wait for (`PreviousObjectBeingDeleted`) or a name taken (`NameConflict`)."""
+    """Why a parent creates nothing now: a leftover to wait for (`PreviousObjectBeingDeleted`) or a name
+    taken (`NameConflict`)."""
 
     reason: str
     message: str
@@ -84,9 +84,9 @@ def leftover_message(child: Mapping[str, Any], parent: Mapping[str, Any]) -> str
     finalizers = _meta(child).get("finalizers") or []
     held = f" (held by finalizers: {', '.join(finalizers)})" if finalizers else ""
     return (
-        f"waiting for {child.get('kind')} {_where(child)} of the previous {kind} {name} (uid {old.get('uid')}) "
-        f"to be deleted by the garbage collector{held}; this {kind} (uid {_meta(parent).get('uid')}) creates "
-        "its own once it is gone"
+        f"waiting for {child.get('kind')} {_where(child)} of the previous {kind} {name} "
+        f"(uid {old.get('uid')}) to be deleted by the garbage collector{held}; this {kind} "
+        f"(uid {_meta(parent).get('uid')}) creates its own once it is gone"
     )
 
 
@@ -94,9 +94,10 @@ def conflict_message(child: Mapping[str, Any], parent: Mapping[str, Any]) -> str
     kind, child_kind = parent.get("kind"), child.get("kind")
     owners = ", ".join(f"{r.get('kind')} {r.get('name')}" for r in _refs(child)) or "nothing"
     return (
-        f"{child_kind} {_where(child)} already exists and is not this {kind}'s (its owners: {owners}); the {kind} "
-        f"names its {child_kind} after itself and never adopts or overwrites another object. Delete or rename "
-        f"that {child_kind}, then delete and re-create the {kind}, or create the {kind} under another name"
+        f"{child_kind} {_where(child)} already exists and is not this {kind}'s (its owners: {owners}); "
+        f"the {kind} names its {child_kind} after itself and never adopts or overwrites another object. "
+        f"Delete or rename that {child_kind}, then delete and re-create the {kind}, or create the {kind} "
+        "under another name"
     )
 
 
@@ -125,7 +126,8 @@ def leftover_pod(parent: Mapping[str, Any], child: str, pods: Sequence[Mapping[s
                 R.PREVIOUS_OBJECT_BEING_DELETED,
                 (
                     f"waiting for pod {_where(pod)} of the previous {owner.get('kind')} {owner.get('name')} "
-                    f"(uid {owner.get('uid')}) to be deleted; this {parent.get('kind')} then creates its own {child}"
+                    f"(uid {owner.get('uid')}) to be deleted; this {parent.get('kind')} then creates its "
+                    f"own {child}"
                 ),
             )
     return None

@@ -266,7 +266,8 @@ class Settings(Protocol):
 
 
 def check(spec: PackJobSpec | SFTJobSpec, defaults: Settings) -> list[Violation]:
-    """Every way `spec` exceeds the policy in `defaults.policy` (empty: the operator may create its children)."""
+    """Every way `spec` exceeds the policy in `defaults.policy` (empty: the operator may create its
+    children)."""
     policy = defaults.policy
     own = (defaults.packer_image, defaults.trainer_image)
     if isinstance(spec, PackJobSpec):

@@ -21,8 +21,7 @@ import aiohttp
 
 from packtrain.operator import deadlines, scrape
 from packtrain.operator.api import GROUP, VERSION, SFTJobSpec
-from packtrain.operator.builders import SFTJOB_LABEL
-from packtrain.operator.status import COMPLETION_INDEX
+from packtrain.operator.names import COMPLETION_INDEX, JOBSET_INDEX_LABEL, REPLICA_TYPE_LABEL, SFTJOB_LABEL
 from packtrain.packer.core.contract import TRAIN_EVAL_LOSS, TRAIN_LOSS, TRAIN_STEP, TRAIN_TOKENS_PER_SECOND
 
 log = logging.getLogger("packtrain.operator")
@@ -81,9 +80,9 @@ def master_pod(pods: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
         meta = pod.get("metadata") or {}
         labels = meta.get("labels") or {}
         annotations = meta.get("annotations") or {}
-        rank0 = labels.get("training.kubeflow.org/replica-type") in ("master", "Master") or (
+        rank0 = labels.get(REPLICA_TYPE_LABEL) in ("master", "Master") or (
             labels.get(COMPLETION_INDEX, annotations.get(COMPLETION_INDEX)) == "0"
-            and labels.get("jobset.sigs.k8s.io/job-index", "0") == "0"
+            and labels.get(JOBSET_INDEX_LABEL, "0") == "0"
         )
         if rank0 and status.get("phase") == "Running" and status.get("podIP"):
             return pod
@@ -100,7 +99,8 @@ class Target:
 
 
 def _metrics_target(kube: ProgressKube, namespace: str, name: str) -> Target | None:
-    """The running SFTJob's scrape target, or None when it is not Running (nothing to scrape, nothing amiss)."""
+    """The running SFTJob's scrape target, or None when it is not Running (nothing to scrape, nothing
+    amiss)."""
     body = kube.get(GROUP, VERSION, "sftjobs", namespace, name)
     status = (body or {}).get("status") or {}
     if body is None or status.get("phase") != "Running":
@@ -158,7 +158,8 @@ async def update_progress(
     target = await loop.run_in_executor(None, _metrics_target, kube, namespace, name)
     if target is None:
         return None
-    text, error = None, "no running rank-0 pod to scrape"
+    text: str | None = None
+    error: str | None = "no running rank-0 pod to scrape"
     if target.url is not None:
         try:
             text, error = await scrape.fetch(client, target.url), None

@@ -10,21 +10,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from packtrain.operator.api import GROUP
+from packtrain.operator.children import CHILD_KINDS
+
 # What the handlers read and write, in the namespaces the operator watches.
 NAMESPACED_RULES: list[dict[str, Any]] = [
     {
-        "apiGroups": ["packtrain.dev"],
+        "apiGroups": [GROUP],
         "resources": ["packjobs", "sftjobs"],
         "verbs": ["get", "list", "watch", "patch"],
     },
     {
-        "apiGroups": ["packtrain.dev"],
+        "apiGroups": [GROUP],
         "resources": ["packjobs/status", "sftjobs/status"],
         "verbs": ["get", "patch"],
     },
     # Children carry ownerReferences with blockOwnerDeletion, which needs update on the owner's finalizers.
     {
-        "apiGroups": ["packtrain.dev"],
+        "apiGroups": [GROUP],
         "resources": ["packjobs/finalizers", "sftjobs/finalizers"],
         "verbs": ["update"],
     },
@@ -34,16 +37,14 @@ NAMESPACED_RULES: list[dict[str, Any]] = [
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     # delete: the training job of an SFTJob failed for a training stall (its GPUs go back); the
     # garbage collector deletes every other child.
-    {
-        "apiGroups": ["kubeflow.org"],
-        "resources": ["pytorchjobs"],
-        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
-    },
-    {
-        "apiGroups": ["trainer.kubeflow.org"],
-        "resources": ["trainjobs"],
-        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
-    },
+    *(
+        {
+            "apiGroups": [c.group],
+            "resources": [c.plural],
+            "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+        }
+        for c in CHILD_KINDS
+    ),
     # Events on PackJobs/SFTJobs (kopf posts core/v1 Events).
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ]

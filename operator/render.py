@@ -157,7 +157,8 @@ def render(
     pack_specs = {p.name: p.spec for p in packs}
     if pack_output is not None:
         # Only the output section of a PackJob decides where its pack is (builders.data_source).
-        pack_specs.update({ref: PackJobSpec.model_construct(output=pack_output) for ref in missing})
+        fields: dict[str, Any] = {"output": pack_output}  # unvalidated: no source or model is known
+        pack_specs.update({ref: PackJobSpec.model_construct(**fields) for ref in missing})
     for p in packs:
         ns = namespace or p.namespace
         objects.append(builders.pack_config_map(p.name, ns, p.spec))

@@ -20,7 +20,8 @@ _CHUNK = 1 << 16
 
 
 def metrics_url(pod_ip: str, port: int) -> str:
-    """`http://IP:PORT/metrics`, an IPv6 pod IP in brackets (RFC 3986), as on an IPv6 or dual-stack cluster."""
+    """`http://IP:PORT/metrics`, an IPv6 pod IP in brackets (RFC 3986), as on an IPv6 or dual-stack
+    cluster."""
     host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
     return f"http://{host}:{port}/metrics"
 

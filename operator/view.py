@@ -11,36 +11,34 @@ event does not compute from the status just replaced.
 
 from __future__ import annotations
 
+import builtins
 import contextvars
 import threading
 import time
 from collections.abc import Mapping, MutableMapping
-from typing import Any
+from typing import Any, cast
 
 import kubernetes
 from kubernetes.client.rest import ApiException
 
 from packtrain.operator.api import GROUP, VERSION
+from packtrain.operator.children import CHILD_KINDS
+from packtrain.operator.names import JOB_NAME_LABEL, SFTJOB_LABEL
 
-PLURALS = {"Job": "jobs", "PyTorchJob": "pytorchjobs", "TrainJob": "trainjobs"}
-# plural -> the kopf index (a handler function's name in `handlers`) holding those objects by (namespace, name).
+PLURALS = {"Job": "jobs", **{c.kind: c.plural for c in CHILD_KINDS}}
+# plural -> the kopf index (a handler function's name in `handlers`) holding those objects by (namespace,
+# name).
 INDEX_OF = {
     "jobs": "job_index",
-    "pytorchjobs": "pytorchjob_index",
-    "trainjobs": "trainjob_index",
+    **{c.plural: c.index for c in CHILD_KINDS},
     "packjobs": "packjob_index",
     "sftjobs": "sftjob_index",
 }
-PLURAL_OF_KIND = {
-    "Job": "jobs",
-    "PyTorchJob": "pytorchjobs",
-    "TrainJob": "trainjobs",
-    "ConfigMap": "configmaps",
-}
+PLURAL_OF_KIND = {**PLURALS, "ConfigMap": "configmaps"}
 # How long a child this process created counts as existing while its watch event is on the way.
 CREATED_GRACE = 30.0
 # pod label -> the index holding the pods by (label, namespace, value).
-POD_INDEX_OF = {"batch.kubernetes.io/job-name": "pack_pod_index", "packtrain.dev/sftjob": "sft_pod_index"}
+POD_INDEX_OF = {JOB_NAME_LABEL: "pack_pod_index", SFTJOB_LABEL: "sft_pod_index"}
 
 
 class Kube:
@@ -53,14 +51,20 @@ class Kube:
 
     def get(self, group: str, version: str, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return self.custom.get_namespaced_custom_object(group, version, namespace, plural, name)
+            return cast(
+                dict[str, Any],
+                self.custom.get_namespaced_custom_object(group, version, namespace, plural, name),
+            )
         except ApiException as exc:
             if exc.status == 404:
                 return None
             raise
 
-    def list(self, group: str, version: str, plural: str, namespace: str) -> list[dict[str, Any]]:
-        return self.custom.list_namespaced_custom_object(group, version, namespace, plural).get("items", [])
+    def list(self, group: str, version: str, plural: str, namespace: str) -> builtins.list[dict[str, Any]]:
+        found = cast(
+            dict[str, Any], self.custom.list_namespaced_custom_object(group, version, namespace, plural)
+        )
+        return cast(builtins.list[dict[str, Any]], found.get("items", []))
 
     def create(self, body: dict[str, Any]) -> bool:
         """Create unless it exists; True when this call created it."""
@@ -68,7 +72,8 @@ class Kube:
         namespace = body["metadata"]["namespace"]
         try:
             if body["kind"] == "ConfigMap":
-                self.core.create_namespaced_config_map(namespace, body)
+                # The client serializes a plain dict as it is; its stub names only the model class.
+                self.core.create_namespaced_config_map(namespace, body)  # type: ignore[arg-type]
             else:
                 self.custom.create_namespaced_custom_object(
                     group, version, namespace, PLURALS[body["kind"]], body
@@ -102,7 +107,9 @@ class Kube:
         The uid precondition pins the delete to the object that was checked: one re-created under the
         name since is refused (409), like one already gone (404); both are fine.
         """
-        options = {"propagationPolicy": "Background", "preconditions": {"uid": uid}}
+        options = kubernetes.client.V1DeleteOptions(
+            propagation_policy="Background", preconditions=kubernetes.client.V1Preconditions(uid=uid)
+        )
         try:
             self.custom.delete_namespaced_custom_object(group, version, namespace, plural, name, body=options)
         except ApiException as exc:
@@ -114,9 +121,10 @@ class Kube:
     ) -> dict[str, Any]:
         """Merge-patch the status, refused (409) if the object changed since `resource_version` was read."""
         body = {"metadata": {"resourceVersion": resource_version}, "status": status}
-        return self.custom.patch_namespaced_custom_object_status(
+        patched = self.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, namespace, plural, name, body
         )
+        return cast(dict[str, Any], patched)
 
     def merge_status(self, plural: str, namespace: str, name: str, status: dict[str, Any]) -> None:
         """Merge-patch part of the status unconditionally (fields no reconcile derives, like progress)."""
@@ -124,7 +132,7 @@ class Kube:
             GROUP, VERSION, namespace, plural, name, {"status": status}
         )
 
-    def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+    def pods(self, namespace: str, selector: str) -> builtins.list[dict[str, Any]]:
         pods = self.core.list_namespaced_pod(namespace, label_selector=selector).items
         return [self.client.sanitize_for_serialization(p) for p in pods]
 
@@ -163,7 +171,7 @@ class CachedKube:
                 return None
             return seen[1]
 
-    def _read(self, index: str | None, key: tuple[str, ...]) -> list[dict[str, Any]] | None:
+    def _read(self, index: str | None, key: tuple[str, ...]) -> builtins.list[dict[str, Any]] | None:
         """What kopf index `index` holds under `key`; None where no such index is filled (ask the API)."""
         if index is None or index not in self.indexes:
             return None
@@ -187,10 +195,10 @@ class CachedKube:
             return mine if _version(mine) > _version(found) else found
         return found
 
-    def list(self, group: str, version: str, plural: str, namespace: str) -> list[dict[str, Any]]:
+    def list(self, group: str, version: str, plural: str, namespace: str) -> builtins.list[dict[str, Any]]:
         return [b for b in self.list_all(plural) if b["metadata"].get("namespace") == namespace]
 
-    def list_all(self, plural: str) -> list[dict[str, Any]]:
+    def list_all(self, plural: str) -> builtins.list[dict[str, Any]]:
         index = self.indexes.get(INDEX_OF[plural])
         if index is None:
             return []
@@ -200,13 +208,14 @@ class CachedKube:
             for b in bodies
         ]
 
-    def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+    def pods(self, namespace: str, selector: str) -> builtins.list[dict[str, Any]]:
         label, _, value = selector.partition("=")
         held = self._read(POD_INDEX_OF.get(label), (label, namespace, value))
         return self.kube.pods(namespace, selector) if held is None else held
 
     def create(self, body: dict[str, Any]) -> bool:
-        """Create unless this process made it for the same owner moments ago and the watch has not shown it yet.
+        """Create unless this process made it for the same owner moments ago and the watch has not shown it
+        yet.
 
         One made for an earlier owner of the same name (a parent deleted and created again) does not
         count: the API decides, and the caller reads what is there (`read`) when it already exists.

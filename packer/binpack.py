@@ -281,24 +281,38 @@ def _best_fit_decreasing(counts: npt.NDArray[np.int64], max_length: int, solo_fr
     O(log max_length) times in total.
     """
     distinct = np.flatnonzero(counts)[::-1].tolist()
-    smallest = distinct[-1]
-    keys: list[int] = []
-    buckets: dict[int, deque[tuple[int, int]]] = {}
-    ops = _Ops()
-    cursor = 0  # BFD takes the samples strictly in decreasing-length order
-
-    def place(first: int, bins: int, per_bin: int) -> None:
-        nonlocal cursor
-        ops.add(first, bins, per_bin, cursor)
-        cursor += bins * per_bin
-
+    fit = _BestFit(max_length, smallest=distinct[-1])
     for length in distinct:
         k = int(counts[length])
         if length >= solo_from:
-            place(ops.bins, k, 1)
-            ops.bins += k
+            fit.place(fit.ops.bins, k, 1)
+            fit.ops.bins += k
             continue
         moves: list[tuple[int, int, int]] = []  # (new remainder, first bin, bins), applied after this length
+        k = fit.fill_open_bins(length, k, moves)
+        if k:
+            fit.open_bins(length, k, moves)
+        fit.reopen(moves)
+    return fit.ops
+
+
+class _BestFit:
+    """`_best_fit_decreasing`'s state: the ops so far, the samples placed and the open bins by remainder."""
+
+    def __init__(self, max_length: int, smallest: int) -> None:
+        self.max_length, self.smallest = max_length, smallest
+        self.keys: list[int] = []
+        self.buckets: dict[int, deque[tuple[int, int]]] = {}
+        self.ops = _Ops()
+        self.cursor = 0  # BFD takes the samples strictly in decreasing-length order
+
+    def place(self, first: int, bins: int, per_bin: int) -> None:
+        self.ops.add(first, bins, per_bin, self.cursor)
+        self.cursor += bins * per_bin
+
+    def fill_open_bins(self, length: int, k: int, moves: list[tuple[int, int, int]]) -> int:
+        """Place up to `k` samples of `length` in the open bins, best fit first; the samples left."""
+        keys, buckets = self.keys, self.buckets
         i = bisect.bisect_left(keys, length)
         while k and i < len(keys):
             remaining = keys[i]
@@ -308,16 +322,16 @@ def _best_fit_decreasing(counts: npt.NDArray[np.int64], max_length: int, solo_fr
                 first, size = runs[0]
                 if size * fit <= k:
                     runs.popleft()
-                    place(first, size, fit)
+                    self.place(first, size, fit)
                     moves.append((remaining - fit * length, first, size))
                     k -= size * fit
                     continue
                 full, rest = divmod(k, fit)
                 if full:
-                    place(first, full, fit)
+                    self.place(first, full, fit)
                     moves.append((remaining - fit * length, first, full))
                 if rest:
-                    place(first + full, 1, rest)
+                    self.place(first + full, 1, rest)
                     moves.append((remaining - rest * length, first + full, 1))
                     full += 1
                 if full == size:
@@ -330,27 +344,32 @@ def _best_fit_decreasing(counts: npt.NDArray[np.int64], max_length: int, solo_fr
             else:
                 del buckets[remaining]
                 keys.pop(i)
-        if k:
-            fit = max_length // length
-            full, rest = divmod(k, fit)
-            if full:
-                place(ops.bins, full, fit)
-                moves.append((max_length - fit * length, ops.bins, full))
-                ops.bins += full
-            if rest:
-                place(ops.bins, 1, rest)
-                moves.append((max_length - rest * length, ops.bins, 1))
-                ops.bins += 1
+        return k
+
+    def open_bins(self, length: int, k: int, moves: list[tuple[int, int, int]]) -> None:
+        """New bins for the `k` samples of `length` no open bin could take, filled as far as they go."""
+        fit = self.max_length // length
+        full, rest = divmod(k, fit)
+        if full:
+            self.place(self.ops.bins, full, fit)
+            moves.append((self.max_length - fit * length, self.ops.bins, full))
+            self.ops.bins += full
+        if rest:
+            self.place(self.ops.bins, 1, rest)
+            moves.append((self.max_length - rest * length, self.ops.bins, 1))
+            self.ops.bins += 1
+
+    def reopen(self, moves: list[tuple[int, int, int]]) -> None:
+        """The bins just filled, back among the open bins under their new remainders (if any fits)."""
         for remaining, first, size in moves:
-            if remaining < smallest:
+            if remaining < self.smallest:
                 continue  # no sample left can use it: the bin is closed
-            runs = buckets.get(remaining)
+            runs = self.buckets.get(remaining)
             if runs is None:
-                buckets[remaining] = deque([(first, size)])
-                bisect.insort(keys, remaining)
+                self.buckets[remaining] = deque([(first, size)])
+                bisect.insort(self.keys, remaining)
             else:
                 runs.append((first, size))
-    return ops
 
 
 def _exact_fill(counts: npt.NDArray[np.int64], max_length: int, solo_from: int, budget: int) -> _Ops | None:

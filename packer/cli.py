@@ -17,13 +17,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from packtrain.packer.core.config import PackConfig, load_pack_config
-from packtrain.packer.core.contract import ErrorReport, pack_outcome_error
-from packtrain.packer.core.errors import ConfigError, ShardFormatError
+from packtrain.packer.core.contract import PACK_STAGES, ErrorReport, pack_outcome_error
+from packtrain.packer.core.errors import EXIT_CONFIG, EXIT_OK, ConfigError, ShardFormatError
 from packtrain.packer.core.families import FAMILY_NAMES
 from packtrain.packer.core.report import report
-
-EXIT_CONFIG = 2
-STAGES = ("convert", "plan", "materialize")  # what pods run: their outcome goes to the termination log
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
@@ -122,8 +119,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from packtrain.packer import tools
-    from packtrain.packer.stages import all_stages as stages
+    from packtrain.packer import stages, tools
+    from packtrain.packer.stages.workdir import PackRefused
 
     if args.cmd == "inspect":
         return tools.inspect_cmd(Path(args.path), args.plot, args.json)
@@ -136,12 +133,12 @@ def _run(args: argparse.Namespace) -> int:
 
         layout = "samples" if args.samples else "packed"
         print(json.dumps(export_energon(Path(args.path), Path(args.output), layout)), flush=True)
-        return 0
+        return EXIT_OK
 
     cfg = build_config(args)
     out = Path(args.output)
     if args.cmd == "convert":
-        report(stages.convert(cfg, out, _index(args), args.count))
+        report(dict(stages.convert(cfg, out, _index(args), args.count)))
     elif args.cmd == "plan":
         summary = stages.plan(cfg, out)
         problem = pack_outcome_error(
@@ -154,11 +151,11 @@ def _run(args: argparse.Namespace) -> int:
             print(f"packtrain pack plan: {problem['error']}", file=sys.stderr)
             report({**summary, **problem})  # the counts too: the operator shows them beside the reason
             return EXIT_CONFIG
-        report(summary)
+        report(dict(summary))
     elif args.cmd == "materialize":
         try:
-            report(stages.materialize(cfg, out, _index(args), args.count))
-        except stages.PackRefused as exc:  # the final counts (materialize's rejects) left too little packed
+            report(dict(stages.materialize(cfg, out, _index(args), args.count)))
+        except PackRefused as exc:  # the final counts (materialize's rejects) left too little packed
             print(f"packtrain pack materialize: {exc.report['error']}", file=sys.stderr)
             report({**exc.report, **(exc.summary or {})})  # the counts too: the operator shows them
             return EXIT_CONFIG
@@ -170,14 +167,14 @@ def _run(args: argparse.Namespace) -> int:
             manifest = run_all(
                 cfg, out, workers=args.workers, show_progress=not args.no_progress, timings=timings
             )
-        except stages.PackRefused as exc:  # no manifest; the stats of what would have been packed
+        except PackRefused as exc:  # no manifest; the stats of what would have been packed
             tools.print_stats(exc.manifest, out)
             print(json.dumps(tools.summary_line(exc.manifest, out) | {"timings": timings}), flush=True)
             print(f"packtrain pack run: {exc.report['error']}", file=sys.stderr)
             return EXIT_CONFIG
         tools.print_stats(manifest, out)
         print(json.dumps(tools.summary_line(manifest, out) | {"timings": timings}), flush=True)
-    return 0
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,11 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValidationError, FileNotFoundError) as exc:
         msg = str(exc)
         print(f"packtrain pack {args.cmd}: configuration error: {msg}", file=sys.stderr)
-        if args.cmd in STAGES:
+        if args.cmd in PACK_STAGES:  # what pods run: their outcome goes to the termination log
             report({"stage": args.cmd, "error": msg[:3000]})
         return EXIT_CONFIG
     except Exception as exc:  # a crash: the short error in the termination message, the traceback in the log
-        if args.cmd in STAGES:
+        if args.cmd in PACK_STAGES:
             error: ErrorReport = {"stage": args.cmd, "error": f"{type(exc).__name__}: {exc}"[:3000]}
             report(dict(error))
         raise

@@ -30,7 +30,9 @@ from packtrain.packer.core.errors import ConfigError
 from packtrain.packer.core.pack.shards import MANIFEST
 from packtrain.packer.sources.mixture import weigher
 from packtrain.packer.sources.records import iter_records
-from packtrain.packer.stages import all_stages as stages
+from packtrain.packer.stages import convert, finalize, materialize, plan
+from packtrain.packer.stages.convert import sample_tokenizer
+from packtrain.packer.stages.workdir import check_output_config
 
 _WORKER: dict[str, Any] = {}
 """What a worker process holds: config, output folder, progress queue and (forked) the loaded tokenizer."""
@@ -98,14 +100,14 @@ class _Watch:
 def _convert_job(index: int, count: int) -> dict[str, Any]:
     w = _WORKER
     watch = _Watch(w["progress"].put)
-    summary = stages.convert(w["cfg"], w["out"], index, count, progress=watch, tokenizer=w.get("tokenizer"))
+    summary = convert(w["cfg"], w["out"], index, count, progress=watch, tokenizer=w.get("tokenizer"))
     return {**summary, **watch.report()}
 
 
 def _materialize_job(index: int, count: int) -> dict[str, Any]:
     w = _WORKER
     watch = _Watch(w["progress"].put)
-    summary = stages.materialize(w["cfg"], w["out"], index, count, progress=watch)
+    summary = materialize(w["cfg"], w["out"], index, count, progress=watch)
     return {**summary, **watch.report()}
 
 
@@ -145,35 +147,44 @@ def _pool(cfg: PackConfig, out: Path, workers: int, tokenizer: Any) -> tuple[Pro
     return pool, progress
 
 
-def _run_stage(
-    pool: ProcessPoolExecutor | None,
-    progress_queue: Any,
-    job: Callable[[int, int], dict[str, Any]],
-    workers: int,
-    progress: Progress,
-    label: str,
-    total: int | None,
-    local: Callable[[Callable[[int], None]], dict[str, Any]],
-) -> list[dict[str, Any]]:
-    task = progress.add_task(label, total=total)
-    advance: Callable[[int], None] = lambda n: progress.advance(task, n)  # noqa: E731
-    if pool is None:
-        watch = _Watch(advance)
-        results = [{**local(watch), **watch.report()}]
-    else:
-        futures: list[Future[dict[str, Any]]] = [pool.submit(job, i, workers) for i in range(workers)]
-        while not all(f.done() for f in futures):
-            with contextlib.suppress(queue.Empty):
-                advance(progress_queue.get(timeout=0.1))
-        results = [f.result() for f in futures]
-        while True:
-            try:
-                advance(progress_queue.get_nowait())
-            except queue.Empty:
-                break
-    done = progress.tasks[task].completed
-    progress.update(task, completed=done, total=done)
-    return results
+class _StageRunner:
+    """Runs a stage on the pool's workers (`job`, one per worker index) or, without a pool, here
+    (`local`), advancing a progress bar; returns each worker's summary."""
+
+    def __init__(
+        self, pool: ProcessPoolExecutor | None, progress_queue: Any, workers: int, progress: Progress
+    ) -> None:
+        self.pool, self.progress_queue, self.workers, self.progress = pool, progress_queue, workers, progress
+
+    def __call__(
+        self,
+        job: Callable[[int, int], dict[str, Any]],
+        label: str,
+        total: int | None,
+        local: Callable[[Callable[[int], None]], dict[str, Any]],
+    ) -> list[dict[str, Any]]:
+        progress, pool = self.progress, self.pool
+        task = progress.add_task(label, total=total)
+        advance: Callable[[int], None] = lambda n: progress.advance(task, n)  # noqa: E731
+        if pool is None:
+            watch = _Watch(advance)
+            results = [{**local(watch), **watch.report()}]
+        else:
+            futures: list[Future[dict[str, Any]]] = [
+                pool.submit(job, i, self.workers) for i in range(self.workers)
+            ]
+            while not all(f.done() for f in futures):
+                with contextlib.suppress(queue.Empty):
+                    advance(self.progress_queue.get(timeout=0.1))
+            results = [f.result() for f in futures]
+            while True:
+                try:
+                    advance(self.progress_queue.get_nowait())
+                except queue.Empty:
+                    break
+        done = progress.tasks[task].completed
+        progress.update(task, completed=done, total=done)
+        return results
 
 
 def run_all(
@@ -184,89 +195,95 @@ def run_all(
     timings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """convert (N processes) → plan → materialize (N processes); returns the manifest, or raises
-    `stages.PackRefused` when the final counts refuse the pack (no manifest is written then).
+    `PackRefused` when the final counts refuse the pack (no manifest is written then).
 
     `timings`, when given, receives each stage's wall and CPU seconds and, per process, its peak
     RSS and sampled peak anonymous RSS.
     """
-    clock, cpu = time.perf_counter(), cpu_seconds()
-    stage_times: dict[str, Any] = {}
+    laps = _Laps(pooled=workers > 1)
+    if workers < 1:
+        raise ConfigError(f"--workers {workers}: give at least 1 worker process")
+    out.mkdir(parents=True, exist_ok=True)
+    check_output_config(cfg, out)
+    # The bar's total: records counted, not parsed (one more read of the input, so only for a bar).
+    total = _record_count(cfg) if show_progress else None
+    # One tokenizer thread per worker process: the workers are the parallelism.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    tokenizer = sample_tokenizer(cfg, out)
+    pool, progress_queue = _pool(cfg, out, workers, tokenizer) if workers > 1 else (None, None)
+    laps.lap("load")
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    try:
+        with Progress(*columns, disable=not show_progress, transient=False) as progress:
+            run = _StageRunner(pool, progress_queue, workers, progress)
+            converted = run(
+                _convert_job,
+                "convert",
+                total,
+                lambda advance: dict(convert(cfg, out, 0, 1, progress=advance, tokenizer=tokenizer)),
+            )
+            laps.lap("convert", converted)
+            task = progress.add_task("plan", total=1)
+            plan_summary = plan(cfg, out)
+            progress.advance(task)
+            laps.lap("plan")
+            materialized = run(
+                _materialize_job,
+                "materialize",
+                plan_summary["shards"],
+                lambda advance: dict(materialize(cfg, out, 0, 1, progress=advance)),
+            )
+            laps.lap("materialize", materialized)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    manifest = _manifest(cfg, out, converted, materialized)
+    if timings is not None:
+        timings.update(stages=laps.stages, workers=workers, peak_rss_mib=peak_rss_mib())
+    return manifest
 
-    def lap(stage: str, results: list[dict[str, Any]] | None = None) -> None:
-        nonlocal clock, cpu
+
+def _record_count(cfg: PackConfig) -> int:
+    weigh = weigher(cfg.source, cfg.packing.seed)
+    return sum(1 for _ in iter_records(cfg.source.paths, select=lambda _: False, weigh=weigh))
+
+
+class _Laps:
+    """Each stage's wall and CPU seconds since the last lap; with worker processes (`pooled`), their
+    CPU seconds and peak RSS, else this process's CPU seconds and sampled anonymous peak."""
+
+    def __init__(self, pooled: bool) -> None:
+        self.pooled = pooled
+        self.clock, self.cpu = time.perf_counter(), cpu_seconds()
+        self.stages: dict[str, Any] = {}
+
+    def lap(self, stage: str, results: list[dict[str, Any]] | None = None) -> None:
         now, now_cpu = time.perf_counter(), cpu_seconds()
-        stage_times[stage] = {"seconds": round(now - clock, 3)}
-        if results is not None and pool is not None:
-            stage_times[stage] |= {
+        times: dict[str, Any] = {"seconds": round(now - self.clock, 3)}
+        if results is not None and self.pooled:
+            times |= {
                 "cpu_s": round(sum(r["cpu_s"] for r in results), 2),
                 "worker_peak_rss_mib": [r["peak_rss_mib"] for r in results],
                 "worker_peak_anon_rss_mib": [r["peak_anon_rss_mib"] for r in results],
             }
         else:
-            stage_times[stage]["cpu_s"] = round(now_cpu - cpu, 2)
+            times["cpu_s"] = round(now_cpu - self.cpu, 2)
             if results is not None:
-                stage_times[stage]["peak_anon_rss_mib"] = results[0]["peak_anon_rss_mib"]
-        clock, cpu = now, now_cpu
+                times["peak_anon_rss_mib"] = results[0]["peak_anon_rss_mib"]
+        self.stages[stage] = times
+        self.clock, self.cpu = now, now_cpu
 
-    if workers < 1:
-        raise ConfigError(f"--workers {workers}: give at least 1 worker process")
-    out.mkdir(parents=True, exist_ok=True)
-    stages.check_output_config(cfg, out)
-    # The bar's total: records counted, not parsed (one more read of the input, so only for a bar).
-    total = (
-        sum(
-            1
-            for _ in iter_records(
-                cfg.source.paths, select=lambda _: False, weigh=weigher(cfg.source, cfg.packing.seed)
-            )
-        )
-        if show_progress
-        else None
-    )
-    # One tokenizer thread per worker process: the workers are the parallelism.
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    pool: ProcessPoolExecutor | None = None
-    tokenizer = stages.sample_tokenizer(cfg, out)
-    pool, progress_queue = _pool(cfg, out, workers, tokenizer) if workers > 1 else (None, None)
-    lap("load")
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    try:
-        with Progress(*columns, disable=not show_progress, transient=False) as progress:
-            converted = _run_stage(
-                pool,
-                progress_queue,
-                _convert_job,
-                workers,
-                progress,
-                "convert",
-                total,
-                lambda advance: dict(stages.convert(cfg, out, 0, 1, progress=advance, tokenizer=tokenizer)),
-            )
-            lap("convert", converted)
-            task = progress.add_task("plan", total=1)
-            plan_summary = stages.plan(cfg, out)
-            progress.advance(task)
-            lap("plan")
-            materialized = _run_stage(
-                pool,
-                progress_queue,
-                _materialize_job,
-                workers,
-                progress,
-                "materialize",
-                plan_summary["shards"],
-                lambda advance: dict(stages.materialize(cfg, out, 0, 1, progress=advance)),
-            )
-            lap("materialize", materialized)
-    finally:
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
+
+def _manifest(
+    cfg: PackConfig, out: Path, converted: list[dict[str, Any]], materialized: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The manifest the run wrote, checked against what this run read."""
     # The worker that completed the set wrote the manifest; finalize only if none did (a shard was
     # written by an earlier, interrupted run and no worker of this run saw the set complete).
     if any(m.get("manifest") for m in materialized):
         manifest: dict[str, Any] | None = json.loads((out / MANIFEST).read_text())
     else:
-        manifest = stages.finalize(cfg, out)
+        manifest = finalize(cfg, out)
     if manifest is None:
         raise RuntimeError(
             f"materialize finished but {out} lacks shards; re-run `packtrain pack materialize`"
@@ -277,6 +294,4 @@ def run_all(
             f"{out}: this run read {seen} samples but the manifest counts {manifest['counts']['input']}; "
             "the folder holds a pack of other inputs. Use a new output folder."
         )
-    if timings is not None:
-        timings.update(stages=stage_times, workers=workers, peak_rss_mib=peak_rss_mib())
     return manifest

@@ -82,7 +82,8 @@ REJECT_REASONS: dict[RejectReason, str] = {
     "container (truncated, too few frames, text named as a video); a video whose sampled frames do not "
     "decode is found by materialize",
     RejectReason.MEDIA_TYPE_MISMATCH: "a video used as an image, or an image used as a video",
-    RejectReason.UNSUPPORTED_MEDIA: "audio, or a media path that is not a regular file (folder, FIFO, device)",
+    RejectReason.UNSUPPORTED_MEDIA: "audio, or a media path that is not a regular file (folder, FIFO, "
+    "device)",
     RejectReason.MEDIA_TOO_LARGE: "a media file over source.maxImageBytes / source.maxVideoBytes, or an "
     "image over source.maxImageSourcePixels",
     RejectReason.VIDEO_TOO_LARGE: "a video whose decoded work (source pixels x sampled frames) is over "
@@ -376,7 +377,7 @@ def _assistant_spans(
 ) -> list[tuple[int, int]]:
     """Token spans trained on: from the token after each assistant header's newline through the next end
     token, and the newline token right after it when `newline_id` is given."""
-    spans = []
+    spans: list[tuple[int, int]] = []
     first, k, n = header[0], len(header), len(ids)
     pos = 0
     while True:
@@ -401,7 +402,7 @@ def _assistant_spans(
 def _runs(ids: list[int], start_id: int, end_id: int) -> list[tuple[int, int]]:
     """Spans from each outermost start token through its matching end token: one per media item
     (a Qwen3-VL video nests one run per temporal group inside its own)."""
-    runs = []
+    runs: list[tuple[int, int]] = []
     pos = 0
     n = len(ids)
     while True:

@@ -14,14 +14,13 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from packtrain.packer.core.errors import ConfigError, ShardFormatError
+from packtrain.packer.core.errors import EXIT_CONFIG, EXIT_OK, ConfigError, ShardFormatError
 from packtrain.packer.core.pack.shards import REJECTS, ShardReader, read_manifest
 from packtrain.packer.sources.records import iter_records
 
 if TYPE_CHECKING:
     from packtrain.packer.core.config import PackConfig
-
-EXIT_DATA = 2  # a damaged or edited pack is bad input, like a configuration error
+    from packtrain.packer.core.pack.integrity import Scan
 
 
 def summary_line(manifest: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -80,7 +79,7 @@ def inspect_cmd(path: Path, plot: str | None, as_json: bool) -> int:
         print_stats(manifest, path, Console())
     if plot:
         write_plot(path, Path(plot))
-    return 0
+    return EXIT_OK
 
 
 def write_plot(path: Path, png: Path) -> None:
@@ -131,7 +130,7 @@ def _rejects(path: Path, problems: list[str]) -> list[dict[str, Any]]:
 def refused_message(path: Path) -> str | None:
     """Why `path` has no manifest when finalize refused the pack (its counts made it useless), else None."""
     from packtrain.packer.core.pack.shards import MANIFEST
-    from packtrain.packer.stages.all_stages import refusal
+    from packtrain.packer.stages.workdir import refusal
 
     refused = None if (path / MANIFEST).exists() else refusal(path)
     if refused is None:
@@ -147,9 +146,7 @@ def verify(path: Path, notes: list[str] | None = None) -> list[str]:
     """Every problem found, as messages; empty means the pack is sound. What could not be checked
     (a model folder that is not readable here) goes to `notes`."""
     from packtrain.packer.core.config import PackConfig
-    from packtrain.packer.core.pack.integrity import model_facts, scan_rows, stored_config_hash
-    from packtrain.packer.core.pack.shards import sha256_file
-    from packtrain.packer.stages.all_stages import DUPLICATE_IDS, count_duplicate_ids
+    from packtrain.packer.core.pack.integrity import model_facts, scan_rows
 
     problems: list[str] = []
     try:
@@ -161,6 +158,31 @@ def verify(path: Path, notes: list[str] | None = None) -> list[str]:
         cfg = PackConfig.model_validate(m.get("config"))
     except ValidationError as exc:
         return [f"manifest config is not a valid pack configuration: {exc}"]
+    problems.extend(_check_header(path, m, cfg))
+    facts, note = model_facts(cfg.model.path)
+    if note and notes is not None:
+        notes.append(note)
+    found = scan_rows(reader, facts, cfg.packing.max_length)
+    problems.extend(found.problems)
+    seen = found.seen
+    rejects = _rejects(path, problems) if (path / REJECTS).is_file() else []
+    for r in rejects:
+        seen[(r["source"], r["index"])] += 1
+    dupes = [k for k, v in seen.items() if v > 1]
+    if dupes and not any((e.weight or 0) > 1 for e in cfg.source.mixture):  # else: repeats, checked below
+        problems.append(f"{len(dupes)} samples appear more than once, e.g. {dupes[:3]}")
+    problems.extend(_check_totals(reader, found, rejects))
+    problems.extend(_check_source_counts(m.get("counts") or {}))
+    problems.extend(_check_inputs(m, seen, cfg))
+    return problems
+
+
+def _check_header(path: Path, m: dict[str, Any], cfg: PackConfig) -> list[str]:
+    """The manifest against its own config (hash, max_length) and the rejects file's sha256."""
+    from packtrain.packer.core.pack.integrity import stored_config_hash
+    from packtrain.packer.core.pack.shards import sha256_file
+
+    problems: list[str] = []
     if (got := stored_config_hash(m.get("config"))) != m.get("config_hash"):
         problems.append(
             f"config_hash {str(m.get('config_hash'))[:12]}… is not the hash of the manifest's config "
@@ -173,19 +195,17 @@ def verify(path: Path, notes: list[str] | None = None) -> list[str]:
     want_sha = (m.get("rejects") or {}).get("sha256")
     if not rejects_file.is_file() or sha256_file(rejects_file) != want_sha:
         problems.append(f"{REJECTS}: missing, or its sha256 does not match the manifest's rejects.sha256")
-    facts, note = model_facts(cfg.model.path)
-    if note and notes is not None:
-        notes.append(note)
-    found = scan_rows(reader, facts, max_length)
-    problems.extend(found.problems)
-    seen = found.seen
-    rejects = _rejects(path, problems) if rejects_file.is_file() else []
-    for r in rejects:
-        seen[(r["source"], r["index"])] += 1
-    dupes = [k for k, v in seen.items() if v > 1]
-    if dupes and not any((e.weight or 0) > 1 for e in cfg.source.mixture):  # else: repeats, checked below
-        problems.append(f"{len(dupes)} samples appear more than once, e.g. {dupes[:3]}")
+    return problems
+
+
+def _check_totals(reader: ShardReader, found: Scan, rejects: list[dict[str, Any]]) -> list[str]:
+    """The manifest's counts, sequences, tokens and duplicate ids against what the shards hold."""
+    from packtrain.packer.stages.finalize import DUPLICATE_IDS
+    from packtrain.packer.stages.plan import count_duplicate_ids
+
+    m = reader.manifest
     c = m.get("counts") or {}
+    problems: list[str] = []
     if (
         found.packed != c.get("packed")
         or len(rejects) != c.get("rejected")
@@ -207,8 +227,6 @@ def verify(path: Path, notes: list[str] | None = None) -> list[str]:
         duplicates, _ = count_duplicate_ids([pa.array(ids, pa.string())])
         if duplicates != c[DUPLICATE_IDS]:
             problems.append(f"counts.{DUPLICATE_IDS} is {c[DUPLICATE_IDS]}, the pack holds {duplicates}")
-    problems.extend(_check_source_counts(c))
-    problems.extend(_check_inputs(m, seen, cfg))
     return problems
 
 
@@ -218,7 +236,8 @@ def _check_source_counts(counts: dict[str, Any]) -> list[str]:
     if not isinstance(sources, dict) or not sources:
         return []  # a pack made before per-source counts
     problems = [
-        f"counts.sources[{entry!r}]: input {s.get('input')} != packed {s.get('packed')} + rejected {s.get('rejected')}"
+        f"counts.sources[{entry!r}]: input {s.get('input')} != packed {s.get('packed')} "
+        f"+ rejected {s.get('rejected')}"
         for entry, s in sources.items()
         if not isinstance(s, dict) or s.get("input") != (s.get("packed") or 0) + (s.get("rejected") or 0)
     ]
@@ -265,7 +284,8 @@ def _check_inputs(manifest: dict[str, Any], seen: Counter[tuple[str, int]], cfg:
 
 
 def verify_cmd(path: Path) -> int:
-    """Exit 0 when the pack is sound, EXIT_DATA (2, as for any bad input) when anything is wrong."""
+    """EXIT_OK when the pack is sound, EXIT_CONFIG when anything is wrong (a damaged or edited pack is
+    bad input, like a configuration error)."""
     notes: list[str] = []
     problems = verify(path, notes)
     for n in notes:
@@ -273,13 +293,14 @@ def verify_cmd(path: Path) -> int:
     for p in problems:
         print(f"FAIL {p}", file=sys.stderr)
     if problems:
-        return EXIT_DATA
+        return EXIT_CONFIG
     m = read_manifest(path)
     c = m["counts"]
     print(
-        f"OK {path}: {m['sequences']} sequences, {c['packed']} packed + {c['rejected']} rejected = {c['input']}"
+        f"OK {path}: {m['sequences']} sequences, "
+        f"{c['packed']} packed + {c['rejected']} rejected = {c['input']}"
     )
-    return 0
+    return EXIT_OK
 
 
 def unpack(path: Path, only: set[str] | None = None) -> list[dict[str, Any]]:
@@ -315,4 +336,4 @@ def unpack(path: Path, only: set[str] | None = None) -> list[dict[str, Any]]:
 def unpack_cmd(path: Path, only: list[str] | None) -> int:
     for s in unpack(path, set(only) if only else None):
         print(json.dumps(s, separators=(",", ":")))
-    return 0
+    return EXIT_OK

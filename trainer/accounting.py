@@ -11,22 +11,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
+from packtrain.packer.core.contract import TrainSummary
+from packtrain.trainer.batch import Batch
 from packtrain.trainer.distributed import all_reduce_max, all_reduce_sum
 from packtrain.trainer.metrics import ModelShape, TrainMetrics, step_flops
 
 TOTALS = ("tokens", "effective", "samples", "flops")
 
 
-def batch_counts(shape: ModelShape, micro: Sequence[dict[str, Any]]) -> dict[str, float]:
+def batch_counts(shape: ModelShape, micro: Sequence[Batch]) -> dict[str, float]:
     """Token slots (with padding), real tokens, samples and model FLOPs of one step's micro-batches."""
     return {
-        "tokens": float(sum(b["padded_tokens"] for b in micro)),
-        "effective": float(sum(b["num_tokens"] for b in micro)),
-        "samples": float(sum(len(b["seq_lens"]) for b in micro)),
+        "tokens": float(sum(b.info.padded_tokens for b in micro)),
+        "effective": float(sum(b.info.num_tokens for b in micro)),
+        "samples": float(sum(len(b.info.seq_lens) for b in micro)),
         "flops": float(sum(step_flops(shape, b) for b in micro)),
     }
 
@@ -53,7 +54,7 @@ class RunAccounting:
     def step(
         self,
         step: int,
-        micro: Sequence[dict[str, Any]],
+        micro: Sequence[Batch],
         loss: float,
         learning_rate: float,
         data_wait: float,
@@ -103,36 +104,36 @@ class RunAccounting:
         final_model: str | None,
         steps_per_epoch: int | None = None,
         eval_units: int = 0,
-    ) -> dict[str, Any]:
+    ) -> TrainSummary:
         """The run's one-line result (the operator reads it from the termination message)."""
         t = self.totals
         seconds = max(self.seconds, 1e-9)
         peak = self.metrics.peak
-        summary: dict[str, Any] = {
-            "steps": steps,
-            "steps_this_run": steps - self.start_step,
-            "tokens": int(t["tokens"]),
-            "effective_tokens": int(t["effective"]),
-            "tokens_per_second": t["tokens"] / seconds,
-            "effective_tokens_per_second": t["effective"] / seconds,
-            "samples_per_second": t["samples"] / seconds,
-            "padding_ratio": 1.0 - t["effective"] / t["tokens"] if t["tokens"] else 0.0,
+        summary = TrainSummary(
+            steps=steps,
+            steps_this_run=steps - self.start_step,
+            tokens=int(t["tokens"]),
+            effective_tokens=int(t["effective"]),
+            tokens_per_second=t["tokens"] / seconds,
+            effective_tokens_per_second=t["effective"] / seconds,
+            samples_per_second=t["samples"] / seconds,
+            padding_ratio=1.0 - t["effective"] / t["tokens"] if t["tokens"] else 0.0,
             # None when no step ran (a resumed run already at its last step) or the loss is not finite:
             # NaN is not JSON, and the operator writes this value into the SFTJob's status.
-            "final_loss": final_loss if math.isfinite(final_loss) else None,
-            "eval_loss": self.eval_loss,
-            "eval_units": eval_units,
-            "steps_per_epoch": steps_per_epoch,
-            "epochs": steps / steps_per_epoch if steps_per_epoch else None,
-            "model_flops_per_effective_token": t["flops"] / t["effective"] if t["effective"] else None,
-            "mfu": t["flops"] / seconds / (peak * 1e12) / self.world_size if peak else None,
-            "mode": mode,
-            "attention": attention,
-            "world_size": self.world_size,
-            "attention_imbalance_max": attention_imbalance_max,
-            "resumed_from": resumed_from,
-            "final_model": final_model,
-        }
+            final_loss=final_loss if math.isfinite(final_loss) else None,
+            eval_loss=self.eval_loss,
+            eval_units=eval_units,
+            steps_per_epoch=steps_per_epoch,
+            epochs=steps / steps_per_epoch if steps_per_epoch else None,
+            model_flops_per_effective_token=t["flops"] / t["effective"] if t["effective"] else None,
+            mfu=t["flops"] / seconds / (peak * 1e12) / self.world_size if peak else None,
+            mode=mode,
+            attention=attention,
+            world_size=self.world_size,
+            attention_imbalance_max=attention_imbalance_max,
+            resumed_from=resumed_from,
+            final_model=final_model,
+        )
         if self.device.type == "cuda":
             summary["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
         if self.sm_readings:

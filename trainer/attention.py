@@ -13,8 +13,9 @@ always runs with `use_cache=False` and every backend gets explicit boundaries:
 * sdpa (and eager): a dense block-diagonal causal boolean mask: O(L^2) memory, the CPU reference.
 
 The vision tower is isolated per image / frame (and per window) by `transformers`
-itself from `grid_thw` (Qwen3-VL's learned position grid is also resampled per item): for backends other than flash it calls the attention
-function once per segment, which varlen and flex then treat as one sequence.
+itself from `grid_thw` (Qwen3-VL's learned position grid is also resampled per item): for
+backends other than flash it calls the attention function once per segment, which varlen and
+flex then treat as one sequence.
 """
 
 from __future__ import annotations

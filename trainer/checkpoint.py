@@ -19,7 +19,7 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -59,7 +59,12 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The full state dict without frozen parameters (every name of a tied one: the torch option
     alone keeps a frozen tied LM head), on CPU; buffers stay."""
     frozen = set(_names(model, lambda p: not p.requires_grad))
-    return {k: v for k, v in get_model_state_dict(model, options=TRAINABLE).items() if k not in frozen}
+    return {k: v for k, v in _model_state(model, TRAINABLE).items() if k not in frozen}
+
+
+def _model_state(model: torch.nn.Module, options: StateDictOptions) -> dict[str, torch.Tensor]:
+    """A module's full state dict: tensors only (the union torch annotates covers optimizer state)."""
+    return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
 
 
 def _names(model: torch.nn.Module, keep: Any) -> dict[str, torch.nn.Parameter]:
@@ -198,7 +203,7 @@ def save_hf(
     """The final model as a Hugging Face folder (weights, config, tokenizer and processor files)."""
     return _export(
         out,
-        get_model_state_dict(model, options=FULL),
+        _model_state(model, FULL),
         lambda state: {k.removeprefix("hf."): v.to(dtype) for k, v in state.items()},
         hf_model,
         source_folder,
@@ -262,4 +267,4 @@ def save_merged(
         merged = lora.merged_state_dict(plain, lora.scalings(hf_model))
         return {k: v.to(dtype) for k, v in merged.items()}
 
-    return _export(out, get_model_state_dict(model, options=FULL), convert, hf_model, source_folder, env)
+    return _export(out, _model_state(model, FULL), convert, hf_model, source_folder, env)

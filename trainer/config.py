@@ -60,14 +60,15 @@ class DataSpec(CamelModel):
     )
     eval_pack_job_ref: str | None = Field(
         None,
-        description="Name of a PackJob whose pack is the evaluation set; the operator mounts it as `evalPath`.",
+        description="Name of a PackJob whose pack is the evaluation set; the operator mounts it as "
+        "`evalPath`.",
     )
     eval_fraction: float = Field(
         0.0,
         ge=0.0,
         le=MAX_EVAL_FRACTION,
-        description="Share of the training pack's sequences held out (seeded by training.seed) as the evaluation "
-        "set instead of an evaluation pack; 0: none.",
+        description="Share of the training pack's sequences held out (seeded by training.seed) as the "
+        "evaluation set instead of an evaluation pack; 0: none.",
     )
 
     @model_validator(mode="after")
@@ -136,8 +137,8 @@ class TrainModelSpec(CamelModel):
     )
     config_overrides: dict[str, Any] = Field(
         default_factory=dict,
-        description="Keys merged into config.json before building (nested dicts for textConfig/visionConfig keys "
-        "use the config's own snake_case names), e.g. to shrink a model for tests.",
+        description="Keys merged into config.json before building (nested dicts for textConfig/visionConfig "
+        "keys use the config's own snake_case names), e.g. to shrink a model for tests.",
     )
     gradient_checkpointing: bool = Field(
         False,
@@ -167,8 +168,8 @@ class TrainingSpec(CamelModel):
         None,
         ge=1,
         le=10_000,
-        description="Passes over the pack instead of maxSteps: steps = epochs x steps per epoch (the pack's units "
-        "over the global batch), reported before training starts.",
+        description="Passes over the pack instead of maxSteps: steps = epochs x steps per epoch (the pack's "
+        "units over the global batch), reported before training starts.",
     )
     eval_every: int = Field(
         0, ge=0, description="Evaluate every N steps (with an evaluation set); 0: only after the last step."
@@ -230,8 +231,8 @@ class TrainingSpec(CamelModel):
     )
     dtype: DType = Field(
         "auto",
-        description="Compute dtype; auto: bf16 on GPU, fp32 on CPU. bf16 is mixed precision: fp32 weights and "
-        "optimizer state, bf16 autocast (the final export is saved in bf16).",
+        description="Compute dtype; auto: bf16 on GPU, fp32 on CPU. bf16 is mixed precision: fp32 weights "
+        "and optimizer state, bf16 autocast (the final export is saved in bf16).",
     )
     loss_chunk_tokens: int = Field(
         LOSS_CHUNK_TOKENS,

@@ -432,7 +432,8 @@ def eval_dataset(train: PackedDataset, spec: DataSpec) -> EvalDataset | None:
     path = spec.eval_path
     if path is None and spec.eval_pack_job_ref is not None:
         raise ValueError(
-            f"data.evalPackJobRef {spec.eval_pack_job_ref!r} must be resolved to data.evalPath (the operator does)"
+            f"data.evalPackJobRef {spec.eval_pack_job_ref!r} must be resolved to data.evalPath "
+            "(the operator does)"
         )
     if path is None and not train.eval_sequences:
         return None

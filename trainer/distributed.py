@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -134,7 +136,7 @@ def parallelize(
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-        hf = module.hf  # type: ignore[attr-defined]
+        hf: Any = module.hf  # VLMForTraining's Hugging Face model
         for block in hf.model.visual.blocks:
             fully_shard(block, mp_policy=policy)
         for layer in hf.model.language_model.layers:
@@ -144,16 +146,15 @@ def parallelize(
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
-def set_grad_sync(module: torch.nn.Module, enabled: bool) -> object:
+def set_grad_sync(module: torch.nn.Module, enabled: bool) -> AbstractContextManager[object]:
     """Context for one micro-step: skip the gradient all-reduce on all but the last micro-step."""
-    from contextlib import nullcontext
-
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(module, DistributedDataParallel):
         return nullcontext() if enabled else module.no_sync()
-    if hasattr(module, "set_requires_gradient_sync"):  # FSDP2
-        module.set_requires_gradient_sync(enabled)
+    set_sync = getattr(module, "set_requires_gradient_sync", None)  # FSDP2
+    if set_sync is not None:
+        set_sync(enabled)
     return nullcontext()
 
 

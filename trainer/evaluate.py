@@ -13,7 +13,6 @@ import torch
 
 from packtrain.trainer import distributed
 from packtrain.trainer.data import EvalDataset, loader
-from packtrain.trainer.model import move_batch
 
 
 def due(step: int, max_steps: int, every: int) -> bool:
@@ -39,10 +38,10 @@ def evaluate(
         with torch.no_grad():
             for batch in batches:
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                    result = model(move_batch(batch, device, dtype))
-                if batch["counted"]:
+                    result = model(batch.inputs.to(device, dtype))
+                if batch.info.counted:
                     loss_sum += result["loss_sum"].double()
-                    tokens += batch["num_label_tokens"]
+                    tokens += batch.info.num_label_tokens
     finally:
         model.train(was_training)
     total_tokens = distributed.all_reduce_sum(float(tokens), device)

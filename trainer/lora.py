@@ -38,7 +38,7 @@ def apply(model: PreTrainedModel, spec: LoraSpec, base_path: str | Path) -> Peft
     """Adapters into `model` in place; only they train afterwards."""
     config = LoraConfig(
         r=spec.rank,
-        lora_alpha=spec.alpha,
+        lora_alpha=spec.alpha,  # type: ignore[arg-type]  # PEFT scales by alpha / r in float; annotated int
         lora_dropout=spec.dropout,
         target_modules=target_regex(spec, param_groups.layout(model)),
         bias="none",

@@ -22,7 +22,7 @@ from packtrain.trainer.config import LOSS_CHUNK_TOKENS
 
 def token_losses(
     hidden: torch.Tensor,
-    lm_head: torch.nn.Module,
+    lm_head: torch.nn.Linear,
     shift_labels: torch.Tensor,
     chunk_tokens: int = LOSS_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +44,7 @@ def token_losses(
 
 
 def chunked_linear_cross_entropy(
-    hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, chunk_tokens: int
+    hidden: torch.Tensor, lm_head: torch.nn.Linear, targets: torch.Tensor, chunk_tokens: int
 ) -> torch.Tensor:
     """`cross_entropy(lm_head(hidden), targets, reduction="none")` holding at most `chunk_tokens`
     rows of logits at any time (forward and backward).
@@ -98,7 +98,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: torch.autograd.function.FunctionCtx,
         hidden: torch.Tensor,
         weight: torch.Tensor,
@@ -122,13 +122,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 torch.add(logits.sub_(top).exp_().sum(dim=-1).log_(), top.squeeze(1), out=lse[rows])
                 torch.sub(lse[rows], picked, out=losses[rows])
                 del logits
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)  # type: ignore[arg-type]  # None is allowed
         ctx.chunk, ctx.compute = chunk, compute  # type: ignore[attr-defined]
         return losses
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_losses: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, targets, lse = ctx.saved_tensors  # type: ignore[attr-defined]

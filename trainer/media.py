@@ -80,7 +80,8 @@ def patchify_image(image: torch.Tensor, spec: PixelSpec) -> torch.Tensor:
 
 
 def patchify_video(video: torch.Tensor, spec: PixelSpec) -> torch.Tensor:
-    """(T, C, H, W) normalized → (grid_t*grid_h*grid_w, C*tp*p*p); the last frame pads T to the temporal patch."""
+    """(T, C, H, W) normalized → (grid_t*grid_h*grid_w, C*tp*p*p); the last frame pads T to the
+    temporal patch."""
     p, m, tp = spec.patch_size, spec.merge_size, spec.temporal_patch_size
     if pad := -video.shape[0] % tp:
         video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])
@@ -117,7 +118,7 @@ def decode_video_frames(
         )
     want = set(wanted)
     got: dict[int, np.ndarray] = {}
-    with av.open(io.BytesIO(data), format=demuxer) as container:
+    with av.open(io.BytesIO(data), mode="r", format=demuxer) as container:
         for i, frame in enumerate(container.decode(video=0)):
             if i in want:
                 rgb = frame.to_ndarray(format="rgb24")

@@ -40,6 +40,8 @@ from packtrain.packer.core.contract import (
 if TYPE_CHECKING:  # imported where used: the device benchmark reads the FLOPs model without it
     from prometheus_client import Gauge
 
+    from packtrain.trainer.batch import Batch
+
 PEAK_BF16_TFLOPS = {  # dense, per GPU
     "H200": 989.0,
     "H100": 989.0,
@@ -113,20 +115,18 @@ def _factor(counts: dict[str, int], part: str, frozen_forward_only: bool) -> flo
     return 4.0 + 2.0 * trainable / max(total, 1)
 
 
-def step_flops(shape: ModelShape, batch: dict[str, Any]) -> float:
+def step_flops(shape: ModelShape, batch: Batch) -> float:
     """Training FLOPs (forward + backward = 3x forward) of one micro-batch."""
-    tokens = batch["padded_tokens"]  # padding tokens cost compute too
-    flops = (
-        shape.llm_factor * shape.llm_params * tokens + 6.0 * shape.lm_head_params * batch["num_label_tokens"]
-    )
-    if "attention_mask" in batch:  # padded rows: each row attends over its padded width
-        width = batch["input_ids"].shape[1]
-        attn = len(batch["seq_lens"]) * width * width / 2
+    info, inputs = batch.info, batch.inputs
+    tokens = info.padded_tokens  # padding tokens cost compute too
+    flops = shape.llm_factor * shape.llm_params * tokens + 6.0 * shape.lm_head_params * info.num_label_tokens
+    if inputs.attention_mask is not None:  # padded rows: each row attends over its padded width
+        width = inputs.input_ids.shape[1]
+        attn = len(info.seq_lens) * width * width / 2
     else:
-        attn = sum(n * n / 2 for n in batch["seq_lens"])
+        attn = sum(n * n / 2 for n in info.seq_lens)
     flops += 12.0 * shape.layers * shape.attn_dim * attn  # causal: half of QK^T and AV, x3
-    for key in ("image_grid_thw", "video_grid_thw"):
-        grid = batch.get(key)
+    for grid in (inputs.image_grid_thw, inputs.video_grid_thw):
         if grid is None:
             continue
         patches = int(grid.prod(-1).sum())

@@ -16,14 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-import transformers
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from packtrain.packer.core.errors import ConfigError
 from packtrain.packer.core.model_spec import ModelSpec, family_for_model_type, model_spec
 from packtrain.trainer.attention import HF_IMPLEMENTATION, attention_kwargs, register_backend
+from packtrain.trainer.batch import ModelInputs
 from packtrain.trainer.config import LOSS_CHUNK_TOKENS
 from packtrain.trainer.loss import token_losses
 
@@ -64,7 +65,7 @@ def checked_spec(folder: str | Path, config: PretrainedConfig, family: str | Non
             "drop model.family or point model.path at a matching folder"
         )
     vision = config.vision_config
-    pairs = {
+    pairs: dict[str, tuple[Any, Any]] = {
         "image_token_id": (config.image_token_id, spec.token_ids.image_pad),
         "video_token_id": (config.video_token_id, spec.token_ids.video_pad),
         "vision_config.spatial_merge_size": (vision.spatial_merge_size, spec.vision.merge_size),
@@ -115,7 +116,7 @@ def build_model(
             model = model_class._from_config(config, attn_implementation=impl, dtype=dtype)
     # Parameters are already in `dtype`; `.to(dtype=...)` would also cast the rotary `inv_freq`
     # buffers that transformers deliberately keeps in fp32 (bf16 ones skew long-range positions).
-    return model.to(device=device)
+    return model.to(device=device)  # type: ignore[call-arg]  # transformers' wrapped `to` stub drops self
 
 
 def _checkpointed(forward: Callable[..., Any], module: nn.Module) -> Callable[..., Any]:
@@ -138,10 +139,11 @@ def apply_layer_options(
     the recomputed region. Done here rather than through transformers' gradient-checkpointing
     switch, whose name and reach (every layer, vision included) differ between its versions.
     """
-    layers = list(model.model.language_model.layers)
-    blocks = list(model.model.visual.blocks)
+    hf: Any = model
+    layers = list(hf.model.language_model.layers)
+    blocks = list(hf.model.visual.blocks)
     for module in (layers if activation_checkpointing else []) + (blocks if vision_checkpointing else []):
-        module.forward = _checkpointed(module.forward, module)  # type: ignore[method-assign]
+        module.forward = _checkpointed(module.forward, module)
     if compile:
         for layer in layers:
             layer.compile()
@@ -165,7 +167,7 @@ class VLMForTraining(nn.Module):
         self.always_run_vision = always_run_vision
         self.loss_chunk_tokens = loss_chunk_tokens
 
-    def _encode_media(self, batch: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor | None]:
+    def _encode_media(self, inputs: ModelInputs) -> tuple[dict[str, Any], torch.Tensor | None]:
         """Images and videos through the vision tower in *one* call (each grid stays isolated:
         per-frame attention segments and per-grid windows), split back per modality.
 
@@ -175,12 +177,12 @@ class VLMForTraining(nn.Module):
         """
         visual = self.hf.model.visual
         parts = [
-            (kind, batch[px], batch[grid])
+            (kind, px, grid)
             for kind, px, grid in (
-                ("image", "pixel_values", "image_grid_thw"),
-                ("video", "pixel_values_videos", "video_grid_thw"),
+                ("image", inputs.pixel_values, inputs.image_grid_thw),
+                ("video", inputs.pixel_values_videos, inputs.video_grid_thw),
             )
-            if batch.get(px) is not None
+            if px is not None and grid is not None
         ]
         if not parts:
             if not self.always_run_vision:
@@ -207,44 +209,34 @@ class VLMForTraining(nn.Module):
             first += len(grid)
         return encoded, None
 
-    def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        encoded, zero = self._encode_media(batch)
-        input_ids = batch["input_ids"]
-        if "attention_mask" in batch:  # padded baseline: 2-D padding mask, transformers builds the rest
-            extra: dict[str, Any] = {"attention_mask": batch["attention_mask"]}
+    def forward(self, inputs: ModelInputs) -> dict[str, torch.Tensor]:
+        encoded, zero = self._encode_media(inputs)
+        input_ids = inputs.input_ids
+        if (
+            inputs.attention_mask is not None
+        ):  # padded baseline: 2-D padding mask, transformers builds the rest
+            extra: dict[str, Any] = {"attention_mask": inputs.attention_mask}
+        elif inputs.cu_seq_lens is not None and inputs.max_length is not None:
+            extra = attention_kwargs(self.backend, inputs.cu_seq_lens, inputs.max_length, input_ids.shape[1])
         else:
-            extra = attention_kwargs(
-                self.backend, batch["cu_seq_lens"], batch["max_length"], input_ids.shape[1]
+            raise ValueError(
+                "model inputs need an attention mask (padded) or cu_seq_lens and max_length (packed)"
             )
         hidden = self.hf.model(
             input_ids=input_ids,
-            position_ids=batch["position_ids"],
+            position_ids=inputs.position_ids,
             mm_encoder_outputs=encoded or None,
             use_cache=False,
             **extra,
         ).last_hidden_state
-        losses, positions = token_losses(
-            hidden, self.hf.lm_head, batch["shift_labels"], self.loss_chunk_tokens
-        )
+        losses, positions = token_losses(hidden, self.hf.lm_head, inputs.shift_labels, self.loss_chunk_tokens)
         loss_sum = losses.sum() if zero is None else losses.sum() + zero
         return {"loss_sum": loss_sum, "token_losses": losses, "positions": positions}
 
 
-def move_batch(batch: dict[str, Any], device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    """Tensors to the device; pixel tensors to the compute dtype."""
-    out: dict[str, Any] = {}
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor):
-            value = value.to(device, non_blocking=True)
-            if key.startswith("pixel_values"):
-                value = value.to(dtype)
-        out[key] = value
-    return out
-
-
 def parameter_groups(model: nn.Module) -> dict[str, int]:
     """Parameter counts used by the FLOPs estimate: LLM body, LM head, vision tower."""
-    hf = model.hf if isinstance(model, VLMForTraining) else model
+    hf: Any = model.hf if isinstance(model, VLMForTraining) else model
     layers, visual = list(hf.model.language_model.layers.parameters()), list(hf.model.visual.parameters())
     body = sum(p.numel() for p in layers)
     vision = sum(p.numel() for p in visual)

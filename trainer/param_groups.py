@@ -92,7 +92,7 @@ def freeze(model: nn.Module, parts: Iterable[Module]) -> list[str]:
             p.requires_grad_(False)
     if not any(p.requires_grad for p in hf.parameters()):
         raise ConfigError(f"model.freeze {sorted(frozen)} leaves nothing to train; remove a part from it")
-    embeddings = hf.get_input_embeddings()
+    embeddings: Any = hf.get_input_embeddings()  # type: ignore[operator]  # a PreTrainedModel method
     if not embeddings.weight.requires_grad:  # frozen by `parts` or by LoRA
         embeddings.register_forward_hook(_output_requires_grad)
     silenced: list[str] = []
@@ -101,7 +101,7 @@ def freeze(model: nn.Module, parts: Iterable[Module]) -> list[str]:
         for name, sub in module.named_children() if isinstance(module, nn.ModuleList) else [("", module)]:
             if any(p.requires_grad for p in sub.parameters()):
                 return silenced
-            sub.forward = _no_grad(sub.forward)  # type: ignore[method-assign]
+            sub.forward = _no_grad(sub.forward)
             silenced.append(f"{path}.{name}" if name else path)
     return silenced
 

@@ -4,7 +4,8 @@ The handlers read Jobs, pods and Kubeflow jobs from the API and hand them here
 as plain dicts; what a user sees in `kubectl get`/`describe` is decided by these
 functions alone, so every transition is unit-tested without a cluster. One module
 per thing computed: `conditions` (the lifecycle set), `pods` (terminations, the
-scheduler), `jobs` (stage Jobs), `pack` (the PackJob), `sft` (the SFTJob), `refused`
+scheduler), `jobs` (stage Jobs), `pack` (the PackJob), `sft` (the SFTJob's status), `sft_decision`
+(what to do for it), `refused`
 (parents that create nothing now), `events` (what a change posts).
 """
 
@@ -41,6 +42,7 @@ from packtrain.operator.status.sft import (
     train_progress,
     waiting_status,
 )
+from packtrain.operator.status.sft_decision import SFTDecision, decide_start, mirror
 from packtrain.packer.core.contract import PACK_STAGES, parse_summary
 
 __all__ = [
@@ -56,11 +58,13 @@ __all__ = [
     "JobState",
     "Outcome",
     "PackDecision",
+    "SFTDecision",
     "Terminated",
     "blocked_status",
     "child_phase",
     "child_refused_status",
     "data_readiness",
+    "decide_start",
     "event_reason",
     "failed_status",
     "failure",
@@ -68,6 +72,7 @@ __all__ = [
     "invalid_status",
     "job_state",
     "lifecycle_conditions",
+    "mirror",
     "pack_stats",
     "pack_status",
     "parse_summary",

@@ -39,7 +39,7 @@ def set_condition(
 
 
 def _condition(type_: str, value: str, reason: str, message: str, since: str, generation: int | None) -> dict:
-    cond = {
+    cond: dict[str, Any] = {
         "type": type_,
         "status": value,
         "reason": str(reason),  # a plain str (a ConditionReason member dumps as one everywhere)
@@ -101,7 +101,13 @@ def lifecycle_conditions(
     )
     failed = o.phase == "Failed"
     conds = set_condition(
-        conds, "Failed", failed, o.reason if failed else R.NO_FAILURE, o.message if failed else "", now, generation
+        conds,
+        "Failed",
+        failed,
+        o.reason if failed else R.NO_FAILURE,
+        o.message if failed else "",
+        now,
+        generation,
     )
     degraded = o.degraded or (R.AS_EXPECTED, "")
     return set_condition(conds, "Degraded", o.degraded is not None, *degraded, now, generation)

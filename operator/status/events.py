@@ -24,7 +24,8 @@ WARNING_REASONS = frozenset(
 
 
 def event_reason(status: Mapping[str, Any] | None) -> str | None:
-    """What an Event reports on: a passed deadline (`Degraded:<reason>`) first, else the current (Ready) reason.
+    """What an Event reports on: a passed deadline (`Degraded:<reason>`) first, else the current (Ready)
+    reason.
 
     The Degraded prefix keeps a deadline passing apart from the wait it ends (both `Unschedulable`).
     """

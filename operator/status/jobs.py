@@ -88,7 +88,7 @@ def _config_failure(stage: str, t: Terminated, program: str) -> tuple[str, str]:
     )
 
 
-def stage_durations(jobs: Mapping[str, Mapping[str, Any] | None]) -> dict[str, float]:
+def stage_durations(jobs: Mapping[PackStage, Mapping[str, Any] | None]) -> dict[str, float]:
     """Seconds each finished stage Job ran (startTime → completionTime), for the stage-duration metric."""
     out: dict[str, float] = {}
     for stage, job in jobs.items():

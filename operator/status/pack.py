@@ -75,7 +75,9 @@ def manifest_digest(summaries: Sequence[Mapping[str, Any]]) -> str | None:
     return None
 
 
-def _stage_summaries(pods: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+def _stage_summaries(
+    pods: Mapping[PackStage, Sequence[Mapping[str, Any]]],
+) -> dict[str, list[dict[str, Any]]]:
     """Counts come from the stages that finished, and from a plan or materialize that refused the pack
     (NoSamples, TooManyRejected: materialize's final counts under `pack`)."""
     return {
@@ -119,14 +121,17 @@ class _Walk:
 def _walk_stages(
     name: str,
     spec: PackJobSpec,
-    jobs: Mapping[str, Mapping[str, Any] | None],
-    pods: Mapping[str, Sequence[Mapping[str, Any]]],
+    jobs: Mapping[PackStage, Mapping[str, Any] | None],
+    pods: Mapping[PackStage, Sequence[Mapping[str, Any]]],
     done_before: Mapping[str, float],
 ) -> _Walk:
     """The first stage not done decides: missing (create it), failed (the pack fails), or running."""
     durations = stage_durations(jobs)
     walk = _Walk(
-        "Succeeded", R.PACK_READY, f"pack written to {pack_output_dir(name, spec)}", stage_seconds=dict(done_before)
+        "Succeeded",
+        R.PACK_READY,
+        f"pack written to {pack_output_dir(name, spec)}",
+        stage_seconds=dict(done_before),
     )
     for stage in PACK_STAGES:
         job = jobs.get(stage)
@@ -216,7 +221,7 @@ def _base_status(
     name: str,
     generation: int | None,
     spec: PackJobSpec,
-    pods: Mapping[str, Sequence[Mapping[str, Any]]],
+    pods: Mapping[PackStage, Sequence[Mapping[str, Any]]],
     prev: Mapping[str, Any],
     now: str,
 ) -> dict[str, Any]:
@@ -235,12 +240,16 @@ def _base_status(
     return status
 
 
-def _progress(status: dict[str, Any], walk: _Walk, spec: PackJobSpec, prev: Mapping[str, Any], now: str) -> None:
+def _progress(
+    status: dict[str, Any], walk: _Walk, spec: PackJobSpec, prev: Mapping[str, Any], now: str
+) -> None:
     """`stage`, `percentDone`, and `lastProgressTime`: moved when either did (a stalled stage: neither)."""
     status["stage"] = walk.stage
     status["percentDone"] = 100 if walk.phase == "Succeeded" else percent_done(spec, walk.done_units)
     moved = (status.get("stage"), status["percentDone"]) != (prev.get("stage"), prev.get("percentDone"))
-    status["lastProgressTime"] = now if moved or not prev.get("lastProgressTime") else prev["lastProgressTime"]
+    status["lastProgressTime"] = (
+        now if moved or not prev.get("lastProgressTime") else prev["lastProgressTime"]
+    )
     if walk.stage_seconds:
         status["stageSeconds"] = walk.stage_seconds
 
@@ -249,8 +258,8 @@ def pack_status(
     name: str,
     generation: int | None,
     spec: PackJobSpec,
-    jobs: Mapping[str, Mapping[str, Any] | None],
-    pods: Mapping[str, Sequence[Mapping[str, Any]]],
+    jobs: Mapping[PackStage, Mapping[str, Any] | None],
+    pods: Mapping[PackStage, Sequence[Mapping[str, Any]]],
     previous: Mapping[str, Any] | None,
     now: str,
     deadlines: Deadlines | None = None,
@@ -276,7 +285,10 @@ def pack_status(
         status["completionTime"] = prev.get("completionTime") or now
     created = None
     if any(jobs.get(stage) for stage in PACK_STAGES) or done_before or walk.create is not None:
-        created = (R.STAGE_JOB_CREATED, f"stage Jobs {name}-<stage> created in order: {', '.join(PACK_STAGES)}")
+        created = (
+            R.STAGE_JOB_CREATED,
+            f"stage Jobs {name}-<stage> created in order: {', '.join(PACK_STAGES)}",
+        )
     outcome = Outcome(
         walk.phase, walk.reason, walk.message, created=created, suspended=walk.suspended, degraded=degraded
     )

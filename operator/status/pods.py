@@ -1,4 +1,5 @@
-"""What pods say: a container's termination (exit code, JSON summary or log tail), and the scheduler's refusal."""
+"""What pods say: a container's termination (exit code, JSON summary or log tail), and the scheduler's
+refusal."""
 
 from __future__ import annotations
 
@@ -84,7 +85,8 @@ def unschedulable_too_long(
 
 
 def pod_failure(pod: Mapping[str, Any], container: str, now: str) -> dict[str, Any] | None:
-    """`status.lastFailure` from a trainer pod whose container exited non-zero (kept before the pod is gone)."""
+    """`status.lastFailure` from a trainer pod whose container exited non-zero (kept before the pod is
+    gone)."""
     term = terminated(pod, container)
     if term is None or term.exit_code == 0:
         return None

@@ -36,7 +36,9 @@ def failed_status(body: Mapping[str, Any], reason: str, message: str, now: str) 
     """A terminal `Failed` status (the handler's transition Event makes it a Warning)."""
     prev = body.get("status") or {}
     generation = body["metadata"].get("generation")
-    conds = lifecycle_conditions(prev.get("conditions") or [], Outcome("Failed", reason, message), now, generation)
+    conds = lifecycle_conditions(
+        prev.get("conditions") or [], Outcome("Failed", reason, message), now, generation
+    )
     return {
         "phase": "Failed",
         "observedGeneration": generation,

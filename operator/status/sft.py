@@ -45,7 +45,9 @@ def data_readiness(ref: str, packjob: Mapping[str, Any] | None) -> DataReadiness
     status = packjob.get("status") or {}
     phase = status.get("phase") or "Pending"
     if phase == "Succeeded":
-        return DataReadiness(True, R.PACKJOB_SUCCEEDED, f"PackJob {ref} succeeded: {status.get('outputPath', '')}")
+        return DataReadiness(
+            True, R.PACKJOB_SUCCEEDED, f"PackJob {ref} succeeded: {status.get('outputPath', '')}"
+        )
     if phase == "Failed":
         failed = get_condition(status.get("conditions"), "Failed") or {}
         return DataReadiness(
@@ -184,7 +186,9 @@ def _data_ready(
     conds = prev.get("conditions") or []
     if data_gone:
         return set_condition(conds, "DataReady", False, R.PACKJOB_DELETED, data_gone, now, generation)
-    return set_condition(conds, "DataReady", True, R.DATA_AVAILABLE, f"training on {data_path}", now, generation)
+    return set_condition(
+        conds, "DataReady", True, R.DATA_AVAILABLE, f"training on {data_path}", now, generation
+    )
 
 
 def _unschedulable_message(stuck: str) -> str:

@@ -151,7 +151,8 @@ class MediaRoots:
         return frozenset().union(*(self.roots(d) for d in dirs)) if dirs else frozenset(self._fixed)
 
     def roots(self, dataset_dir: Path) -> frozenset[str]:
-        """Resolved roots for records of a dataset file in `dataset_dir` (relative map targets depend on it)."""
+        """Resolved roots for records of a dataset file in `dataset_dir` (relative map targets depend on
+        it)."""
         found = self._roots.get(dataset_dir)
         if found is None:
             base = self.media_root or dataset_dir

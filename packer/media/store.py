@@ -74,7 +74,7 @@ def _sampled(f: BinaryIO, indices: list[int], name: str) -> Iterator[tuple[int, 
         if demuxer is None:
             raise MediaError(RejectReason.CORRUPT_MEDIA, f"{name}: not a video in an allowed container")
         f.seek(0)
-        with av.open(f, format=demuxer) as container:
+        with av.open(f, mode="r", format=demuxer) as container:
             stream = container.streams.video[0]
             declared = (stream.codec_context.width, stream.codec_context.height)
             for i, frame in enumerate(container.decode(stream)):
@@ -97,7 +97,8 @@ def _sampled(f: BinaryIO, indices: list[int], name: str) -> Iterator[tuple[int, 
     if missing:
         raise MediaError(
             RejectReason.CORRUPT_MEDIA,
-            f"{name}: sampled frames {sorted(missing)[:5]} could not be decoded ({len(got)} of {len(wanted)} were)",
+            f"{name}: sampled frames {sorted(missing)[:5]} could not be decoded "
+            f"({len(got)} of {len(wanted)} were)",
         )
 
 

@@ -219,7 +219,8 @@ class _MediaPool:
             if self.used[kind] != len(pool):
                 raise SampleError(
                     RejectReason.PLACEHOLDER_MISMATCH,
-                    f"{len(pool)} path(s) in {self.columns[kind]!r} but {self.used[kind]} {kind} placeholder(s) in the turns",
+                    f"{len(pool)} path(s) in {self.columns[kind]!r} but {self.used[kind]} {kind} "
+                    "placeholder(s) in the turns",
                 )
 
 
@@ -238,7 +239,8 @@ def _part_path(part: dict[str, Any], i: int) -> str | None:
 
 
 def _media_list(record: dict[str, Any], column: str, kind: str) -> list[str]:
-    """The record's list of `kind` media: `column` (list or single string), else a singular `image`/`video`."""
+    """The record's list of `kind` media: `column` (list or single string), else a singular
+    `image`/`video`."""
     value = record.get(column)
     if value is None:
         value = record.get(kind)

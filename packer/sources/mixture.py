@@ -21,7 +21,8 @@ import numpy as np
 
 from packtrain.packer.core.config import MixtureEntry, SourceConfig
 from packtrain.packer.core.contract import SourceCounts
-from packtrain.packer.sources.records import Copies, SourceFile, Weigh, count_records
+from packtrain.packer.sources.raw import Copies
+from packtrain.packer.sources.records import SourceFile, Weigh, count_records
 
 R = TypeVar("R", bound=Any)  # a tokenized sample or a reject: dataclasses with a `sample_id`
 

@@ -17,7 +17,7 @@ declares, so every count still adds up.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from packtrain.packer.core.contract import RejectReason
-from packtrain.packer.sources.raw import MAX_NESTING_DEPTH, RawRecord, Want, skipped
+from packtrain.packer.sources.raw import MAX_NESTING_DEPTH, Copies, RawRecord, Want, skipped
 
 BATCH_ROWS = 64
 """Rows decoded at a time: a batch of images is what memory holds, whatever the row group size."""
@@ -72,7 +72,10 @@ def _open(path: Path) -> pq.ParquetFile | str:
     if rows > size or any(meta.row_group(g).num_rows < 0 for g in range(meta.num_row_groups)):
         return f"{path.name}: the footer declares {rows} rows in a file of {size} bytes"
     if depth > MAX_NESTING_DEPTH:
-        return f"{path.name}: columns nest {depth} levels deep, more than the {MAX_NESTING_DEPTH} a record may have"
+        return (
+            f"{path.name}: columns nest {depth} levels deep, more than the {MAX_NESTING_DEPTH} a record "
+            "may have"
+        )
     return pf
 
 
@@ -86,7 +89,7 @@ def _depth(t: pa.DataType) -> int:
     return 0
 
 
-def read_parquet(path: Path, unit_wanted: Want, times: Sequence[int] | None = None) -> Iterator[RawRecord]:
+def read_parquet(path: Path, unit_wanted: Want, times: Copies = None) -> Iterator[RawRecord]:
     """Every row of one file, in order, as a RawRecord with `index` the row number.
 
     `unit_wanted` is asked once per row group (once for an unreadable file); a refused group,

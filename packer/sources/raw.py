@@ -6,10 +6,13 @@ importing the other.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,11 @@ class RawRecord:
 
 SKIPPED = "skipped"
 """`RawRecord.reason` of a record `iter_records(select=...)` did not read (it is not a reject)."""
+
+Times = Sequence[int] | npt.NDArray[np.integer]
+"""How many times each record of a file is taken (a mixture's sample is an array)."""
+Copies = Times | None
+"""A file's `Times`; None: each record once."""
 
 Want = Callable[[], bool]
 """Asked once per unit of work (a JSON record, a Parquet row group): whether to read it."""

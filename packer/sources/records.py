@@ -1,4 +1,4 @@
-"""Reading dataset files: JSON arrays, JSONL and Parquet, one `RawRecord` per record, never failing on bad data.
+"""Reading dataset files (JSON arrays, JSONL, Parquet): one `RawRecord` per record, never failing on bad data.
 
 A bad line, array item or Parquet row becomes a RawRecord with `error` set, so the
 convert stage turns it into a reject and goes on; only configuration mistakes (a path
@@ -19,11 +19,11 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol, cast
 
 from packtrain.packer.core.contract import RejectReason
 from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.sources.raw import MAX_NESTING_DEPTH, RawRecord, Want, skipped
+from packtrain.packer.sources.raw import MAX_NESTING_DEPTH, Copies, RawRecord, Times, Want, skipped
 
 _GLOB_CHARS = frozenset("*?[")
 
@@ -92,8 +92,6 @@ def source_names(files: Sequence[Path]) -> list[str]:
     return names
 
 
-Copies = Sequence[int] | None
-"""How many times each record of a file is taken (a mixture's sample); None: each once."""
 Weigh = Callable[[list[SourceFile]], list[Copies]]
 
 
@@ -133,7 +131,7 @@ def iter_records(
                 yield dataclasses.replace(raw, name=sf.name, copy=k)
 
 
-def _times(times: Sequence[int], index: int) -> int:
+def _times(times: Times, index: int) -> int:
     return int(times[index]) if index < len(times) else 0  # a file grown since it was counted: not sampled
 
 
@@ -185,15 +183,27 @@ READ_CHUNK_BYTES = 1 << 20
 """Bytes read at a time while streaming a JSON array (and discarding an over-long line)."""
 
 _BOM = b"\xef\xbb\xbf"
+
+
+class _MatchesEmpty(Protocol):
+    """A compiled pattern that matches the empty string, so `match` never returns None."""
+
+    def match(self, string: bytes | bytearray, pos: int = 0, /) -> re.Match[bytes]: ...
+
+
+def _matches_empty(pattern: bytes, flags: int = 0) -> _MatchesEmpty:
+    return cast(_MatchesEmpty, re.compile(pattern, flags))
+
+
 # Each pattern below matches the empty string: `.match()` never returns None.
-_WS = re.compile(rb"[ \t\n\r]*")
+_WS = _matches_empty(rb"[ \t\n\r]*")
 _CHARS = rb'[^"\\]*+(?:\\.[^"\\]*+)*+'  # a string's content: unrolled, possessive (fastest in `re`)
-_STRING_BODY = re.compile(_CHARS, re.DOTALL)  # up to the closing quote
+_STRING_BODY = _matches_empty(_CHARS, re.DOTALL)  # up to the closing quote
 # Up to the next bracket, past whole strings: one regex call per bracket, not per string.
-_TO_BRACKET = re.compile(rb'[^"\[\]{}]*+(?:"' + _CHARS + rb'"[^"\[\]{}]*+)*+', re.DOTALL)
-_OPENERS = re.compile(rb"[\[{]*")
-_CLOSERS = re.compile(rb"[\]}]*")
-_SCALAR = re.compile(rb'[^ \t\n\r,:"\[\]{}]*')  # a number, true, false, null (or junk json rejects)
+_TO_BRACKET = _matches_empty(rb'[^"\[\]{}]*+(?:"' + _CHARS + rb'"[^"\[\]{}]*+)*+', re.DOTALL)
+_OPENERS = _matches_empty(rb"[\[{]*")
+_CLOSERS = _matches_empty(rb"[\]}]*")
+_SCALAR = _matches_empty(rb'[^ \t\n\r,:"\[\]{}]*')  # a number, true, false, null (or junk json rejects)
 _QUOTE, _OPEN, _COMMA, _CLOSE = 0x22, b"[{", 0x2C, 0x5D
 
 

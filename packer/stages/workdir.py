@@ -114,7 +114,7 @@ def check_output_config(cfg: PackConfig, out: Path, record: bool = False) -> Non
     config error (a wrong model or path, `overlong: error`) does not lock the folder to the bad config.
     """
     path = work_dir(out) / CONFIG_CLAIM
-    want = {"config_hash": cfg.config_hash(), "config": cfg.dump()}
+    want: dict[str, Any] = {"config_hash": cfg.config_hash(), "config": cfg.dump()}
     if not path.is_file():
         if not record:
             return

@@ -62,11 +62,11 @@ def child(shape: str, case: str, max_length: int, steps: int, threads: int) -> d
     losses = []
     batch = gpu_bench.collate_packed([row], fam)
     for _ in range(steps):
-        out = core(batch)
-        micro_batch_objective(out["loss_sum"], batch["num_label_tokens"], 1).backward()
+        out = core(batch.inputs)
+        micro_batch_objective(out["loss_sum"], batch.info.num_label_tokens, 1).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(out["loss_sum"]) / batch["num_label_tokens"])
+        losses.append(float(out["loss_sum"]) / batch.info.num_label_tokens)
     params = {id(p): p for p in core.parameters()}.values()
     return {
         "shape": shape,

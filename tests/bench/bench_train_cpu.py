@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
+from packtrain.packer import stages
 from packtrain.packer.core.config import PackConfig
-from packtrain.packer.stages import all_stages as stages
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling
 from support.synth import generate_dataset

@@ -83,12 +83,12 @@ def child(
     for step in range(steps):
         batch = gpu_bench.collate_packed([rows[step % len(rows)]], fam)
         t0 = time.perf_counter()
-        out = core(batch)
-        micro_batch_objective(out["loss_sum"], batch["num_label_tokens"], 1).backward()
+        out = core(batch.inputs)
+        micro_batch_objective(out["loss_sum"], batch.info.num_label_tokens, 1).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
-        losses.append(float(out["loss_sum"]) / batch["num_label_tokens"])
+        losses.append(float(out["loss_sum"]) / batch.info.num_label_tokens)
     status = Path("/proc/self/status").read_text()
     hwm_kib = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))
     return {

@@ -243,16 +243,19 @@ def _media(rows: list[dict[str, Any]], fam: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def collate_packed(rows: list[dict[str, Any]], fam: Any) -> dict[str, Any]:
+def collate_packed(rows: list[dict[str, Any]], fam: Any) -> Any:
     """What the trainer's `data.collate_packed` makes of these rows (the smoke test compares),
     without its media-decoding imports."""
+    from packtrain.trainer.batch import Batch, BatchInfo, ModelInputs
     from packtrain.trainer.rope import packed_positions
 
-    ids, shifted, pos, lens = [], [], [], []
+    ids, labels, shifted, pos, lens, sample_ids = [], [], [], [], [], []
     for row in rows:
         r_ids = np.asarray(row["input_ids"], dtype=np.int64)
         per_sample = [[m for m in row["media"] if m["sample"] == k] for k in range(len(row["seq_lens"]))]
         ids.append(r_ids)
+        labels.append(np.asarray(row["labels"], dtype=np.int64))
+        sample_ids += row["sample_ids"]
         shifted.append(_shift(np.asarray(row["labels"], dtype=np.int64), row["seq_lens"]))
         pos.append(packed_positions(r_ids, row["seq_lens"], per_sample, fam))
         lens += row["seq_lens"]
@@ -260,49 +263,64 @@ def collate_packed(rows: list[dict[str, Any]], fam: Any) -> dict[str, Any]:
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lens_t, 0)
     shift_t = torch.from_numpy(np.concatenate(shifted))[None]
-    batch = {
-        "input_ids": torch.from_numpy(np.concatenate(ids))[None],
-        "shift_labels": shift_t,
-        "position_ids": torch.from_numpy(np.concatenate(pos, axis=1))[:, None, :],
-        "cu_seq_lens": cu,
-        "max_length": int(lens_t.max()),
-        "sample_index": torch.repeat_interleave(torch.arange(len(lens)), lens_t),
-        "seq_lens": lens,
-        "num_tokens": int(lens_t.sum()),
-        "num_label_tokens": int((shift_t != IGNORE_INDEX).sum()),
-        "padded_tokens": int(lens_t.sum()),
-    }
-    return batch | _media(rows, fam)
+    inputs = ModelInputs(
+        input_ids=torch.from_numpy(np.concatenate(ids))[None],
+        labels=torch.from_numpy(np.concatenate(labels))[None],
+        shift_labels=shift_t,
+        position_ids=torch.from_numpy(np.concatenate(pos, axis=1))[:, None, :],
+        cu_seq_lens=cu,
+        max_length=int(lens_t.max()),
+        **_media(rows, fam),
+    )
+    info = BatchInfo(
+        seq_lens=lens,
+        sample_ids=sample_ids,
+        sample_index=torch.repeat_interleave(torch.arange(len(lens)), lens_t),
+        num_tokens=int(lens_t.sum()),
+        num_label_tokens=int((shift_t != IGNORE_INDEX).sum()),
+        padded_tokens=int(lens_t.sum()),
+        attention_cost=sum(n * n for n in lens),
+    )
+    return Batch(inputs, info)
 
 
-def collate_padded(samples: list[dict[str, Any]], fam: Any, pad_id: int) -> dict[str, Any]:
+def collate_padded(samples: list[dict[str, Any]], fam: Any, pad_id: int) -> Any:
     """What the trainer's `data.collate_padded` makes of these samples: right-padded rows."""
+    from packtrain.trainer.batch import Batch, BatchInfo, ModelInputs
     from packtrain.trainer.rope import sample_positions
 
     lengths = [len(s["input_ids"]) for s in samples]
     b, width = len(samples), max(lengths)
     ids = torch.full((b, width), pad_id, dtype=torch.long)
+    labels = torch.full((b, width), IGNORE_INDEX, dtype=torch.long)
     shifted = torch.full((b, width), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((b, width), dtype=torch.long)
     pos = torch.ones((3, b, width), dtype=torch.long)
     for i, s in enumerate(samples):
         n, sid = lengths[i], np.asarray(s["input_ids"], dtype=np.int64)
         ids[i, :n] = torch.from_numpy(sid)
+        labels[i, :n] = torch.from_numpy(np.asarray(s["labels"], dtype=np.int64))
         shifted[i, :n] = torch.from_numpy(_shift(np.asarray(s["labels"], dtype=np.int64), [n]))
         mask[i, :n] = 1
         pos[:, i, :n] = torch.from_numpy(sample_positions(sid, s["media"], fam))
-    batch = {
-        "input_ids": ids,
-        "shift_labels": shifted,
-        "attention_mask": mask,
-        "position_ids": pos,
-        "sample_index": torch.arange(b)[:, None].expand(b, width).reshape(-1),
-        "seq_lens": lengths,
-        "num_tokens": sum(lengths),
-        "num_label_tokens": int((shifted != IGNORE_INDEX).sum()),
-        "padded_tokens": b * width,
-    }
-    return batch | _media(samples, fam)
+    inputs = ModelInputs(
+        input_ids=ids,
+        labels=labels,
+        shift_labels=shifted,
+        position_ids=pos,
+        attention_mask=mask,
+        **_media(samples, fam),
+    )
+    info = BatchInfo(
+        seq_lens=lengths,
+        sample_ids=[s["sample_ids"][0] for s in samples],
+        sample_index=torch.arange(b)[:, None].expand(b, width).reshape(-1),
+        num_tokens=sum(lengths),
+        num_label_tokens=int((shifted != IGNORE_INDEX).sum()),
+        padded_tokens=b * width,
+        attention_cost=b * width * width,
+    )
+    return Batch(inputs, info)
 
 
 # -- runs -----------------------------------------------------------------------------------------
@@ -358,11 +376,11 @@ class Bench:
         apply_layer_options(hf, self.args.activation_checkpointing, False, self.args.compile)
         return hf, VLMForTraining(hf, backend).to(self.device).train()
 
-    def train(self, core: Any, micro_batches: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    def train(self, core: Any, micro_batches: list[list[Any]]) -> dict[str, Any]:
         """Optimizer steps over `micro_batches` (a list per step) as the trainer's loop does them."""
         from packtrain.trainer.loss import micro_batch_objective
         from packtrain.trainer.metrics import ModelShape, step_flops
-        from packtrain.trainer.model import move_batch, parameter_groups
+        from packtrain.trainer.model import parameter_groups
 
         shape = ModelShape.from_model(core.hf, parameter_groups(core))
         optimizer = torch.optim.AdamW(core.parameters(), lr=1e-5)
@@ -374,11 +392,11 @@ class Bench:
             if step == self.args.warmup and self.probe is not None:
                 self.probe.sm_utilization()  # starts the GPM interval of the timed steps
             t0 = time.perf_counter()
-            n = sum(b["num_label_tokens"] for b in micro)
+            n = sum(b.info.num_label_tokens for b in micro)
             total = 0.0
             for batch in micro:
                 with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
-                    out = core(move_batch(batch, self.device, self.dtype))
+                    out = core(batch.inputs.to(self.device, self.dtype))
                 micro_batch_objective(out["loss_sum"], n, 1).backward()
                 total += float(out["loss_sum"].detach())
             torch.nn.utils.clip_grad_norm_(core.parameters(), 1.0)
@@ -389,8 +407,8 @@ class Bench:
             losses.append(total / max(n, 1))
             if step >= self.args.warmup:  # warm-up steps pay for allocator, kernels and compilation
                 times.append(time.perf_counter() - t0)
-                tokens += sum(b["padded_tokens"] for b in micro)
-                effective += sum(b["num_tokens"] for b in micro)
+                tokens += sum(b.info.padded_tokens for b in micro)
+                effective += sum(b.info.num_tokens for b in micro)
                 flops += sum(step_flops(shape, b) for b in micro)
         seconds = sum(times)
         sm = self.probe.sm_utilization() if self.probe is not None else None
@@ -411,22 +429,21 @@ class Bench:
         """Per-sample mean losses of the first packed row with several samples, and of each of
         its samples alone, same backend and precision (no_grad)."""
         from packtrain.trainer.loss import per_sample_sums
-        from packtrain.trainer.model import move_batch
 
         row = max(self.rows[:8], key=lambda r: len(r["seq_lens"]))
         k = min(len(row["seq_lens"]), 4)
         alone_rows = [self._sub_row(row, i) for i in range(len(row["seq_lens"]))]
 
-        def means(batch: dict[str, Any]) -> torch.Tensor:
+        def means(batch: Any) -> torch.Tensor:
             with (
                 torch.no_grad(),
                 torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32),
             ):
-                out = core(move_batch(batch, self.device, self.dtype))
-            n = len(batch["seq_lens"])
+                out = core(batch.inputs.to(self.device, self.dtype))
+            n, owner = len(batch.info.seq_lens), batch.info.sample_index
             ones = torch.ones_like(out["token_losses"])
-            sums = per_sample_sums(out["token_losses"].float(), out["positions"], batch["sample_index"], n)
-            return (sums / per_sample_sums(ones.float(), out["positions"], batch["sample_index"], n)).cpu()
+            sums = per_sample_sums(out["token_losses"].float(), out["positions"], owner, n)
+            return (sums / per_sample_sums(ones.float(), out["positions"], owner, n)).cpu()
 
         packed = means(collate_packed([row], self.fam))[:k]
         alone = torch.cat([means(collate_packed([r], self.fam)) for r in alone_rows[:k]])

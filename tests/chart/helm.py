@@ -13,6 +13,8 @@ from typing import Any
 import helm_python
 import yaml
 
+from packtrain.operator.api import GROUP
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "packtrain"
 RELEASE = "packtrain"
@@ -107,3 +109,10 @@ def helm_install(
 def helm_uninstall(kubeconfig: str | Path, release: str, namespace: str) -> None:
     with helm_python.Config(kubeconfig_path=str(kubeconfig), namespace=namespace) as config:
         config.uninstall(release, ignore_not_found=True)
+
+
+def manifest_objects(release: dict[str, Any]) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(release["manifest"]) if d]
+
+
+CRD_NAMES = [f"packjobs.{GROUP}", f"sftjobs.{GROUP}"]

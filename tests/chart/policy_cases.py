@@ -224,7 +224,8 @@ BASE_POLICY: dict[str, Any] = {"maxGpusPerJob": 32}
 
 
 def manifest(kind: str, patch: dict[str, Any], name: str = "hostile") -> dict[str, Any]:
-    """A CR as a user writes it, with `patch` merged into its spec (a top-level key set to None is removed)."""
+    """A CR as a user writes it, with `patch` merged into its spec (a top-level key set to None is
+    removed)."""
     doc = copy.deepcopy(PACKJOB if kind == "PackJob" else SFTJOB)
     doc["metadata"] = {"name": name}
     for key, value in patch.items():

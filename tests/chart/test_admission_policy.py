@@ -22,9 +22,8 @@ from cluster.waiting import wait_for
 from packtrain.operator import builders, policy
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
 
-from .helm import render
+from .helm import manifest_objects, render
 from .policy_cases import BASE_POLICY, HOSTILE, manifest
-from .test_install import install, manifest_objects  # noqa: F401  (install is a fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 # Every value that allows one of the hostile cases, at once.
@@ -73,7 +72,8 @@ def test_allowed_placement_drops_its_rule() -> None:
 
 
 def test_the_chart_defaults_are_the_operators() -> None:
-    """The values' runtime and GPU lists are Policy's defaults, and the template's default runtime is the API's."""
+    """The values' runtime and GPU lists are Policy's defaults, and the template's default runtime is the
+    API's."""
     values = yaml.safe_load((REPO / "charts" / "packtrain" / "values.yaml").read_text())["policy"]
     ours = policy.Policy()
     assert values["allowedRuntimes"] == ours.allowed_runtimes == [policy.DEFAULT_RUNTIME]
@@ -150,7 +150,7 @@ def spec_of(doc: dict[str, Any]) -> PackJobSpec | SFTJobSpec:
 @pytest.mark.cluster
 def test_api_server_refuses_what_the_operator_refuses_with_the_same_message(
     kube_cluster: ControlPlane, install: Callable[[dict[str, Any]], dict[str, Any]]
-) -> None:  # noqa: F811
+) -> None:
     strict_ns, open_ns = f"strict-{uuid.uuid4().hex[:6]}", f"open-{uuid.uuid4().hex[:6]}"
     for ns in (strict_ns, open_ns):
         kube_cluster.kubectl("create", "namespace", ns)
@@ -204,7 +204,7 @@ def test_api_server_refuses_what_the_operator_refuses_with_the_same_message(
 @pytest.mark.cluster
 def test_api_server_type_checks_the_policy_cleanly(
     kube_cluster: ControlPlane, install: Callable[[dict[str, Any]], dict[str, Any]]
-) -> None:  # noqa: F811
+) -> None:
     """The API server checks each expression against the CRD schemas: a misspelt field would show here."""
     release = install({"operator": {"metricsPort": free_port(), "livenessPort": free_port()}})
     name = next(o for o in manifest_objects(release) if o["kind"] == "ValidatingAdmissionPolicy")["metadata"][

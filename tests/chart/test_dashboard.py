@@ -64,12 +64,13 @@ def test_panels_cover_the_issue() -> None:
 
 
 def exported_metric_names() -> set[str]:
-    """Names the trainer and the operator export: their registries, plus names written out in
-    the sources (the GPU gauges exist only where NVML finds a GPU)."""
+    """Names the trainer and the operator export: their registries, plus the GPU gauges (which exist
+    only where NVML finds a GPU) and names written out in the sources."""
     import torch
     from prometheus_client import CollectorRegistry
 
     from packtrain.operator import metrics as operator_metrics
+    from packtrain.packer.core import contract
     from packtrain.trainer.metrics import TrainMetrics
 
     trainer = TrainMetrics(rank=0, device=torch.device("cpu"))
@@ -79,6 +80,12 @@ def exported_metric_names() -> set[str]:
     for registry in registries:
         for family in registry.collect():
             names.add(f"{family.name}_total" if family.type == "counter" else family.name)
+    # The GPU gauges exist only where NVML finds a GPU: the trainer names them from the contract.
+    names |= {
+        contract.TRAIN_GPU_SM_UTILIZATION,
+        contract.TRAIN_GPU_MEMORY_USED,
+        contract.TRAIN_GPU_MEMORY_TOTAL,
+    }
     for folder in ("trainer", "operator"):
         for path in (REPO / folder).rglob("*.py"):
             names |= set(re.findall(r"[\"'](packtrain_[a-z0-9_]+)[\"']", path.read_text()))

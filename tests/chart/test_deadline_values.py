@@ -19,11 +19,13 @@ def deadlines_env(values: dict[str, object]) -> str:
 
 
 def test_raising_only_the_stall_deadline_past_the_fail_deadline_fails_rendering() -> None:
-    """Helm merges the default `trainingStallFailSeconds` (21600) under an admin's larger `trainingStallSeconds`."""
+    """Helm merges the default `trainingStallFailSeconds` (21600) under an admin's larger
+    `trainingStallSeconds`."""
     with pytest.raises(
         helm_python.HelmError,
         match=(
-            r"operator.deadlines.trainingStallFailSeconds \(21600\) must be longer than trainingStallSeconds \(30000\): "
+            r"operator.deadlines.trainingStallFailSeconds \(21600\) must be longer than "
+            r"trainingStallSeconds \(30000\): "
             r"raise trainingStallFailSeconds too"
         ),
     ):

@@ -150,7 +150,8 @@ def _wanted(req: Requirement, extras: set[str]) -> bool:
 
 @cache
 def allowed_distributions(extras: frozenset[str], omit: frozenset[str] = frozenset()) -> frozenset[str]:
-    """packtrain's dependencies with `extras` (less the core ones in `omit`), and theirs, as installed here."""
+    """packtrain's dependencies with `extras` (less the core ones in `omit`), and theirs, as installed
+    here."""
     project = PYPROJECT["project"]
     todo = [
         Requirement(r) for r in project["dependencies"] if canonicalize_name(Requirement(r).name) not in omit
@@ -351,7 +352,8 @@ class NotInImage(importlib.abc.MetaPathFinder):
         dists = {canonicalize_name(d) for d in owners.get(top, ())}
         if top in sys.stdlib_module_names or top == "packtrain" or not dists or dists & allowed:
             return None
-        raise ModuleNotFoundError(f"No module named {name!r} (its distribution is not in the image)", name=name)
+        raise ModuleNotFoundError(f"No module named {name!r} (its distribution is not in the image)",
+        name=name)
 
 
 sys.meta_path.insert(0, NotInImage())

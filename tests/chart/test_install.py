@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,26 +25,18 @@ from kubernetes import client
 from packtrain.operator import rbac
 from packtrain.operator.api import GROUP, VERSION
 
-from .helm import CHART, NAMESPACE, RELEASE, REPO, helm_install, helm_uninstall, load_all, render
+from .helm import (
+    CHART,
+    CRD_NAMES,
+    NAMESPACE,
+    RELEASE,
+    REPO,
+    load_all,
+    manifest_objects,
+    render,
+)
 
 pytestmark = pytest.mark.cluster
-
-CRD_NAMES = [f"packjobs.{GROUP}", f"sftjobs.{GROUP}"]
-
-
-def adopt_crds(cluster: ControlPlane, release: str, namespace: str) -> None:
-    """CRDs another test applied with kubectl: hand them to the release, as README.md describes."""
-    for name in CRD_NAMES:
-        if cluster.kubectl("get", "crd", name, check=False).returncode == 0:
-            cluster.kubectl(
-                "annotate",
-                "--overwrite",
-                "crd",
-                name,
-                f"meta.helm.sh/release-name={release}",
-                f"meta.helm.sh/release-namespace={namespace}",
-            )
-            cluster.kubectl("label", "--overwrite", "crd", name, "app.kubernetes.io/managed-by=Helm")
 
 
 def service_account_kubeconfig(cluster: ControlPlane, namespace: str, account: str, path: Path) -> Path:
@@ -63,30 +55,6 @@ def service_account_kubeconfig(cluster: ControlPlane, namespace: str, account: s
     path.write_text(yaml.safe_dump(config))
     path.chmod(0o600)
     return path
-
-
-def manifest_objects(release: dict[str, Any]) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(release["manifest"]) if d]
-
-
-@pytest.fixture
-def install(
-    kube_cluster: ControlPlane, tmp_path: Path
-) -> Iterator[Callable[[dict[str, Any]], dict[str, Any]]]:
-    """Installs the chart once per test under a fresh release and namespace; uninstalls after."""
-    installed: list[tuple[str, str]] = []
-
-    def do(values: dict[str, Any]) -> dict[str, Any]:
-        suffix = uuid.uuid4().hex[:6]
-        release, namespace = f"pt-{suffix}", f"packtrain-{suffix}"
-        adopt_crds(kube_cluster, release, namespace)
-        installed.append((release, namespace))
-        return helm_install(kube_cluster.kubeconfig, release, namespace, values)
-
-    yield do
-    for release, namespace in installed:
-        helm_uninstall(kube_cluster.kubeconfig, release, namespace)
-        kube_cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
 def run_operator(

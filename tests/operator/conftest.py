@@ -1,4 +1,4 @@
-"""Fixtures of the operator tests (fresh copies, so a test may edit its manifest)."""
+"""Fixtures of the operator tests: fresh manifests (a test may edit its copy), and the cluster ones."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import copy
 from typing import Any
 
 import pytest
+
+# The control plane, the CRDs and the operator process, for every test module here that takes them.
+from cluster_operator import api, crds, namespace, operator, operator_kubeconfig  # noqa: F401
 from operator_fixtures import PACKJOB, SFTJOB
 
 

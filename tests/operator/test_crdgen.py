@@ -51,7 +51,8 @@ def test_crd_is_a_valid_kubernetes_object(kind: type[PackJob] | type[SFTJob]) ->
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.KIND)
 def test_schema_is_structural(kind: type[PackJob] | type[SFTJob]) -> None:
-    """No $ref/anyOf/allOf/additionalProperties:false/title; every property node typed or explicitly free-form."""
+    """No $ref/anyOf/allOf/additionalProperties:false/title; every property node typed or explicitly
+    free-form."""
     for path, node in _walk(_schema(kind)):
         if path.endswith("/x-kubernetes-validations") or "/x-kubernetes-validations[" in path:
             continue

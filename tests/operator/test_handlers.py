@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from kubernetes.client.rest import ApiException
 
-from packtrain.operator import builders, handlers, progress, rbac
+from packtrain.operator import builders, handlers, names, progress, rbac
 from packtrain.operator.api import GROUP, VERSION
 
 DEFAULTS = builders.OperatorDefaults(packer_image="packer:test", trainer_image="trainer:test")
@@ -89,7 +89,7 @@ def test_packjob_walks_its_stages_creating_each_job_once(packjob: dict[str, Any]
     complete(kube, "demo-convert", 4)
     assert step(kube, packjob)["phase"] == "Planning"
     complete(kube, "demo-plan")
-    kube.pod_list[f"{builders.JOB_NAME_LABEL}=demo-plan"] = [
+    kube.pod_list[f"{names.JOB_NAME_LABEL}=demo-plan"] = [
         {
             "status": {
                 "containerStatuses": [
@@ -159,7 +159,7 @@ def test_sftjob_waits_for_its_packjob_then_creates_one_pytorchjob(
     ptj["status"]["conditions"].append(
         {"type": "Succeeded", "status": "True", "reason": "PyTorchJobSucceeded"}
     )
-    kube.pod_list[f"{builders.SFTJOB_LABEL}=demo-sft"] = [
+    kube.pod_list[f"{names.SFTJOB_LABEL}=demo-sft"] = [
         {
             "status": {
                 "containerStatuses": [
@@ -292,11 +292,11 @@ def test_progress_is_scraped_from_the_master_pod(sftjob: dict[str, Any]) -> None
             "metadata": {"labels": {"training.kubeflow.org/replica-type": "master"}},
             "status": {"phase": "Running", "podIP": "127.0.0.1"},
         }
-        kube.pod_list[f"{builders.SFTJOB_LABEL}=demo-sft"] = [worker, master]
+        kube.pod_list[f"{names.SFTJOB_LABEL}=demo-sft"] = [worker, master]
         progress = scrape_progress(kube, "ml", "demo-sft")
         assert progress is not None and progress["step"] == 42 and progress["loss"] == 1.5
         assert progress["maxSteps"] == 1000 and merged == [{"progress": progress}]
-        kube.pod_list[f"{builders.SFTJOB_LABEL}=demo-sft"] = [worker]
+        kube.pod_list[f"{names.SFTJOB_LABEL}=demo-sft"] = [worker]
         assert scrape_progress(kube, "ml", "demo-sft") is None
     finally:
         server.shutdown()
@@ -308,7 +308,8 @@ QUOTA_REFUSAL = {
     "apiVersion": "v1",
     "metadata": {},
     "status": "Failure",
-    "message": 'jobs.batch "demo-convert" is forbidden: exceeded quota: no-jobs, requested: count/jobs.batch=1, '
+    "message": 'jobs.batch "demo-convert" is forbidden: exceeded quota: no-jobs, requested: '
+    "count/jobs.batch=1, "
     "used: count/jobs.batch=0, limited: count/jobs.batch=0",
     "reason": "Forbidden",
     "details": {"name": "demo-convert", "group": "batch", "kind": "jobs"},

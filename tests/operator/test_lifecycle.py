@@ -11,7 +11,7 @@ import pytest
 from operator_fixtures import PACKJOB, SFTJOB
 from test_status_mapping import T0, T1, T2, convert_pods, job, pod
 
-from packtrain.operator import builders, logs
+from packtrain.operator import builders, logs, names
 from packtrain.operator import status as st
 from packtrain.operator.api import PackJobSpec, PackJobStatus, SFTJobSpec, SFTJobStatus
 from packtrain.operator.deadlines import Deadlines
@@ -322,9 +322,7 @@ def test_a_deleted_packjob_is_surfaced_on_a_running_sftjob() -> None:
 def test_queued_children_are_created_suspended_with_the_queue_label() -> None:
     spec = PackJobSpec.model_validate({**PACKJOB["spec"], "queueName": "cpu-queue"})
     stage = builders.pack_job("demo", "ml", spec, "convert", DEFAULTS)
-    assert (
-        stage["spec"]["suspend"] is True and stage["metadata"]["labels"][builders.QUEUE_LABEL] == "cpu-queue"
-    )
+    assert stage["spec"]["suspend"] is True and stage["metadata"]["labels"][names.QUEUE_LABEL] == "cpu-queue"
     assert "suspend" not in builders.pack_job("demo", "ml", SPEC, "convert", DEFAULTS)["spec"]
     sft = SFTJobSpec.model_validate(SFTJOB["spec"])
     data = builders.DataSource("c", "/data", "/data/p")

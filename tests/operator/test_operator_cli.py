@@ -50,5 +50,8 @@ def test_no_torch_in_the_operator_import_graph() -> None:
 
 
 def test_cli_import_is_light() -> None:
-    code = "import sys, packtrain.operator.cli; bad = [m for m in ('kopf', 'kubernetes', 'torch') if m in sys.modules]; assert not bad, bad"
+    code = (
+        "import sys, packtrain.operator.cli; "
+        "bad = [m for m in ('kopf', 'kubernetes', 'torch') if m in sys.modules]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

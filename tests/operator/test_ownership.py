@@ -1,4 +1,5 @@
-"""A parent re-created under the same name (Argo CD's Replace=true sync) must not adopt its predecessor's children."""
+"""A parent re-created under the same name (Argo CD's Replace=true sync) must not adopt its predecessor's
+children."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 from test_handlers import FakeKube, sft_step, step
 
-from packtrain.operator import builders, ownership
+from packtrain.operator import names, ownership
 
 OLD_UID = "0b1c2d3e-0000-4000-8000-00000000dead"
 
@@ -149,7 +150,7 @@ def test_a_recreated_packjob_waits_for_the_old_jobs_then_runs_its_own_stages(pac
 
 def test_pods_of_the_old_stage_job_are_waited_for(packjob: dict[str, Any]) -> None:
     kube = FakeKube()
-    kube.pod_list[f"{builders.JOB_NAME_LABEL}=demo-convert"] = [
+    kube.pod_list[f"{names.JOB_NAME_LABEL}=demo-convert"] = [
         {
             "metadata": {
                 "name": "demo-convert-0-x",
@@ -204,7 +205,7 @@ def test_a_recreated_sftjob_waits_for_the_old_pytorchjob(sftjob: dict[str, Any])
     )  # not Succeeded with the old result
     assert "PyTorchJob ml/demo-sft of the previous SFTJob demo-sft" in _condition(status, "Ready")["message"]
     del kube.objects[("pytorchjobs", "ml", "demo-sft")]
-    kube.pod_list[f"{builders.SFTJOB_LABEL}=demo-sft"] = [
+    kube.pod_list[f"{names.SFTJOB_LABEL}=demo-sft"] = [
         {
             "metadata": {
                 "name": "demo-sft-master-0",
@@ -246,7 +247,8 @@ def test_someone_elses_pytorchjob_fails_the_sftjob(sftjob: dict[str, Any]) -> No
 
 
 def test_the_cached_view_remembers_a_create_only_for_the_same_owner(packjob: dict[str, Any]) -> None:
-    """A child this process created for the previous PackJob moments ago does not stand in for the new one's."""
+    """A child this process created for the previous PackJob moments ago does not stand in for the new
+    one's."""
     from packtrain.operator.view import CachedKube
 
     api = FakeKube()

@@ -89,7 +89,8 @@ def test_train_command_single_and_multi_node() -> None:
     ids=["trainer", "packer-plan"],
 )
 def test_a_pod_that_fails_leaves_its_error_in_the_termination_message(argv: list[str], tmp_path: Any) -> None:
-    """What the operator reads once the pod is gone: the pods' real entry points, given a config that is not there."""
+    """What the operator reads once the pod is gone: the pods' real entry points, given a config that is not
+    there."""
     import json
     import os
     import subprocess

@@ -195,7 +195,8 @@ def test_identity_and_default_requests_come_from_the_operator_settings() -> None
         "PACKTRAIN_RUN_AS_USER": "1000",
         "PACKTRAIN_RUN_AS_GROUP": "2000",
         "PACKTRAIN_FS_GROUP": "3000",
-        "PACKTRAIN_CPU_RESOURCES": '{"requests": {"cpu": "250m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}',
+        "PACKTRAIN_CPU_RESOURCES": '{"requests": {"cpu": "250m", "memory": "1Gi"}, "limits": {"memory": '
+        '"4Gi"}}',
     }
     defaults = builders.OperatorDefaults.from_env(env)
     pack, _ = _specs()

@@ -14,21 +14,9 @@ from typing import Any
 import pytest
 import yaml
 from chart.policy_cases import BASE_POLICY, HOSTILE, manifest
+from cluster_operator import condition, create, events, get, jobs, wait_for
 from operator_fixtures import PACKJOB, SFTJOB
 from test_handlers import FakeKube
-from test_integration import (  # noqa: F401  (module fixtures: a real API server and operator)
-    api,
-    condition,
-    crds,
-    create,
-    events,
-    get,
-    jobs,
-    namespace,
-    operator,
-    operator_kubeconfig,
-    wait_for,
-)
 
 from packtrain.operator import builders, handlers, policy
 from packtrain.operator import status as st
@@ -183,7 +171,7 @@ def test_operator_fails_a_violating_sftjob_before_waiting_for_data() -> None:
 def test_operator_refuses_a_violating_packjob_on_the_cluster(
     api: Any,
     namespace: str,
-    operator: Any,  # noqa: F811
+    operator: Any,
 ) -> None:
     """No admission policy here (the CRDs alone): the operator's own check stops it, with an Event."""
     body = manifest("PackJob", {"workers": {"image": "evil.example.com/miner:1"}}, name="hostile")

@@ -1,4 +1,5 @@
-"""`packtrain render`: the operator's own builders, with the settings the chart gives the operator, policy first."""
+"""`packtrain render`: the operator's own builders, with the settings the chart gives the operator, policy
+first."""
 
 from __future__ import annotations
 
@@ -161,7 +162,8 @@ def test_render_loads_neither_kopf_nor_kubernetes_nor_torch(tmp_path: Path) -> N
         "import sys, contextlib, io; from packtrain.operator import cli; buf = io.StringIO()\n"
         f"with contextlib.redirect_stdout(buf): rc = cli.main(['render', {str(QUICKSTART)!r}])\n"
         f"open({str(out)!r}, 'w').write(buf.getvalue())\n"
-        "bad = [m for m in ('kopf', 'kubernetes', 'torch') if m in sys.modules]; assert rc == 0 and not bad, bad"
+        "bad = [m for m in ('kopf', 'kubernetes', 'torch') if m in sys.modules]; assert rc == 0 and not "
+        "bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
     assert "kind: PyTorchJob" in out.read_text()

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from packtrain.operator import builders, handlers, progress, scrape
+from packtrain.operator import handlers, names, progress, scrape
 from packtrain.operator.api import GROUP
 
 NORMAL = b"""# HELP packtrain_train_step Optimizer steps done.
@@ -215,7 +215,7 @@ class Cluster:
         }
 
     def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
-        assert selector.removeprefix(f"{builders.SFTJOB_LABEL}=") in self.jobs
+        assert selector.removeprefix(f"{names.SFTJOB_LABEL}=") in self.jobs
         return [
             {
                 "metadata": {"labels": {"training.kubeflow.org/replica-type": "master"}},
@@ -268,7 +268,8 @@ def test_hostile_endpoints_do_not_hold_up_or_blow_up_the_normal_one(port_of: Cal
 
 
 def test_scrapes_run_concurrently_up_to_the_bound(port_of: Callable[[str], int]) -> None:
-    """Twelve jobs on a server that answers after 0.3 s: four at a time, so three waves, never more at once."""
+    """Twelve jobs on a server that answers after 0.3 s: four at a time, so three waves, never more at
+    once."""
     cluster = Cluster({f"job-{i:02d}": port_of("slow") for i in range(12)})
     Hostile.most_in_flight = 0
     t0 = time.monotonic()

@@ -10,17 +10,11 @@ from typing import Any
 import pytest
 from test_handlers import FakeKube
 
-from packtrain.operator import builders, handlers, progress
+from packtrain.operator import builders, handlers, names, progress
 from packtrain.operator import status as st
 from packtrain.operator.api import SFTJobStatus
-from packtrain.operator.deadlines import (
-    NO_LIVE_PROGRESS,
-    TRAINING_STALLED,
-    Deadlines,
-    last_advance,
-    scrape_error,
-    training_stall,
-)
+from packtrain.operator.deadlines import Deadlines, last_advance, scrape_error, training_stall
+from packtrain.operator.reasons import ConditionReason
 from packtrain.packer.core.contract import TRAIN_DATA_WAIT
 
 RUNNING = "2026-01-01T00:00:00Z"
@@ -80,12 +74,12 @@ def test_a_trainer_that_never_steps_is_stalled_since_it_started_running() -> Non
     """A hang before the first step (a collective that never forms, a loader stuck on its first batch)."""
     read = {"progress": {"updatedAt": "2026-01-01T00:31:00Z"}}  # scraped fine, no step gauge yet
     stall = training_stall(read, RUNNING, "2026-01-01T00:31:00Z", Deadlines(), **{**WHERE, "pod": None})
-    assert stall is not None and stall.reason == TRAINING_STALLED
+    assert stall is not None and stall.reason == ConditionReason.TRAINING_STALLED
     assert stall.message.startswith(f"no training step since the job started running at {RUNNING}")
     assert "kubectl logs -n ml -l packtrain.dev/sftjob=demo-sft)" in stall.message
     # Never read at all (an operator that has not scraped it yet): not a stall, and never failed.
     unread = training_stall({}, RUNNING, MUCH_LATER, Deadlines(), **WHERE)
-    assert unread is not None and unread.reason == NO_LIVE_PROGRESS and not unread.fail
+    assert unread is not None and unread.reason == ConditionReason.NO_LIVE_PROGRESS and not unread.fail
     assert f"no step was read since it started running at {RUNNING}" in unread.message
 
 
@@ -106,7 +100,9 @@ def test_unreadable_metrics_are_not_called_a_stall() -> None:
     assert "NetworkPolicy" in stall.message and "kubectl logs -n ml demo-sft-master-0" in stall.message
     # Seen standing still past the deadline before the metrics went: that is a stall, unreadable or not.
     seen = {**status, "progress": {**status["progress"], "updatedAt": LATER}}
-    assert training_stall(seen, RUNNING, LATER, Deadlines(), **WHERE).reason == TRAINING_STALLED  # type: ignore[union-attr]
+    assert (
+        training_stall(seen, RUNNING, LATER, Deadlines(), **WHERE).reason == ConditionReason.TRAINING_STALLED
+    )  # type: ignore[union-attr]
 
 
 def test_an_operator_restart_does_not_stall_or_fail_a_healthy_training() -> None:
@@ -122,7 +118,7 @@ def test_an_operator_restart_does_not_stall_or_fail_a_healthy_training() -> None
     }
     for back in ("2026-01-01T10:40:00Z", "2026-01-01T16:30:00Z"):
         stall = training_stall(advancing, RUNNING, back, Deadlines(), **WHERE)
-        assert stall is not None and stall.reason == NO_LIVE_PROGRESS and not stall.fail
+        assert stall is not None and stall.reason == ConditionReason.NO_LIVE_PROGRESS and not stall.fail
         assert stall.message.startswith(
             "no live progress: no reading in the last 1.5m (the operator reads again"
         )
@@ -139,7 +135,8 @@ def test_an_operator_restart_does_not_stall_or_fail_a_healthy_training() -> None
     # A reading just before a short restart (within `recent`) still counts: a seen stall stays a stall.
     seen = reading(updated=LATER)
     assert (
-        training_stall(seen, RUNNING, "2026-01-01T01:41:00Z", Deadlines(), **WHERE).reason == TRAINING_STALLED
+        training_stall(seen, RUNNING, "2026-01-01T01:41:00Z", Deadlines(), **WHERE).reason
+        == ConditionReason.TRAINING_STALLED
     )  # type: ignore[union-attr]
 
 
@@ -147,9 +144,9 @@ def test_a_stall_seen_and_then_unreadable_is_never_failed_on_time_nobody_observe
     """Seen still for 40 min, then the metrics go: the fail deadline counts only to the last reading."""
     status = {**reading(updated=LATER), "scrapeError": {"message": "connection refused", "since": LATER}}
     soon = training_stall(status, RUNNING, "2026-01-01T01:41:00Z", Deadlines(), **WHERE)
-    assert soon is not None and soon.reason == TRAINING_STALLED and not soon.fail
+    assert soon is not None and soon.reason == ConditionReason.TRAINING_STALLED and not soon.fail
     late = training_stall(status, RUNNING, MUCH_LATER, Deadlines(), **WHERE)
-    assert late is not None and late.reason == NO_LIVE_PROGRESS and not late.fail
+    assert late is not None and late.reason == ConditionReason.NO_LIVE_PROGRESS and not late.fail
     assert late.message.startswith(
         f"no live progress: connection refused (since {LATER}); the last reading ({LATER})"
     )
@@ -168,7 +165,7 @@ def test_the_last_step_standing_still_is_not_a_stall() -> None:
 def test_the_fail_deadline_fails_a_stall_and_zero_never_does() -> None:
     status = reading(updated=MUCH_LATER)
     stall = training_stall(status, RUNNING, MUCH_LATER, Deadlines(), **WHERE)
-    assert stall is not None and stall.fail and stall.reason == TRAINING_STALLED
+    assert stall is not None and stall.fail and stall.reason == ConditionReason.TRAINING_STALLED
     assert "Failed after 6h without a step: PyTorchJob demo-sft was deleted" in stall.message
     never = Deadlines.from_dict({"trainingStallSeconds": 60, "trainingStallFailSeconds": 0})
     assert never == Deadlines(training_stall=60, training_stall_fail=None)
@@ -255,7 +252,7 @@ def running_sftjob(sftjob: dict[str, Any], now: str) -> tuple[DeletingKube, dict
     child = kube.objects[("pytorchjobs", "ml", "demo-sft")]
     child["metadata"]["uid"] = "pytorchjob-uid"  # the API server's, which the in-memory one does not assign
     child["status"] = {"conditions": [{"type": "Running", "status": "True", "reason": "PyTorchJobRunning"}]}
-    kube.pod_list[f"{builders.SFTJOB_LABEL}=demo-sft"] = [
+    kube.pod_list[f"{names.SFTJOB_LABEL}=demo-sft"] = [
         {
             "metadata": {
                 "name": "demo-sft-master-0",
@@ -281,7 +278,7 @@ def test_a_stalled_sftjob_turns_degraded_with_a_warning_and_clears(
     degraded = st.get_condition(status["conditions"], "Degraded")
     assert status["phase"] == "Running" and degraded is not None and degraded["status"] == "True"
     assert (
-        degraded["reason"] == TRAINING_STALLED
+        degraded["reason"] == ConditionReason.TRAINING_STALLED
         and "kubectl logs -n ml demo-sft-master-0" in degraded["message"]
     )
     event = st.transition_event("Running", st.event_reason(body["status"]), status)
@@ -310,7 +307,11 @@ def test_a_stall_past_the_fail_deadline_fails_and_deletes_the_training_job_once_
     handlers.write_status(kopf.Memo(kube=kube, defaults=builders.OperatorDefaults()), "sftjobs", body)
     written = kube.objects[("sftjobs", "ml", "demo-sft")]["status"]
     failed = st.get_condition(written["conditions"], "Failed")
-    assert written["phase"] == "Failed" and failed is not None and failed["reason"] == TRAINING_STALLED
+    assert (
+        written["phase"] == "Failed"
+        and failed is not None
+        and failed["reason"] == ConditionReason.TRAINING_STALLED
+    )
     assert written["completionTime"] == MUCH_LATER and posted == [("Warning", "TrainingStalled")]
     assert kube.deleted == ["pytorchjobs/demo-sft"]
     assert kube.uids == [child_uid]  # pinned to the PyTorchJob that was checked (a delete precondition)
@@ -345,5 +346,9 @@ def test_after_an_operator_outage_a_stale_reading_degrades_without_failing_or_de
     handlers.write_status(kopf.Memo(kube=kube, defaults=builders.OperatorDefaults()), "sftjobs", body)
     written = kube.objects[("sftjobs", "ml", "demo-sft")]["status"]
     degraded = st.get_condition(written["conditions"], "Degraded")
-    assert written["phase"] == "Running" and degraded is not None and degraded["reason"] == NO_LIVE_PROGRESS
+    assert (
+        written["phase"] == "Running"
+        and degraded is not None
+        and degraded["reason"] == ConditionReason.NO_LIVE_PROGRESS
+    )
     assert kube.deleted == [] and ("pytorchjobs", "ml", "demo-sft") in kube.objects

@@ -1,4 +1,4 @@
-"""Bad input never stops a conversion: every record becomes exactly one sample or one reject with a clear reason."""
+"""Bad input never stops a conversion: every record becomes one sample or one reject with a clear reason."""
 
 from __future__ import annotations
 

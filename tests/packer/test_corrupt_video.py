@@ -25,13 +25,13 @@ import media_factory as mf
 import pytest
 from support.pack_runner import run_in_process
 
-from packtrain.packer import local, tools
+from packtrain.packer import local, stages, tools
 from packtrain.packer.cli import main as pack_main
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.errors import ConfigError, MediaError, ShardFormatError
 from packtrain.packer.core.pack.shards import MANIFEST, REJECTS, ShardReader, read_table
 from packtrain.packer.media.store import check_frames, decode_failure, video_frames
-from packtrain.packer.stages import all_stages as stages
+from packtrain.packer.stages.workdir import SHARD_REJECTS, PackRefused, refusal
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
@@ -219,7 +219,7 @@ def test_rerun_and_resumed_materialize_count_the_reject_once(
     shard = next(
         p
         for p in sorted((out / "work" / "shards").glob("*.json"))
-        if json.loads(p.read_text())[stages.SHARD_REJECTS]
+        if json.loads(p.read_text())[SHARD_REJECTS]
     )
     (out / MANIFEST).unlink()
     (out / json.loads(shard.read_text())["file"]).unlink()
@@ -364,17 +364,17 @@ def test_too_many_rejected_by_materialize_publishes_no_manifest(
     cfg = PackConfig.model_validate(spec)
     out = tmp_path / "pack"
     for _ in range(2):
-        with pytest.raises(stages.PackRefused) as refused:
+        with pytest.raises(PackRefused) as refused:
             run_in_process(cfg, out, workers=2)
         assert refused.value.report["reason"] == "TooManyRejected"
         assert "1 of 19 samples rejected" in refused.value.report["error"]
         assert refused.value.summary is not None and refused.value.summary["pack"]["rejected"] == 1
         assert not (out / MANIFEST).exists()
     forked = tmp_path / "forked"
-    with pytest.raises(stages.PackRefused, match="maxRejectedFraction"):
+    with pytest.raises(PackRefused, match="maxRejectedFraction"):
         local.run_all(cfg, forked, workers=2, show_progress=False)
     assert not (forked / MANIFEST).exists()
-    assert stages.refusal(forked) == stages.refusal(out) and stages.refusal(out) is not None
+    assert refusal(forked) == refusal(out) and refusal(out) is not None
 
 
 class _FailingRead(io.RawIOBase):

@@ -164,8 +164,8 @@ def test_odd_video_pads_its_last_group(shared_dir: Path, tmp_path: Path) -> None
 def test_qwen3_example_packs_and_verifies(shared_dir: Path, tmp_path: Path) -> None:
     """examples/qwen3-vl.yaml's model settings pack the demo images and videos into a pack that
     `pack verify` finds sound (one pad run per temporal group), in both media storage modes."""
+    from packtrain.packer import stages
     from packtrain.packer.core.config import PackConfig, load_pack_config
-    from packtrain.packer.stages import all_stages as stages
     from packtrain.packer.tools import verify
 
     example = load_pack_config(Path(__file__).resolve().parents[2] / "examples" / "qwen3-vl.yaml")

@@ -1,4 +1,4 @@
-"""Hostile datasets: media confined to the job's roots, bounded reads and decodes, one bad record = one reject.
+"""Hostile datasets: media confined to the job's roots, bounded reads and decodes, a bad record one reject.
 
 Every case runs through the real `SampleTokenizer` (real Qwen2-VL tokenizer, real
 PIL and PyAV) or the real convert stage.
@@ -17,12 +17,13 @@ from pathlib import Path
 import media_factory as mf
 import pytest
 
+from packtrain.packer import stages
 from packtrain.packer.core.config import ModelConfig, PackConfig, PackingConfig, SourceConfig
+from packtrain.packer.core.contract import RejectReason
 from packtrain.packer.core.errors import MediaError
 from packtrain.packer.media.access import open_regular
 from packtrain.packer.sources.raw import RawRecord
 from packtrain.packer.sources.records import iter_records
-from packtrain.packer.stages import all_stages as stages
 from packtrain.packer.tokenize import REJECT_REASONS, Reject, SampleTokenizer, TokenizedSample
 
 REPO = Path(__file__).resolve().parents[2]
@@ -297,6 +298,7 @@ def test_readme_reject_table_matches_the_registry() -> None:
     section = section[: section.index("\n#", 1)]
     rows = dict(re.findall(r"^\| `([a-z0-9_]+)` \| (.+?) \|$", section, flags=re.MULTILINE))
     assert rows == REJECT_REASONS
+    assert list(REJECT_REASONS) == list(RejectReason)  # one description per reason, in the enum's order
     assert {
         "internal_error",
         "media_outside_root",

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 from support.pack_runner import run_in_process
 
+from packtrain.packer import stages
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.pack.shards import MANIFEST, remove_stale_temps
-from packtrain.packer.stages import all_stages as stages
+from packtrain.packer.stages.finalize import DUPLICATE_IDS
 from packtrain.packer.tools import verify
 
 REPO = Path(__file__).resolve().parents[2]
@@ -126,7 +127,7 @@ def test_duplicate_sample_ids_are_counted_and_warned_about(
 ) -> None:
     data = _chats(tmp_path / "chats.jsonl", 5, ids=["a", "b", "a", "c", "a"])
     manifest = run_in_process(_cfg([data]), tmp_path / "out")
-    assert manifest["counts"][stages.DUPLICATE_IDS] == 2
+    assert manifest["counts"][DUPLICATE_IDS] == 2
     err = capsys.readouterr().err
     assert "warning: 2 samples reuse an earlier sample's id" in err and "'a'" in err
     assert verify(tmp_path / "out") == []

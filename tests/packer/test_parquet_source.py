@@ -30,7 +30,7 @@ from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.pack.shards import ShardReader, read_table
 from packtrain.packer.sources.raw import SKIPPED
 from packtrain.packer.sources.records import iter_records
-from packtrain.packer.stages import all_stages as stages
+from packtrain.packer.stages.workdir import PackRefused
 from packtrain.packer.tools import unpack, verify
 
 
@@ -210,9 +210,7 @@ def test_embedded_media_meet_the_same_caps_as_files(tmp_path: Path) -> None:
     reasons = Counter(json.loads(line)["reason"] for line in (out / "rejects.jsonl").read_text().splitlines())
     small = sum(len(r["image"]["bytes"]) < sizes[1] for r in rows)
     assert reasons == {"media_too_large": len(rows) - small} and manifest["counts"]["packed"] == small
-    with pytest.raises(
-        stages.PackRefused, match="no sample was packed"
-    ) as refused:  # every image over the cap
+    with pytest.raises(PackRefused, match="no sample was packed") as refused:  # every image over the cap
         _pack(tmp_path, "pixel-cap", config([data], maxImageSourcePixels=1000))
     assert refused.value.manifest["counts"]["rejected_by_reason"] == {"media_too_large": len(rows)}
 

@@ -28,7 +28,8 @@ def test_trainer_reads_every_sequence_of_a_parquet_pack(tmp_path: Path, storage:
     images = tokens = 0
     for k in range(len(ds)):
         batch = ds[k]
-        tokens += int(batch["input_ids"].numel())
-        images += int(batch["image_grid_thw"].shape[0]) if batch.get("image_grid_thw") is not None else 0
+        tokens += int(batch.inputs.input_ids.numel())
+        grid = batch.inputs.image_grid_thw
+        images += int(grid.shape[0]) if grid is not None else 0
     assert tokens == manifest["tokens"]
     assert images == 10  # 12 rows, every sixth text-only

@@ -1,4 +1,5 @@
-"""The packing planner: valid partitions, best-fit-decreasing exactly, quality near the bound, baselines as published."""
+"""The packing planner: valid partitions, exact best-fit-decreasing, quality near the bound, baselines as
+published."""
 
 from __future__ import annotations
 
@@ -294,7 +295,8 @@ def test_swift_without_binpacking_says_what_to_install(monkeypatch: pytest.Monke
 
 
 def test_knapsack_follows_llamafactory() -> None:
-    # Sorted [2, 3, 5, 5, 7, 8]: largest fit first gives [8, 2], [7, 3], [5, 5]; equal lengths pop from the end.
+    # Sorted [2, 3, 5, 5, 7, 8]: largest fit first gives [8, 2], [7, 3], [5, 5]; equal lengths pop from
+    # the end.
     assert pack_lengths([3, 7, 5, 5, 2, 8], 10, "knapsack") == [[5, 4], [1, 0], [3, 2]]
     lengths = np.random.default_rng(9).integers(1, 300, 2 * KNAPSACK_CHUNK + 7)
     bins = pack_lengths(lengths, 1000, "knapsack")

@@ -21,6 +21,7 @@ from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 MODEL = SHARED / "models" / "qwen2-vl"
+VIDEO_DEMO = SHARED / "datasets" / "llamafactory-mllm-demo" / "mllm_video_demo.json"
 TEXT_SFT = SHARED / "datasets" / "text-sft"
 
 
@@ -224,8 +225,9 @@ def test_packer_imports_carry_no_torch() -> None:
         "from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig\n"
         "from packtrain.packer.sources.records import iter_records\n"
         "from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample\n"
-        f"tok = SampleTokenizer(SourceConfig(paths=['x']), ModelConfig(path={str(MODEL)!r}), PackingConfig())\n"
-        f"raw = next(iter_records([{str(SHARED / 'datasets' / 'llamafactory-mllm-demo' / 'mllm_video_demo.json')!r}]))\n"
+        f"tok = SampleTokenizer(SourceConfig(paths=['x']), ModelConfig(path={str(MODEL)!r}), "
+        "PackingConfig())\n"
+        f"raw = next(iter_records([{str(VIDEO_DEMO)!r}]))\n"
         "assert isinstance(tok(raw), TokenizedSample)\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from support.pack_runner import run_in_process
 
+from packtrain.packer import stages
 from packtrain.packer.cli import main as pack_main
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.errors import ShardFormatError
 from packtrain.packer.core.pack.shards import MANIFEST, ShardReader
 from packtrain.packer.sources.records import iter_records
-from packtrain.packer.stages import all_stages as stages
 from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
 from packtrain.packer.tools import unpack, verify
 

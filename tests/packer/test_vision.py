@@ -1,4 +1,4 @@
-"""Media measuring: the resize and frame-sampling rules against transformers, header probing, integrity checks."""
+"""Media measuring: resize and frame-sampling rules against transformers, header probing, integrity checks."""
 
 from __future__ import annotations
 

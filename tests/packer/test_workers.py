@@ -1,6 +1,6 @@
-"""`pack run --workers N`: workers forked once after the tokenizer is loaded (where a fork is safe), serving convert and
-materialize; small packs split into several shards so materialize spreads over the workers; the
-same pack whatever the worker count or start method."""
+"""`pack run --workers N`: workers forked once after the tokenizer is loaded (where a fork is safe),
+serving convert and materialize; small packs split into several shards so materialize spreads over
+the workers; the same pack whatever the worker count or start method."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from packtrain.packer import local
+from packtrain.packer import local, stages
 from packtrain.packer.cli import main as pack_main
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.stages import all_stages as stages
+from packtrain.packer.stages.plan import MIN_SHARD_SEQUENCES, shard_size
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
@@ -52,27 +52,28 @@ def one_worker(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
 
 
 def test_small_packs_get_several_shards_independent_of_workers() -> None:
-    assert stages.shard_size(3, 1024) == stages.MIN_SHARD_SEQUENCES  # one shard: nothing to split
-    assert stages.shard_size(200, 1024) == 13  # 16 shards of at most 13
-    assert stages.shard_size(10**6, 1024) == 1024  # a large pack keeps sequencesPerShard
-    assert stages.shard_size(200, 2) == 2 and stages.shard_size(0, 1024) >= 1
+    assert shard_size(3, 1024) == MIN_SHARD_SEQUENCES  # one shard: nothing to split
+    assert shard_size(200, 1024) == 13  # 16 shards of at most 13
+    assert shard_size(10**6, 1024) == 1024  # a large pack keeps sequencesPerShard
+    assert shard_size(200, 2) == 2 and shard_size(0, 1024) >= 1
 
 
 _FORKED_RUN = """
-import json, os, sys
+import importlib, json, os, sys
 from pathlib import Path
-from packtrain.packer import local, stages
+from packtrain.packer import local
 from packtrain.packer.core.config import PackConfig
 
 work = Path(sys.argv[1])
 cfg = PackConfig.model_validate(json.loads((work / "cfg.json").read_text()))
-real = stages.sample_tokenizer
+convert_module = importlib.import_module("packtrain.packer.stages.convert")  # not the function
+real = convert_module.sample_tokenizer
 
 def counted(c, out):  # a file per call, in whichever process calls it
     (work / "loads" / str(os.getpid())).touch()
     return real(c, out)
 
-stages.sample_tokenizer = counted
+local.sample_tokenizer = convert_module.sample_tokenizer = counted  # `pack run`'s and a worker's
 fork = local.fork_is_safe()
 timings = {}
 local.run_all(cfg, work / "pack", workers=2, show_progress=False, timings=timings)

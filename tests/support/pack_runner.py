@@ -8,7 +8,7 @@ from typing import Any
 
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.pack.shards import MANIFEST
-from packtrain.packer.stages.all_stages import convert, materialize, plan
+from packtrain.packer.stages import convert, materialize, plan
 
 
 def run_in_process(cfg: PackConfig, out: Path, workers: int = 1) -> dict[str, Any]:

@@ -11,8 +11,8 @@ import torch
 import yaml
 from vlm_fixtures import DEMO, FOLDER, SHARED, TINY
 
+from packtrain.packer import stages
 from packtrain.packer.core.config import PackConfig
-from packtrain.packer.stages import all_stages as stages
 
 torch.set_num_threads(2)
 

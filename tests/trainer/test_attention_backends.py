@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import vlm_fixtures as fx
+from test_equivalence import _double_batch
 
 from packtrain.trainer import attention as attn
 from packtrain.trainer.attention import (
@@ -244,7 +245,7 @@ def test_varlen_model_trains_like_sdpa(family, shared_dir, reference_varlen):
     batch = collate_packed(
         [fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], fx.spec(family)
     )
-    batch = {k: (v.double() if k.startswith("pixel_values") else v) for k, v in batch.items()}
+    batch = _double_batch(batch)
     results, grads = {}, {}
     for backend in ("varlen", "sdpa"):
         model = build_model(
@@ -257,8 +258,8 @@ def test_varlen_model_trains_like_sdpa(family, shared_dir, reference_varlen):
         )
         if backend == "varlen":
             reference_varlen()
-        out = VLMForTraining(model, backend)(batch)
-        (out["loss_sum"] / batch["num_label_tokens"]).backward()
+        out = VLMForTraining(model, backend)(batch.inputs)
+        (out["loss_sum"] / batch.info.num_label_tokens).backward()
         results[backend], grads[backend] = out["token_losses"].detach(), _grads(model)
     torch.testing.assert_close(results["varlen"], results["sdpa"], rtol=1e-10, atol=1e-12)
     assert set(grads["varlen"]) == set(grads["sdpa"])
@@ -277,15 +278,11 @@ def test_flex_packed_equals_each_sample_alone(family, shared_dir):
     core = VLMForTraining(model, "flex")
     with torch.no_grad():
         batch = collate_packed([fx.packed_row(samples, family)], fx.spec(family))
-        out = core(batch)
+        out = core(batch.inputs)
         n = len(samples)
-        sums = per_sample_sums(out["token_losses"], out["positions"], batch["sample_index"], n)
-        alone = torch.stack(
-            [
-                core(collate_packed([fx.packed_row([s], family)], fx.spec(family)))["token_losses"].sum()
-                for s in samples
-            ]
-        )
+        sums = per_sample_sums(out["token_losses"], out["positions"], batch.info.sample_index, n)
+        singles = [collate_packed([fx.packed_row([s], family)], fx.spec(family)) for s in samples]
+        alone = torch.stack([core(one.inputs)["token_losses"].sum() for one in singles])
     torch.testing.assert_close(sums, alone, rtol=1e-5, atol=1e-5)
 
 

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 import vlm_fixtures as fx
 from pydantic import ValidationError
+from test_equivalence import _double_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from packtrain.packer.core.pack.schema import IGNORE_INDEX
@@ -223,14 +224,11 @@ def test_real_model_chunked_equals_unchunked(family: str, shared_dir) -> None:  
     )
     assert model.lm_head.weight is model.get_input_embeddings().weight  # Qwen's small models tie them
     rows = [fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)]
-    batch = {
-        k: (v.double() if k.startswith("pixel_values") else v)
-        for k, v in collate_packed(rows, fx.spec(family)).items()
-    }
+    batch = _double_batch(collate_packed(rows, fx.spec(family)))
     results = {}
     for chunk in (0, 7, 100):
-        out = VLMForTraining(model, "sdpa", loss_chunk_tokens=chunk)(batch)
-        (out["loss_sum"] / batch["num_label_tokens"]).backward()
+        out = VLMForTraining(model, "sdpa", loss_chunk_tokens=chunk)(batch.inputs)
+        (out["loss_sum"] / batch.info.num_label_tokens).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         model.zero_grad(set_to_none=True)
         results[chunk] = (out["token_losses"].detach(), out["positions"], grads)

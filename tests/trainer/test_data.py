@@ -48,11 +48,11 @@ def test_ranks_split_an_epoch_without_overlap_and_deterministically(pack_dir):
 
 def test_workers_decode_disjoint_batches_in_order(pack_dir):
     ds = _dataset(pack_dir, units_per_micro_batch=2)
-    inline = [b["position"] for b in DataLoader(ds.view(), batch_size=None, num_workers=0)][:6]
+    inline = [b.info.position for b in DataLoader(ds.view(), batch_size=None, num_workers=0)][:6]
     loader = DataLoader(ds.view(), batch_size=None, num_workers=2)
     parallel = []
     for batch in loader:
-        parallel.append((batch["position"], batch["input_ids"].shape[1], batch["num_tokens"]))
+        parallel.append((batch.info.position, batch.inputs.input_ids.shape[1], batch.info.num_tokens))
         if len(parallel) == 6:
             break
     assert [list(p) for p, _, _ in parallel] == [list(p) for p in inline] == [[0, i] for i in range(6)]
@@ -74,8 +74,8 @@ def test_state_dict_resumes_at_the_exact_next_micro_batch(pack_dir):
     resumed = _dataset(pack_dir, world_size=1, units_per_micro_batch=1, grad_accum=2)
     resumed.load_state_dict(json.loads(json.dumps(state)))
     nxt = next(iter(DataLoader(resumed.view(), batch_size=None)))
-    assert list(nxt["position"]) == [0, 3]
-    assert torch.equal(nxt["input_ids"], reference[3]["input_ids"])
+    assert list(nxt.info.position) == [0, 3]
+    assert torch.equal(nxt.inputs.input_ids, reference[3].inputs.input_ids)
     with pytest.raises(ValueError, match="world_size"):
         _dataset(pack_dir, world_size=2, units_per_micro_batch=1, grad_accum=2).load_state_dict(state)
 
@@ -83,7 +83,9 @@ def test_state_dict_resumes_at_the_exact_next_micro_batch(pack_dir):
 def test_epoch_rolls_over_after_the_last_micro_batch(pack_dir):
     ds = _dataset(pack_dir, units_per_micro_batch=4)
     last = len(ds.micro_batches()) - 1
-    ds.mark_consumed({"position": [0, last]})
+    batch = ds[last]
+    assert batch.info.position == (0, last)
+    ds.mark_consumed(batch)
     assert ds.state_dict()["epoch"] == 1 and ds.state_dict()["next"] == 0
 
 
@@ -92,8 +94,8 @@ def test_padded_mode_serves_the_same_samples(pack_dir):
     padded = _dataset(pack_dir, mode="padded", units_per_micro_batch=4)
     assert len(padded.units) == sum(len(lens) for lens in packed.seq_lens)
     batch = padded[0]
-    assert batch["input_ids"].shape[0] == 4
-    assert batch["attention_mask"].sum() == batch["num_tokens"]
+    assert batch.inputs.input_ids.shape[0] == 4
+    assert batch.inputs.attention_mask.sum() == batch.info.num_tokens
 
 
 def test_pre_resized_media_decode_to_the_same_pixels(pack_dir, tmp_path):

@@ -13,8 +13,8 @@ from conftest import job_spec, write_job
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
+from packtrain.packer import stages
 from packtrain.packer.core.config import PackConfig
-from packtrain.packer.stages import all_stages as stages
 from packtrain.trainer.config import DEFAULT_MAX_STEPS, SFTSpecCore, TrainingSpec, load_train_config
 from packtrain.trainer.data import EvalDataset, PackedDataset, collate_packed, eval_dataset
 from packtrain.trainer.evaluate import due, evaluate
@@ -154,7 +154,7 @@ def test_one_epoch_trains_each_unit_exactly_once(pack_dir):
     for _ in range(ds.steps_per_epoch() * ds.grad_accum):
         batch = next(stream)
         ds.mark_consumed(batch)
-        seen.extend(batch["sample_ids"])
+        seen.extend(batch.info.sample_ids)
     trained = [sid for seq, _ in ds.units for sid in ds.reader.sequence(seq)["sample_ids"]]
     assert sorted(seen) == sorted(trained) and len(set(seen)) == len(seen)
     assert ds.position == (1, 0)
@@ -177,9 +177,9 @@ def test_eval_loss_is_the_token_mean_over_the_eval_set(pack_dir):
     with torch.no_grad():
         for seq in held:
             batch = collate_packed([ev._decoded_row(seq, {})], fx.spec("qwen2-vl"))
-            loss = float(alone(batch)["loss_sum"])
-            sums, counts = sums + loss, counts + batch["num_label_tokens"]
-            means.append(loss / batch["num_label_tokens"])
+            loss = float(alone(batch.inputs)["loss_sum"])
+            sums, counts = sums + loss, counts + batch.info.num_label_tokens
+            means.append(loss / batch.info.num_label_tokens)
     rng = torch.get_rng_state()
     got = evaluate(model, ev, torch.device("cpu"), torch.float32)
     assert model.training  # handed back in training mode ...

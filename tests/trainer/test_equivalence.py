@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 import vlm_fixtures as fx
 
+from packtrain.trainer.batch import Batch
 from packtrain.trainer.data import collate_packed
 from packtrain.trainer.loss import per_sample_sums
 from packtrain.trainer.model import VLMForTraining, build_model
@@ -20,8 +21,13 @@ from packtrain.trainer.model import VLMForTraining, build_model
 TOL = 1e-5
 
 
-def _double(batch: dict) -> dict:
-    return {k: (v.double() if k.startswith("pixel_values") else v) for k, v in batch.items()}
+def _double(inputs: dict) -> dict:
+    return {k: (v.double() if k.startswith("pixel_values") else v) for k, v in inputs.items()}
+
+
+def _double_batch(batch: Batch) -> Batch:
+    """The batch with its pixels in fp64, as the fp64 model computes."""
+    return Batch(batch.inputs.to(torch.device("cpu"), torch.float64), batch.info)
 
 
 def _reference(model, samples, total_labels):
@@ -56,19 +62,21 @@ def test_packed_equals_each_sample_alone(family, shared_dir):
     model = build_model(
         fx.FOLDER[family], init="random", overrides=fx.TINY[family], dtype=torch.float64, seed=1
     )
-    batch = _double(
+    batch = _double_batch(
         collate_packed(
             [fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], fx.spec(family)
         )
     )
-    total = batch["num_label_tokens"]
+    total = batch.info.num_label_tokens
 
-    out = VLMForTraining(model, "sdpa")(batch)
+    out = VLMForTraining(model, "sdpa")(batch.inputs)
     (out["loss_sum"] / total).backward()
     packed_grads = _grads(model)
     n = len(samples)
-    sums = per_sample_sums(out["token_losses"], out["positions"], batch["sample_index"], n)
-    counts = per_sample_sums(torch.ones_like(out["token_losses"]), out["positions"], batch["sample_index"], n)
+    sums = per_sample_sums(out["token_losses"], out["positions"], batch.info.sample_index, n)
+    counts = per_sample_sums(
+        torch.ones_like(out["token_losses"]), out["positions"], batch.info.sample_index, n
+    )
     packed_losses = (sums / counts).detach()
 
     ref_losses = _reference(model, samples, total)
@@ -101,22 +109,22 @@ def test_restarting_positions_alone_leak_across_samples(shared_dir):
     model = build_model(
         fx.FOLDER[family], init="random", overrides=fx.TINY[family], dtype=torch.float64, seed=1
     )
-    batch = _double(collate_packed([fx.packed_row(samples, family)], fx.spec(family)))
+    batch = _double_batch(collate_packed([fx.packed_row(samples, family)], fx.spec(family)))
     with torch.no_grad():
-        isolated = VLMForTraining(model, "sdpa")(batch)
+        isolated = VLMForTraining(model, "sdpa")(batch.inputs)
         image = model.model.get_image_features(
-            batch["pixel_values"], batch["image_grid_thw"], return_dict=True
+            batch.inputs.pixel_values, batch.inputs.image_grid_thw, return_dict=True
         )
         hidden = model.model(
-            input_ids=batch["input_ids"],
-            position_ids=batch["position_ids"][1:],  # mRoPE restarts per sample, but no boundary info
+            input_ids=batch.inputs.input_ids,
+            position_ids=batch.inputs.position_ids[1:],  # mRoPE restarts per sample, but no boundary info
             mm_encoder_outputs={"image": image},
         ).last_hidden_state
         logits = model.lm_head(hidden[0, :-1])
-        targets = batch["shift_labels"][0, :-1]
+        targets = batch.inputs.shift_labels[0, :-1]
         leaky = F.cross_entropy(logits, targets, reduction="none", ignore_index=-100)
-    second = batch["sample_index"][:-1] == 1
+    second = batch.info.sample_index[:-1] == 1
     leaky_second = leaky[second & (targets != -100)].mean()
-    isolated_second = isolated["token_losses"][batch["sample_index"][isolated["positions"]] == 1].mean()
+    isolated_second = isolated["token_losses"][batch.info.sample_index[isolated["positions"]] == 1].mean()
     # A random-init model is near uniform, so the leak is small, but far above fp64 noise (~1e-15).
     assert abs(leaky_second - isolated_second).item() / isolated_second.item() > 1e-7

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 import vlm_fixtures as fx
 
+from packtrain.trainer.batch import Batch
 from packtrain.trainer.data import collate_packed
 from packtrain.trainer.loss import per_sample_sums
 from packtrain.trainer.model import VLMForTraining, build_model
@@ -23,8 +24,13 @@ from packtrain.trainer.model import VLMForTraining, build_model
 TOL = 1e-5
 
 
-def _double(batch: dict) -> dict:
-    return {k: (v.double() if k.startswith("pixel_values") else v) for k, v in batch.items()}
+def _double(inputs: dict) -> dict:
+    return {k: (v.double() if k.startswith("pixel_values") else v) for k, v in inputs.items()}
+
+
+def _double_batch(batch: Batch) -> Batch:
+    """The batch with its pixels in fp64, as the fp64 model computes."""
+    return Batch(batch.inputs.to(torch.device("cpu"), torch.float64), batch.info)
 
 
 def _group(name: str) -> str:
@@ -59,11 +65,13 @@ def test_each_sample_loss_and_gradient_equal_the_sample_alone(family, shared_dir
         fx.FOLDER[family], init="random", overrides=fx.TINY[family], dtype=torch.float64, seed=2
     )
     rows = [fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)]
-    batch = _double(collate_packed(rows, fx.spec(family)))
-    out = VLMForTraining(model, "sdpa")(batch)
+    batch = _double_batch(collate_packed(rows, fx.spec(family)))
+    out = VLMForTraining(model, "sdpa")(batch.inputs)
     n = len(samples)
-    sums = per_sample_sums(out["token_losses"], out["positions"], batch["sample_index"], n)
-    counts = per_sample_sums(torch.ones_like(out["token_losses"]), out["positions"], batch["sample_index"], n)
+    sums = per_sample_sums(out["token_losses"], out["positions"], batch.info.sample_index, n)
+    counts = per_sample_sums(
+        torch.ones_like(out["token_losses"]), out["positions"], batch.info.sample_index, n
+    )
     means = sums / counts
 
     worst: dict[str, float] = {"loss": 0.0}
@@ -97,25 +105,25 @@ def test_a_cache_turns_off_the_packed_detection_so_boundaries_stay_explicit(shar
     model = build_model(
         fx.FOLDER[family], init="random", overrides=fx.TINY[family], dtype=torch.float64, seed=1
     )
-    batch = _double(collate_packed([fx.packed_row(samples, family)], fx.spec(family)))
-    targets = batch["shift_labels"][0, :-1]
-    second = (batch["sample_index"][:-1] == 1) & (targets != -100)
+    batch = _double_batch(collate_packed([fx.packed_row(samples, family)], fx.spec(family)))
+    targets = batch.inputs.shift_labels[0, :-1]
+    second = (batch.info.sample_index[:-1] == 1) & (targets != -100)
 
     def second_loss(**kwargs) -> float:
         with torch.no_grad():
             hidden = model.model(
-                input_ids=batch["input_ids"],
-                position_ids=batch["position_ids"],
-                pixel_values=batch["pixel_values"],
-                image_grid_thw=batch["image_grid_thw"],
+                input_ids=batch.inputs.input_ids,
+                position_ids=batch.inputs.position_ids,
+                pixel_values=batch.inputs.pixel_values,
+                image_grid_thw=batch.inputs.image_grid_thw,
                 **kwargs,
             ).last_hidden_state
             logits = model.lm_head(hidden[0, :-1])
             return F.cross_entropy(logits[second], targets[second]).item()
 
     with torch.no_grad():
-        isolated = VLMForTraining(model, "sdpa")(batch)
-    owner = batch["sample_index"][isolated["positions"]]
+        isolated = VLMForTraining(model, "sdpa")(batch.inputs)
+    owner = batch.info.sample_index[isolated["positions"]]
     want = isolated["token_losses"][owner == 1].mean().item()
     assert abs(second_loss(use_cache=False) - want) / want < 1e-12  # detected from the text positions
     # A random-init model is near uniform, so the leak is small, but far above fp64 noise (~1e-15).

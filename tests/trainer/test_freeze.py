@@ -14,7 +14,7 @@ import yaml
 from conftest import job_spec, straight_and_resumed, write_job
 from pydantic import ValidationError
 from safetensors.torch import load_file
-from test_equivalence import _double, _grads, _reference, _rel
+from test_equivalence import _double_batch, _grads, _reference, _rel
 from torchrun_job import torchrun_two_processes
 from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -41,8 +41,8 @@ def trainable(model) -> set[str]:
 def tiny_qwen3_vl():
     config = AutoConfig.for_model(
         "qwen3_vl",
-        text_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-                     "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 1000,
+        text_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 1000,
                      "rope_scaling": {"rope_type": "default", "mrope_section": [4, 6, 6]}},
         vision_config={"depth": 3, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                        "out_hidden_size": 64, "deepstack_visual_indexes": [0, 1]},
@@ -174,13 +174,13 @@ def test_packed_equals_each_sample_alone_with_a_frozen_tower(family, shared_dir)
     samples = fx.demo_samples(family)
     model = tiny(family, torch.float64)
     param_groups.freeze(model, ["vision"])
-    batch = _double(
+    batch = _double_batch(
         collate_packed(
             [fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], fx.spec(family)
         )
     )
-    total = batch["num_label_tokens"]
-    out = VLMForTraining(model, "sdpa")(batch)
+    total = batch.info.num_label_tokens
+    out = VLMForTraining(model, "sdpa")(batch.inputs)
     (out["loss_sum"] / total).backward()
     packed = _grads(model)
     _reference(model, samples, total)
@@ -200,7 +200,8 @@ def test_freeze_and_multipliers_resume_bit_for_bit(pack_dir, tmp_path):
     initialised."""
     # Seed 2, two sequences a micro-batch: steps 1 and 3 hold images, so the merger trains on both sides.
     spec = job_spec(pack_dir, tmp_path / "straight", maxSteps=4, checkpointEvery=2, warmup=1, seed=2,
-                    microBatchSequences=2, weightDecay=0.1, lrMultipliers={"merger": 2.0, "llm": 0.5})  # fmt: skip
+                    microBatchSequences=2, weightDecay=0.1,
+                    lrMultipliers={"merger": 2.0, "llm": 0.5})  # fmt: skip
     spec["spec"]["model"]["freeze"] = ["vision"]
     straight, resumed, resumed_dir = straight_and_resumed(spec, tmp_path)
     assert resumed["final_loss"] == straight["final_loss"]
@@ -238,7 +239,8 @@ def test_example_validates_and_renders():
     spec = SFTJobSpec.model_validate(doc["spec"])
     assert spec.model.freeze == ["vision"] and spec.training.lr_multipliers == {"merger": 2.0}
     proc = subprocess.run(
-        [str(Path(sys.executable).with_name("packtrain")), "render", str(EXAMPLE), "--pack-claim", "packtrain-data"],
+        [str(Path(sys.executable).with_name("packtrain")), "render", str(EXAMPLE),
+         "--pack-claim", "packtrain-data"],
         capture_output=True, text=True, timeout=120, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr

@@ -14,7 +14,7 @@ from conftest import job_spec, straight_and_resumed, write_job
 from peft import PeftModel
 from pydantic import ValidationError
 from safetensors.torch import load_file
-from test_equivalence import _double, _grads, _reference, _rel
+from test_equivalence import _double_batch, _grads, _reference, _rel
 from torchrun_job import torchrun_two_processes
 from transformers import AutoModelForImageTextToText
 
@@ -86,13 +86,13 @@ def test_packed_equals_each_sample_alone_with_lora(family, vision, shared_dir):
     model = _tiny(family, torch.float64)
     lora.apply(model, LoraSpec(vision=vision, **LORA), fx.FOLDER[family])
     _randomize_adapters(model)
-    batch = _double(
+    batch = _double_batch(
         collate_packed(
             [fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], fx.spec(family)
         )
     )
-    total = batch["num_label_tokens"]
-    out = VLMForTraining(model, "sdpa")(batch)
+    total = batch.info.num_label_tokens
+    out = VLMForTraining(model, "sdpa")(batch.inputs)
     (out["loss_sum"] / total).backward()
     packed = _grads(model)
     _reference(model, samples, total)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import vlm_fixtures as fx
-from test_equivalence import _double, _grads, _reference, _rel
+from test_equivalence import _double_batch, _grads, _reference, _rel
 
 from packtrain.trainer.config import SFTSpecCore
 from packtrain.trainer.data import collate_packed
@@ -56,11 +56,11 @@ def test_checkpointing_recomputes_exactly_the_chosen_layers(text, vision, shared
     layers = _calls(list(model.model.language_model.layers))
     blocks = _calls(list(model.model.visual.blocks))
     core = VLMForTraining(model, "sdpa").train()  # checkpointing acts in training only
-    core(collate_packed([fx.packed_row(samples[:2], family)], fx.spec(family)))["loss_sum"].backward()
+    core(collate_packed([fx.packed_row(samples[:2], family)], fx.spec(family)).inputs)["loss_sum"].backward()
     assert layers == [2 if text else 1] * len(layers)  # forward, and again in backward
     assert blocks == [2 if vision else 1] * len(blocks)
     with torch.no_grad():  # nothing to recompute for
-        core(collate_packed([fx.packed_row(samples[:1], family)], fx.spec(family)))
+        core(collate_packed([fx.packed_row(samples[:1], family)], fx.spec(family)).inputs)
     assert layers == [3 if text else 2] * len(layers)
 
 
@@ -73,18 +73,20 @@ def test_packed_equals_each_sample_alone_with_checkpointing(family, shared_dir):
         fx.FOLDER[family], init="random", overrides=fx.TINY[family], dtype=torch.float64, seed=1
     )
     apply_layer_options(model, True, True, False)
-    batch = _double(
+    batch = _double_batch(
         collate_packed(
             [fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], fx.spec(family)
         )
     )
-    total = batch["num_label_tokens"]
-    out = VLMForTraining(model, "sdpa").train()(batch)
+    total = batch.info.num_label_tokens
+    out = VLMForTraining(model, "sdpa").train()(batch.inputs)
     (out["loss_sum"] / total).backward()
     packed_grads = _grads(model)
     n = len(samples)
-    sums = per_sample_sums(out["token_losses"], out["positions"], batch["sample_index"], n)
-    counts = per_sample_sums(torch.ones_like(out["token_losses"]), out["positions"], batch["sample_index"], n)
+    sums = per_sample_sums(out["token_losses"], out["positions"], batch.info.sample_index, n)
+    counts = per_sample_sums(
+        torch.ones_like(out["token_losses"]), out["positions"], batch.info.sample_index, n
+    )
     ref_losses = _reference(model, samples, total)
     ref_grads = _grads(model)
     assert ((sums / counts).detach() - ref_losses).abs().max() / ref_losses.abs().min() <= 1e-10
@@ -106,14 +108,16 @@ def test_packed_equals_each_sample_alone_with_compiled_layers(shared_dir):
     batch = collate_packed(
         [fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)], fx.spec(family)
     )
-    total = batch["num_label_tokens"]
-    out = VLMForTraining(model, "sdpa").train()(batch)
+    total = batch.info.num_label_tokens
+    out = VLMForTraining(model, "sdpa").train()(batch.inputs)
     (out["loss_sum"] / total).backward()
     assert counters["stats"]["unique_graphs"] > 0  # the layers really went through the compiler
     packed_grads = _grads(model)
     n = len(samples)
-    sums = per_sample_sums(out["token_losses"], out["positions"], batch["sample_index"], n)
-    counts = per_sample_sums(torch.ones_like(out["token_losses"]), out["positions"], batch["sample_index"], n)
+    sums = per_sample_sums(out["token_losses"], out["positions"], batch.info.sample_index, n)
+    counts = per_sample_sums(
+        torch.ones_like(out["token_losses"]), out["positions"], batch.info.sample_index, n
+    )
     ref_losses = _reference(model, samples, total)
     ref_grads = _grads(model)
     assert ((sums / counts).detach() - ref_losses).abs().max() / ref_losses.abs().min() <= 1e-5

@@ -12,6 +12,7 @@ import pytest
 import torch
 import vlm_fixtures as fx
 from conftest import job_spec, make_pack, write_job
+from test_equivalence import _double_batch
 from transformers import AutoModelForImageTextToText
 from vlm_fixtures import FOLDER, TINY, spec
 
@@ -78,7 +79,9 @@ def test_text_only_batch_still_reaches_every_vision_parameter(qwen3_pack):
     model = build_model(FOLDER[FAMILY], init="random", overrides=TINY[FAMILY])
     reader = ShardReader(qwen3_pack)
     text_row = next(r for r in map(reader.sequence, range(len(reader.seq_lens()))) if not r["media"])
-    out = VLMForTraining(model, "sdpa", always_run_vision=True)(collate_packed([text_row], spec(FAMILY)))
+    out = VLMForTraining(model, "sdpa", always_run_vision=True)(
+        collate_packed([text_row], spec(FAMILY)).inputs
+    )
     out["loss_sum"].backward()
     visual = dict(model.model.visual.named_parameters())
     assert any(name.startswith("deepstack_merger_list") for name in visual)
@@ -94,9 +97,8 @@ def test_padded_baseline_gives_each_sample_its_packed_loss(shared_dir):
     sums = []
     with torch.no_grad():
         for batch in (collate_packed([row], spec(FAMILY)), collate_padded(split_row(row), spec(FAMILY))):
-            batch = {k: (v.double() if k.startswith("pixel_values") else v) for k, v in batch.items()}
-            out = core(batch)
-            sums.append(per_sample_sums(out["token_losses"], out["positions"], batch["sample_index"], 4))
+            out = core(_double_batch(batch).inputs)
+            sums.append(per_sample_sums(out["token_losses"], out["positions"], batch.info.sample_index, 4))
     torch.testing.assert_close(sums[1], sums[0], rtol=1e-10, atol=0)
 
 

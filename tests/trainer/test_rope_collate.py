@@ -37,26 +37,26 @@ def test_packed_batch_restarts_everything_per_sample(family_samples, shared_dir)
     rows = [fx.packed_row(samples[:2], family), fx.packed_row(samples[2:], family)]
     batch = collate_packed(rows, fx.spec(family))
     lens = [len(s.input_ids) for s in samples]
-    assert batch["seq_lens"] == lens
-    assert batch["cu_seq_lens"].tolist() == np.concatenate([[0], np.cumsum(lens)]).tolist()
-    assert batch["max_length"] == max(lens)
-    assert batch["input_ids"].shape == (1, sum(lens))
-    pos = batch["position_ids"][:, 0]
-    for k, start in enumerate(batch["cu_seq_lens"][:-1].tolist()):
+    assert batch.info.seq_lens == lens
+    assert batch.inputs.cu_seq_lens.tolist() == np.concatenate([[0], np.cumsum(lens)]).tolist()
+    assert batch.inputs.max_length == max(lens)
+    assert batch.inputs.input_ids.shape == (1, sum(lens))
+    pos = batch.inputs.position_ids[:, 0]
+    for k, start in enumerate(batch.inputs.cu_seq_lens[:-1].tolist()):
         n = lens[k]
         assert pos[0, start : start + n].tolist() == list(range(n))  # 1-D text row restarts
         assert pos[1:, start].tolist() == [0, 0, 0]  # mRoPE restarts: no inherited offset
-        alone = collate_packed([fx.packed_row([samples[k]], family)], fx.spec(family))["position_ids"][:, 0]
-        assert torch.equal(pos[:, start : start + n], alone)
+        alone = collate_packed([fx.packed_row([samples[k]], family)], fx.spec(family))
+        assert torch.equal(pos[:, start : start + n], alone.inputs.position_ids[:, 0])
         # The last token of a sample predicts nothing: the next sample's first label is never
         # learned from this sample's context.
-        assert batch["shift_labels"][0, start + n - 1] == -100
+        assert batch.inputs.shift_labels[0, start + n - 1] == -100
     images = [p for r in rows for p, m in zip(r["pixels"], r["media"], strict=True) if m["kind"] == "image"]
-    assert torch.equal(batch["pixel_values"], torch.cat(images))
-    assert batch["image_grid_thw"].shape == (3, 3)
-    assert batch["video_grid_thw"].shape == (1, 3)
+    assert torch.equal(batch.inputs.pixel_values, torch.cat(images))
+    assert batch.inputs.image_grid_thw.shape == (3, 3)
+    assert batch.inputs.video_grid_thw.shape == (1, 3)
     assert ("second_per_grid_ts" in batch) == (family == "qwen2.5-vl")
-    assert batch["num_label_tokens"] == int((batch["shift_labels"] != -100).sum())
+    assert batch.info.num_label_tokens == int((batch.inputs.shift_labels != -100).sum())
 
 
 def test_pixels_match_the_hf_processor(family_samples, shared_dir):
@@ -83,15 +83,17 @@ def test_padded_collate_is_the_same_data_one_sample_per_row(family_samples, shar
     padded = collate_padded(parts, fx.spec(family))
     packed = collate_packed([packed_row], fx.spec(family))
     width = max(len(s.input_ids) for s in samples)
-    assert padded["input_ids"].shape == (len(samples), width)
-    assert padded["attention_mask"].sum() == packed["num_tokens"]
-    assert padded["num_label_tokens"] == packed["num_label_tokens"]
-    assert padded["padded_tokens"] == len(samples) * width
+    assert padded.inputs.input_ids.shape == (len(samples), width)
+    assert padded.inputs.attention_mask.sum() == packed.info.num_tokens
+    assert padded.info.num_label_tokens == packed.info.num_label_tokens
+    assert padded.info.padded_tokens == len(samples) * width
     for k, s in enumerate(samples):
         n = len(s.input_ids)
-        start = packed["cu_seq_lens"][k]
-        assert torch.equal(padded["position_ids"][:, k, :n], packed["position_ids"][1:, 0, start : start + n])
-    assert torch.equal(padded["pixel_values"], packed["pixel_values"])
+        start = packed.inputs.cu_seq_lens[k]
+        assert torch.equal(
+            padded.inputs.position_ids[:, k, :n], packed.inputs.position_ids[1:, 0, start : start + n]
+        )
+    assert torch.equal(padded.inputs.pixel_values, packed.inputs.pixel_values)
 
 
 def test_mismatched_grid_is_an_error(shared_dir):

@@ -1,8 +1,9 @@
 """Generates grafana-dashboard.json beside this file: `python charts/packtrain/files/grafana_dashboard.py`.
 
-The metric names the trainer and the operator export live in METRICS only; the dashboard
-queries them through it, and tests/chart/test_dashboard.py fails when the committed JSON
-differs from what this script generates or when a name is no longer exported by the package.
+The metric names come from where they are defined: the trainer's from the pods' contract
+(`packtrain.packer.core.contract`), the operator's from `packtrain.operator.metrics`. METRICS
+only gives them the short keys the panels use; tests/chart/test_dashboard.py fails when the
+committed JSON differs from what this script generates, so a renamed metric reaches the JSON.
 """
 
 from __future__ import annotations
@@ -11,17 +12,20 @@ import json
 from pathlib import Path
 from typing import Any
 
+from packtrain.operator import metrics as operator
+from packtrain.packer.core import contract
+
 METRICS: dict[str, str] = {
-    "tokens_per_second": "packtrain_train_tokens_per_second",
-    "effective_tokens_per_second": "packtrain_train_effective_tokens_per_second",
-    "padding_ratio": "packtrain_train_padding_ratio",
-    "mfu": "packtrain_train_mfu",
-    "sm_utilization_percent": "packtrain_gpu_sm_utilization_percent",
-    "loss": "packtrain_train_loss",
-    "jobs": "packtrain_operator_jobs",
-    "reconciles": "packtrain_operator_reconciles_total",
-    "reconcile_errors": "packtrain_operator_reconcile_errors_total",
-    "stage_duration": "packtrain_operator_stage_duration_seconds",
+    "tokens_per_second": contract.TRAIN_TOKENS_PER_SECOND,
+    "effective_tokens_per_second": contract.TRAIN_EFFECTIVE_TOKENS_PER_SECOND,
+    "padding_ratio": contract.TRAIN_PADDING_RATIO,
+    "mfu": contract.TRAIN_MFU,
+    "sm_utilization_percent": contract.TRAIN_GPU_SM_UTILIZATION,
+    "loss": contract.TRAIN_LOSS,
+    "jobs": operator.JOBS_BY_PHASE,
+    "reconciles": operator.RECONCILES_TOTAL,
+    "reconcile_errors": operator.RECONCILE_ERRORS_TOTAL,
+    "stage_duration": operator.STAGE_DURATION,
 }
 
 OUTPUT = Path(__file__).with_name("grafana-dashboard.json")
@@ -170,11 +174,13 @@ def build() -> dict[str, Any]:
             "Duration of PackJob and SFTJob stages.",
             [
                 (
-                    f"histogram_quantile(0.5, sum by (le, stage) (rate({m['stage_duration']}_bucket[$__rate_interval])))",
+                    "histogram_quantile(0.5, sum by (le, stage) "
+                    f"(rate({m['stage_duration']}_bucket[$__rate_interval])))",
                     "{{stage}} p50",
                 ),
                 (
-                    f"histogram_quantile(0.95, sum by (le, stage) (rate({m['stage_duration']}_bucket[$__rate_interval])))",
+                    "histogram_quantile(0.95, sum by (le, stage) "
+                    f"(rate({m['stage_duration']}_bucket[$__rate_interval])))",
                     "{{stage}} p95",
                 ),
             ],

@@ -91,7 +91,7 @@ def test_flex_backend_matches_sdpa_forward(shared_dir):
             fx.FOLDER["qwen2.5-vl"], init="random", overrides=fx.TINY["qwen2.5-vl"], attention=backend, seed=2
         )
         with torch.no_grad():
-            losses[backend] = VLMForTraining(model, backend)(batch)["token_losses"]
+            losses[backend] = VLMForTraining(model, backend)(batch.inputs)["token_losses"]
     torch.testing.assert_close(losses["flex"], losses["sdpa"], rtol=1e-5, atol=1e-5)
 
 
@@ -101,8 +101,8 @@ def test_flops_count_attention_from_real_sample_lengths(shared_dir):
     samples = fx.demo_samples("qwen2-vl")
     packed = collate_packed([fx.packed_row(samples, "qwen2-vl")], fx.spec("qwen2-vl"))
     one = collate_packed([fx.packed_row(samples[:1], "qwen2-vl")], fx.spec("qwen2-vl"))
-    n = one["num_tokens"]
-    expected = 6 * shape.llm_params * n + 6 * shape.lm_head_params * one["num_label_tokens"]
+    n = one.info.num_tokens
+    expected = 6 * shape.llm_params * n + 6 * shape.lm_head_params * one.info.num_label_tokens
     expected += 12 * shape.layers * shape.attn_dim * n * n / 2
     assert step_flops(shape, one) == pytest.approx(expected)
     # Packed, the FLOPs are exactly the sum of each sample's alone: the attention term comes from

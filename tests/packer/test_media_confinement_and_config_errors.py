@@ -1,6 +1,6 @@
-"""Review findings on issue 9's packer side: configuration errors exit 2, `/` is never a media root,
-the shard stage re-opens media only inside the roots, a re-signed pack with edited media bytes or a
-resized-image bomb fails `pack verify`, and reject details are bounded."""
+"""Configuration errors exit 2, `/` is never a media root, the shard stage re-opens media only inside
+the roots, a re-signed pack with edited media bytes or a resized-image bomb fails `pack verify`, and
+reject details are bounded."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ from pack_tamper import copy_pack, edit_manifest
 from PIL import Image
 from support.pack_runner import run_in_process
 
+from packtrain.packer import stages
 from packtrain.packer.cli import main as pack_main
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.errors import ConfigError
 from packtrain.packer.core.pack.schema import MEDIA_SCHEMA
 from packtrain.packer.core.pack.shards import MANIFEST, read_table, write_table
-from packtrain.packer.stages import all_stages as stages
+from packtrain.packer.stages.workdir import REJECT_DETAIL_CHARS, PackRefused
 from packtrain.trainer.cli import main as train_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -112,11 +113,11 @@ def test_reject_details_are_bounded(tmp_path: Path) -> None:
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps(_chat("x" * 5000 + ".png")) + "\n")
     cfg, out = _cfg(data), tmp_path / "out"
-    with pytest.raises(stages.PackRefused, match="no sample was packed"):  # its only sample rejected
+    with pytest.raises(PackRefused, match="no sample was packed"):  # its only sample rejected
         run_in_process(cfg, out)
     (reject,) = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     assert reject["reason"] == "missing_media"
-    assert len(reject["detail"]) <= stages.REJECT_DETAIL_CHARS
+    assert len(reject["detail"]) <= REJECT_DETAIL_CHARS
 
 
 def _media_pack(tmp_path: Path, storage: str) -> Path:

@@ -1,4 +1,4 @@
-"""Regression tests from the trainer review: resume holes, checkpoint replacement, error paths."""
+"""Resume holes, checkpoint replacement, fail-fast error paths and precision: regressions once found."""
 
 from __future__ import annotations
 
@@ -47,12 +47,12 @@ def test_resume_is_bit_for_bit_with_dropout(pack_dir, tmp_path):
 def test_data_path_without_manifest_fails_fast_with_exit_2(tmp_path, capsys, monkeypatch):
     """A folder that is not a finished pack is a configuration error: exit 2 with the reason,
     before the (possibly many-GB) model is built."""
-    from packtrain.trainer import cli, loop
+    from packtrain.trainer import cli, recipe
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was built before the pack was checked")
 
-    monkeypatch.setattr(loop, "build_model", no_model)
+    monkeypatch.setattr(recipe, "build_model", no_model)
     empty = tmp_path / "not-a-pack"
     empty.mkdir()
     job = write_job(tmp_path / "job.yaml", job_spec(empty, tmp_path / "out"))
@@ -95,7 +95,7 @@ def test_resume_inside_a_later_epoch_continues_the_same_stream(pack_dir):
             micro = [next(stream) for _ in range(ds.grad_accum)]
             for b in micro:
                 ds.mark_consumed(b)
-            out.extend((tuple(b["position"]), b["sample_ids"]) for b in micro)
+            out.extend((tuple(b.info.position), b.info.sample_ids) for b in micro)
         return out
 
     straight = dataset()
@@ -130,12 +130,12 @@ def test_bf16_build_keeps_rope_frequencies_in_fp32(family, shared_dir):
 def test_pack_smaller_than_one_global_step_fails_before_the_model(pack_dir, tmp_path, monkeypatch):
     """Fewer sequences than ranks x micro-batch x grad accumulation: a clear error, raised before
     the model is built (every rank raises it, so none waits in a collective)."""
-    from packtrain.trainer import loop
+    from packtrain.trainer import recipe
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was built before the data was planned")
 
-    monkeypatch.setattr(loop, "build_model", no_model)
+    monkeypatch.setattr(recipe, "build_model", no_model)
     spec = job_spec(pack_dir, tmp_path / "out", microBatchSequences=50, gradAccum=2)
     with pytest.raises(ValueError, match=r"pack holds \d+ units but one global step needs 100 "):
         train(load_train_config(write_job(tmp_path / "job.yaml", spec)), log=lambda _: None)
@@ -179,7 +179,7 @@ def test_flex_backend_is_causal_in_the_padded_baseline(shared_dir):
     for backend in ("flex", "sdpa"):
         model = build_model(FOLDER[family], init="random", overrides=TINY[family], attention=backend, seed=1)
         with torch.no_grad():
-            losses[backend] = VLMForTraining(model, backend)(padded)["token_losses"]
+            losses[backend] = VLMForTraining(model, backend)(padded.inputs)["token_losses"]
     torch.testing.assert_close(losses["flex"], losses["sdpa"], rtol=1e-5, atol=1e-5)
 
 

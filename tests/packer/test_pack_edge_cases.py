@@ -1,17 +1,20 @@
-"""Review findings: edge cases of inputs, stages and the CLI."""
+"""Edge cases of inputs, stages and the CLI: odd file names, hostile records, racing workers and
+configs, bad config files, bounded termination messages."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
 import pytest
 from support.pack_runner import run_in_process
 
+from packtrain.packer import stages
 from packtrain.packer.cli import main as pack_main
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.pack.shards import MANIFEST
-from packtrain.packer.stages import all_stages as stages
+from packtrain.packer.stages.workdir import check_output_config
 from packtrain.packer.tools import unpack, verify
 
 REPO = Path(__file__).resolve().parents[2]
@@ -154,7 +157,8 @@ def test_convert_streams_rows_in_batches_with_identical_results(
     src = _write_jsonl(tmp_path / "d.jsonl", [_chat(i) for i in range(40)])
     single = tmp_path / "single"
     _run(_cfg([src]), single, workers=1)
-    monkeypatch.setattr(stages, "PART_BATCH_TOKENS", 50)
+    # The module, not the package attribute `stages.convert` (the stage function of that name).
+    monkeypatch.setattr(importlib.import_module("packtrain.packer.stages.convert"), "PART_BATCH_TOKENS", 50)
     batched = tmp_path / "batched"
     summary = stages.convert(_cfg([src]), batched, 0, 1)
     part = read_table(batched / "work" / "convert" / "part-00000-of-00001.arrow")
@@ -266,7 +270,8 @@ def test_media_changed_between_convert_and_materialize_is_refused(
         ("kind: PackJob\nmetadata: {name: x\n", "not valid YAML"),
         ("- a\n- b\n", "must be a mapping"),
         (
-            "apiVersion: packtrain.dev/v1alpha1\nkind: SFTJob\nmetadata: {name: s}\nspec: {data: {path: /x}}\n",
+            "apiVersion: packtrain.dev/v1alpha1\nkind: SFTJob\nmetadata: {name: s}\n"
+            "spec: {data: {path: /x}}\n",
             "expected a PackJob manifest",
         ),
     ],
@@ -297,15 +302,15 @@ def test_config_guard_holds_when_two_configs_race_for_one_folder(
     writes: A used to overwrite B's record and go on mixing two configurations in one pack."""
     src = _write_jsonl(tmp_path / "d.jsonl", [_chat(0)])
     out = tmp_path / "out"
-    stages.check_output_config(_cfg([src], maxLength=512), out, record=True)  # B got there first
+    check_output_config(_cfg([src], maxLength=512), out, record=True)  # B got there first
     real_is_file = Path.is_file
     monkeypatch.setattr(
         Path, "is_file", lambda self: False if self.name == "config.json" else real_is_file(self)
     )
     with pytest.raises(ValueError, match="different configuration"):
-        stages.check_output_config(_cfg([src], maxLength=256), out, record=True)
+        check_output_config(_cfg([src], maxLength=256), out, record=True)
     monkeypatch.undo()
-    stages.check_output_config(_cfg([src], maxLength=512), out, record=True)
+    check_output_config(_cfg([src], maxLength=512), out, record=True)
     assert sorted(p.name for p in (out / "work").iterdir()) == ["config.json"]
 
 

@@ -1,0 +1,231 @@
+"""What a run is built from, in the order it is built: data, model, optimizer and schedule, resume.
+
+Data comes first, so a folder that is not a pack, or too small a pack, fails before a
+(possibly many-GB) model is built. Each step is a function of the job's config and what the
+steps before it made; `setup` only strings them together into the `Run` the loop trains.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from packtrain.packer.core.model_spec import ModelSpec
+from packtrain.trainer import checkpoint, distributed, lora, param_groups
+from packtrain.trainer.attention import resolve_attention
+from packtrain.trainer.config import DEFAULT_MAX_STEPS, SFTSpecCore
+from packtrain.trainer.data import EvalDataset, PackedDataset, eval_dataset
+from packtrain.trainer.media import PixelSpec
+from packtrain.trainer.metrics import ModelShape
+from packtrain.trainer.model import (
+    VLMForTraining,
+    apply_layer_options,
+    build_model,
+    checked_spec,
+    load_config,
+    parameter_groups,
+)
+from packtrain.trainer.sampler import Plan, imbalance, plan_epoch, total_steps
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "bf16":
+        return torch.bfloat16
+    if name == "fp32":
+        return torch.float32
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
+    """Linear warmup, then cosine decay to 10% of the peak."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+@dataclass
+class Data:
+    """The training pack, as this rank reads it, and what the schedule needs from it."""
+
+    dataset: PackedDataset
+    evaluation: EvalDataset | None
+    max_steps: int  # training.maxSteps, or epochs x steps per epoch
+    first_plan: Plan  # epoch 0's plan (planned up front: it raises when the pack is too small)
+
+
+@dataclass
+class Model:
+    """The model as it trains, and the pieces of it the export and the accounting need."""
+
+    hf: Any  # the Hugging Face model (for the export)
+    model: torch.nn.Module  # what trains: VLMForTraining, wrapped by DDP/FSDP when distributed
+    shape: ModelShape
+    adapter: Any  # the PeftModel around `hf` with model.lora (for the adapter export), else None
+
+
+@dataclass
+class Run:
+    """Everything setup builds for the steps: data, model, optimizer and where the run starts."""
+
+    dataset: PackedDataset
+    hf: Any  # the Hugging Face model (for the export)
+    model: torch.nn.Module  # what trains: VLMForTraining, wrapped by DDP/FSDP when distributed
+    shape: ModelShape
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    dtype: torch.dtype
+    backend: str
+    imbalance_max: float  # attention-cost imbalance of the epoch this run starts in
+    max_steps: int  # training.maxSteps, or epochs x steps per epoch
+    evaluation: EvalDataset | None  # the evaluation set, if any
+    step: int = 0
+    resumed_from: Path | None = None
+    adapter: Any = None  # the PeftModel around `hf` with model.lora (for the adapter export)
+
+
+def setup(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> Run:
+    """Data, then model, then optimizer and schedule, then the checkpoint to resume from."""
+    t = cfg.training
+    if cfg.data.path is None:
+        raise ValueError(
+            f"data.packJobRef {cfg.data.pack_job_ref!r} must be resolved to data.path (the operator does)"
+        )
+    torch.manual_seed(t.seed)
+    dtype = resolve_dtype(t.dtype, device)
+    backend = resolve_attention(t.attention, device, dtype=dtype)
+    config = load_config(cfg.model.path, cfg.model.config_overrides)
+    data = _setup_data(
+        cfg.data.path, cfg, env, config, checked_spec(cfg.model.path, config, cfg.model.family)
+    )
+    built = _setup_model(cfg, env, device, dtype, backend)
+    optimizer, scheduler = _setup_optimizer(cfg, built.model, data.max_steps)
+    step, resumed_from = _resume(cfg, env, built.model, optimizer, scheduler, data.dataset)
+    return Run(
+        dataset=data.dataset,
+        hf=built.hf,
+        model=built.model,
+        shape=built.shape,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        dtype=dtype,
+        backend=backend,
+        imbalance_max=_imbalance(data),
+        max_steps=data.max_steps,
+        evaluation=data.evaluation,
+        step=step,
+        resumed_from=resumed_from,
+        adapter=built.adapter,
+    )
+
+
+def _setup_data(
+    path: str, cfg: SFTSpecCore, env: distributed.DistEnv, config: PretrainedConfig, spec: ModelSpec
+) -> Data:
+    """This rank's view of the pack at `path`, checked against the model, and the run's length."""
+    t = cfg.training
+    dataset = PackedDataset(
+        path,
+        spec,
+        PixelSpec.from_vision(spec.vision),
+        rank=env.rank,
+        world_size=env.world_size,
+        units_per_micro_batch=t.micro_batch_sequences if t.mode == "packed" else t.padded_batch_size,
+        grad_accum=t.grad_accum,
+        seed=t.seed,
+        mode=t.mode,
+        pad_token_id=config.text_config.pad_token_id,
+        # One process per node reads every shard to check it; its peers share that filesystem.
+        verify_checksums=cfg.data.verify_checksums and env.local_rank == 0,
+        vocab_size=config.text_config.vocab_size,
+        eval_fraction=cfg.data.eval_fraction,
+    )
+    pack_family = dataset.manifest.get("family")
+    if pack_family not in (None, spec.family.name):
+        raise ValueError(f"the pack was made for {pack_family} but the model is {spec.family.name}")
+    lay = dataset.layout
+    # Planning epoch 0 raises when the pack holds less than one global step.
+    first_plan = plan_epoch(dataset.costs, lay.world_size, lay.units_per_rank, lay.seed, 0)
+    max_steps = total_steps(t.max_steps, t.epochs, lay, DEFAULT_MAX_STEPS)
+    return Data(dataset, eval_dataset(dataset, cfg.data), max_steps, first_plan)
+
+
+def _setup_model(
+    cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device, dtype: torch.dtype, backend: str
+) -> Model:
+    """The model with adapters, layer options and frozen parts applied, then parallelized.
+
+    Mixed precision: weights and AdamW state stay fp32 (bf16 weights would round most small updates
+    away); matmuls run in `dtype` under autocast."""
+    t = cfg.training
+    hf = build_model(
+        cfg.model.path,
+        init=cfg.model.init,
+        overrides=cfg.model.config_overrides,
+        dtype=torch.float32,
+        attention=backend,
+        seed=t.seed,
+        device=device,
+    )
+    # LoRA first: it sets requires_grad (only adapters train) before freezing, DDP/FSDP and the optimizer.
+    adapter = lora.apply(hf, cfg.model.lora, cfg.model.path) if cfg.model.lora else None
+    apply_layer_options(hf, t.activation_checkpointing, t.vision_checkpointing, t.compile)
+    param_groups.freeze(hf, cfg.model.freeze)  # after anything setting requires_grad, before DDP/FSDP
+    core = VLMForTraining(
+        hf, backend, always_run_vision=env.distributed, loss_chunk_tokens=t.loss_chunk_tokens
+    ).to(device)
+    shape = ModelShape.from_model(hf, parameter_groups(core))
+    model = distributed.parallelize(core, t.strategy, env, device, compute_dtype=dtype)
+    return Model(hf=hf, model=model, shape=shape, adapter=adapter)
+
+
+def _setup_optimizer(
+    cfg: SFTSpecCore, model: torch.nn.Module, max_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the trainable parameters' groups, and the warmup + cosine schedule."""
+    t = cfg.training
+    optimizer = torch.optim.AdamW(
+        param_groups.optimizer_groups(model, t.lr, t.weight_decay, t.lr_multipliers)
+    )
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.warmup, max_steps))
+
+
+def _resume(
+    cfg: SFTSpecCore,
+    env: distributed.DistEnv,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    dataset: PackedDataset,
+) -> tuple[int, Path | None]:
+    """The newest checkpoint's state loaded into the model, optimizer, schedule and data position
+    (with training.resume and a checkpoint there): the step to start at, and the folder."""
+    t = cfg.training
+    resumed_from = checkpoint.latest(Path(t.output_dir)) if t.resume else None
+    if resumed_from is None:
+        return 0, None
+    state = checkpoint.load(resumed_from, model, optimizer, scheduler, env)
+    dataset.load_state_dict(state["data"])
+    return int(state["step"]), resumed_from
+
+
+def _imbalance(data: Data) -> float:
+    """Max/mean attention cost over ranks of the epoch the run starts in (after a resume: its epoch)."""
+    dataset, lay = data.dataset, data.dataset.layout
+    epoch = dataset.position.epoch
+    plan = (
+        plan_epoch(dataset.costs, lay.world_size, lay.units_per_rank, lay.seed, epoch)
+        if epoch
+        else data.first_plan
+    )
+    return imbalance(plan, dataset.costs)["max"]
