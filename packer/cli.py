@@ -24,22 +24,39 @@ from packtrain.packer.core.report import report
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-c", "--config", help="PackJob manifest or spec (YAML)")
-    p.add_argument("-o", "--output", required=True, help="output folder of the pack")
-    p.add_argument("--input", action="append", help="dataset file or glob (repeatable); overrides the config")
-    p.add_argument("--media-root", help="folder that relative media paths resolve against")
-    p.add_argument("--format", choices=["auto", "sharegpt", "messages", "typed"])
-    p.add_argument("--model", help="model folder (tokenizer, chat template, preprocessor config)")
-    p.add_argument("--family", choices=list(FAMILY_NAMES))
-    p.add_argument("--max-length", type=int)
-    p.add_argument("--algorithm", choices=["bfd", "next_fit", "swift", "knapsack"])
-    p.add_argument("--overlong", choices=["drop", "truncate", "error"])
-    p.add_argument("--media-storage", choices=["original", "resized"])
+    cfg = " (default: the config's, else the packer's default)"
+    p.add_argument("-c", "--config", help="PackJob manifest or spec (YAML) (default: none; then give the flags)")
+    p.add_argument("-o", "--output", required=True, help="output folder of the pack (required)")
+    p.add_argument(
+        "--input",
+        action="append",
+        help="dataset file or glob (repeatable); overrides source.paths (default: the config's)",
+    )
+    p.add_argument("--media-root", help="folder that relative media paths resolve against" + cfg)
+    p.add_argument(
+        "--format", choices=["auto", "sharegpt", "messages", "typed"], help="dataset record format" + cfg
+    )
+    p.add_argument("--model", help="model folder (tokenizer, chat template, preprocessor config)" + cfg)
+    p.add_argument(
+        "--family", choices=list(FAMILY_NAMES), help="model family (default: detected from config.json)"
+    )
+    p.add_argument("--max-length", type=int, help="tokens per packed sequence" + cfg)
+    p.add_argument(
+        "--algorithm", choices=["bfd", "next_fit", "swift", "knapsack"], help="bin-packing algorithm" + cfg
+    )
+    p.add_argument(
+        "--overlong", choices=["drop", "truncate", "error"], help="what to do with too-long samples" + cfg
+    )
+    p.add_argument(
+        "--media-storage", choices=["original", "resized"], help="media bytes stored in the pack" + cfg
+    )
 
 
 def _add_slice_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index", type=int, help="this worker's index (default: $JOB_COMPLETION_INDEX, else 0)")
-    p.add_argument("--count", type=int, default=1, help="number of workers sharing the stage")
+    p.add_argument(
+        "--count", type=int, default=1, help="number of workers sharing the stage (default: %(default)s)"
+    )
 
 
 def build_config(args: argparse.Namespace) -> PackConfig:
@@ -89,22 +106,37 @@ def parser() -> argparse.ArgumentParser:
         if name in ("convert", "materialize"):
             _add_slice_flags(p)
         if name == "run":
-            p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1)))
-            p.add_argument("--no-progress", action="store_true")
+            p.add_argument(
+                "--workers",
+                type=int,
+                default=max(1, (os.cpu_count() or 1)),
+                help="worker processes for convert and materialize (default: the CPU count, %(default)s)",
+            )
+            p.add_argument("--no-progress", action="store_true", help="no progress bars (default: bars)")
     p = sub.add_parser("inspect", help="statistics of a pack")
-    p.add_argument("path")
-    p.add_argument("--plot", help="write a PNG with the length histogram and per-sequence fill")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("path", help="the pack folder")
+    p.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="write a PNG with the length histogram and per-sequence fill (default: no plot)",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON line instead of the table (default: table)")
     p = sub.add_parser(
         "verify",
         help="everything a trainer trusts: checksums, config hash, counts, token ids, labels, media grids "
         "(exit 2 when anything is off)",
     )
-    p.add_argument("path")
+    p.add_argument("path", help="the pack folder")
     p = sub.add_parser("unpack", help="the original samples back, one JSON line each")
-    p.add_argument("path")
-    p.add_argument("--sample", action="append", help="only this sample id (repeatable)")
-    p.add_argument("--json", action="store_true", help="JSON lines (the only output format)")
+    p.add_argument("path", help="the pack folder")
+    p.add_argument(
+        "--sample",
+        action="append",
+        help="only this sample id (repeatable; a rejected one prints its reject; default: every sample)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="JSON lines (the only output format; default: JSON lines)"
+    )
     p = sub.add_parser("export", help="write a pack in another trainer's dataset format")
     formats = p.add_subparsers(dest="format", required=True)
     p = formats.add_parser("energon", help="a Megatron-Energon dataset (WebDataset tar shards and .nv-meta/)")
@@ -119,7 +151,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from packtrain.packer import stages, tools
+    from packtrain.packer import tools
+    from packtrain.packer.stages.convert import convert
+    from packtrain.packer.stages.materialize import materialize
+    from packtrain.packer.stages.plan import plan
     from packtrain.packer.stages.workdir import PackRefused
 
     if args.cmd == "inspect":
@@ -138,9 +173,9 @@ def _run(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     out = Path(args.output)
     if args.cmd == "convert":
-        report(dict(stages.convert(cfg, out, _index(args), args.count)))
+        report(dict(convert(cfg, out, _index(args), args.count)))
     elif args.cmd == "plan":
-        summary = stages.plan(cfg, out)
+        summary = plan(cfg, out)
         problem = pack_outcome_error(
             summary["samples"],
             summary["packed"],
@@ -154,7 +189,7 @@ def _run(args: argparse.Namespace) -> int:
         report(dict(summary))
     elif args.cmd == "materialize":
         try:
-            report(dict(stages.materialize(cfg, out, _index(args), args.count)))
+            report(dict(materialize(cfg, out, _index(args), args.count)))
         except PackRefused as exc:  # the final counts (materialize's rejects) left too little packed
             print(f"packtrain pack materialize: {exc.report['error']}", file=sys.stderr)
             report({**exc.report, **(exc.summary or {})})  # the counts too: the operator shows them

@@ -30,8 +30,10 @@ from packtrain.packer.core.errors import ConfigError
 from packtrain.packer.core.pack.shards import MANIFEST
 from packtrain.packer.sources.mixture import weigher
 from packtrain.packer.sources.records import iter_records
-from packtrain.packer.stages import convert, finalize, materialize, plan
-from packtrain.packer.stages.convert import sample_tokenizer
+from packtrain.packer.stages.convert import convert, sample_tokenizer
+from packtrain.packer.stages.finalize import finalize
+from packtrain.packer.stages.materialize import materialize
+from packtrain.packer.stages.plan import plan
 from packtrain.packer.stages.workdir import check_output_config
 
 _WORKER: dict[str, Any] = {}

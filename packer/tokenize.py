@@ -77,6 +77,8 @@ REJECT_REASONS: dict[RejectReason, str] = {
     RejectReason.MEDIA_OUTSIDE_ROOT: "a media path resolves (symlinks followed) outside the folders the job "
     "names: source.mediaRoot, the dataset files' folders, source.mediaPathMap targets; whether it exists is "
     "not told",
+    RejectReason.HARD_LINKED_MEDIA: "a media file has more than one hard link (its other names may lie "
+    "outside the media folders) and source.allowHardLinks is off",
     RejectReason.MISSING_MEDIA: "a media file inside the media folders does not exist or cannot be read",
     RejectReason.CORRUPT_MEDIA: "a media file does not decode, or is not an allowed image format or video "
     "container (truncated, too few frames, text named as a video); a video whose sampled frames do not "

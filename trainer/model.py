@@ -26,6 +26,7 @@ from packtrain.packer.core.model_spec import ModelSpec, family_for_model_type, m
 from packtrain.trainer.attention import HF_IMPLEMENTATION, attention_kwargs, register_backend
 from packtrain.trainer.batch import ModelInputs
 from packtrain.trainer.config import LOSS_CHUNK_TOKENS
+from packtrain.trainer.linear_attention import SEGMENTS, has_linear_attention, isolate_linear_attention, resolve_linear
 from packtrain.trainer.loss import token_losses
 
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
@@ -114,6 +115,9 @@ def build_model(
         with torch.device(device):
             # What AutoModel's `from_config` calls once it has picked the class.
             model = model_class._from_config(config, attn_implementation=impl, dtype=dtype)
+    # Hybrid decoders (Qwen3.5): each linear-attention layer restarts its conv and recurrent state
+    # at every packed sample's first token; fla kernels on CUDA when installed, else per sample.
+    isolate_linear_attention(model, resolve_linear(device))
     # Parameters are already in `dtype`; `.to(dtype=...)` would also cast the rotary `inv_freq`
     # buffers that transformers deliberately keeps in fp32 (bf16 ones skew long-range positions).
     return model.to(device=device)  # type: ignore[call-arg]  # transformers' wrapped `to` stub drops self
@@ -166,6 +170,8 @@ class VLMForTraining(nn.Module):
         # reduction waits forever for a rank whose batch happened to be text-only.
         self.always_run_vision = always_run_vision
         self.loss_chunk_tokens = loss_chunk_tokens
+        # Linear-attention layers get the packed row's sample boundaries too (see linear_attention).
+        self.linear_attention = has_linear_attention(model)
 
     def _encode_media(self, inputs: ModelInputs) -> tuple[dict[str, Any], torch.Tensor | None]:
         """Images and videos through the vision tower in *one* call (each grid stays isolated:
@@ -218,6 +224,8 @@ class VLMForTraining(nn.Module):
             extra: dict[str, Any] = {"attention_mask": inputs.attention_mask}
         elif inputs.cu_seq_lens is not None and inputs.max_length is not None:
             extra = attention_kwargs(self.backend, inputs.cu_seq_lens, inputs.max_length, input_ids.shape[1])
+            if self.linear_attention:
+                extra[SEGMENTS] = inputs.cu_seq_lens
         else:
             raise ValueError(
                 "model inputs need an attention mask (padded) or cu_seq_lens and max_length (packed)"

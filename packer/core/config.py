@@ -45,6 +45,11 @@ class FieldMap(CamelModel):
     messages: str = Field("messages", description="role/content turn-list column.")
     role_key: str = Field("from", description="ShareGPT key holding a turn's role.")
     content_key: str = Field("value", description="ShareGPT key holding a turn's text.")
+    reasoning_key: str = Field(
+        "reasoning_content",
+        description="Key of an assistant turn (either layout) holding its reasoning, passed to the chat "
+        "template as `reasoning_content`; templates that read it (Qwen3.5) render it in a <think> block.",
+    )
     images: str = Field("images", description="Column listing a record's image files.")
     videos: str = Field("videos", description="Column listing a record's video files.")
     audios: str = Field(
@@ -151,6 +156,13 @@ class SourceConfig(CamelModel):
         description="Most decoded work of one video: source width x height x sampled frames, read from the "
         "container before decoding (default 2^28, e.g. 128 full-HD frames or 768 frames of 590x590); "
         "larger videos are rejected as video_too_large.",
+    )
+    allow_hard_links: bool = Field(
+        False,
+        description="Read dataset and media files that have more than one hard link. Off by default: a "
+        "path check cannot see where a hard link's other names are, so one may be a second name of a "
+        "file outside the folders the job names; such media are rejected as hard_linked_media and such "
+        "dataset files stop the job. Turn on for data deduplicated with hard links.",
     )
     mixture: list[MixtureEntry] = Field(
         default_factory=list,

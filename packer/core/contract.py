@@ -175,6 +175,7 @@ class RejectReason(StrEnum):
     RESERVED_TOKEN = "reserved_token"
     REMOTE_MEDIA = "remote_media"
     MEDIA_OUTSIDE_ROOT = "media_outside_root"
+    HARD_LINKED_MEDIA = "hard_linked_media"
     MISSING_MEDIA = "missing_media"
     CORRUPT_MEDIA = "corrupt_media"
     MEDIA_TYPE_MISMATCH = "media_type_mismatch"

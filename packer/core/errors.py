@@ -6,6 +6,7 @@ configuration error; a media error is one sample's reject, never a failed job.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Final
 
 from packtrain.packer.core.contract import RejectReason
@@ -35,3 +36,11 @@ class MediaError(Exception):
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
+
+
+def relative_note(path: str | Path) -> str:
+    """For an error about a path that was not found: where a relative one was looked up (relative paths
+    in a manifest resolve against the current directory, not the manifest's folder)."""
+    if Path(path).expanduser().is_absolute():
+        return ""
+    return f" (relative paths resolve against the current directory, {Path.cwd()}, not the manifest's folder)"

@@ -27,13 +27,29 @@ QWEN_TOOLS_INTRO = (
 )
 QWEN_TOOLS_OUTRO = (
     "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}'
     "\n</tool_call>"
 )
 QWEN_DEFAULT_SYSTEM = "You are a helpful assistant."
 
+QWEN35_TOOLS_INTRO = "# Tools\n\nYou have access to the following functions:\n\n<tools>"
+QWEN35_TOOLS_OUTRO = (
+    "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n"
+    "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n"
+    "</parameter>\n<parameter=example_parameter_2>\nThis is the value for the second parameter\n"
+    "that can span\nmultiple lines\n</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n"
+    "- Function calls MUST follow the specified format: an inner <function=...></function> block must "
+    "be nested within <tool_call></tool_call> XML tags\n- Required parameters MUST be specified\n"
+    "- You may provide optional reasoning for your function call in natural language BEFORE the function "
+    "call, but NOT after\n- If there is no function call available, answer the question like normal with "
+    "your current knowledge and do not tell the user about function calls\n</IMPORTANT>"
+)
+
 FrameSampling = Literal["stride", "linspace"]
 VideoResize = Literal["frame", "volume"]
+# json: Qwen2.5's `<tool_call>` + JSON object; xml: Qwen3.5's `<function=...>` + `<parameter=...>` blocks.
+ToolStyle = Literal["json", "xml"]
 
 
 @dataclass(frozen=True)
@@ -105,8 +121,10 @@ class Family:
     video_pad: str = "<|video_pad|>"
     pad_token: str = "<|endoftext|>"
     default_system: str = QWEN_DEFAULT_SYSTEM
-    # Turn/vision structure a record's text must not contain; grounding tokens like <|box_start|> stay allowed.
+    # Turn/vision structure a record's text must not contain; grounding tokens like <|box_start|> stay
+    # allowed.
     reserved_tokens: tuple[str, ...] = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|vision_pad|>")
+    tool_style: ToolStyle = "json"  # how tool signatures and calls are written (the template's `tools` form)
 
     @property
     def token_names(self) -> dict[str, str]:
@@ -122,17 +140,59 @@ class Family:
         }
 
     def tool_call_text(self, value: str) -> str:
-        """An assistant function-call turn, as the family's text template writes it."""
-        return f"<tool_call>\n{value}\n</tool_call>"
+        """An assistant function-call turn, as the family's template writes it.
+
+        json: the value verbatim. xml: `value` must be a JSON object `{"name", "arguments"}`
+        (arguments an object, or a string holding one); ValueError otherwise.
+        """
+        if self.tool_style == "json":
+            return f"<tool_call>\n{value}\n</tool_call>"
+        name, arguments = _tool_call(value)
+        params = "".join(
+            f"<parameter={k}>\n{_parameter_text(v)}\n</parameter>\n" for k, v in arguments.items()
+        )
+        return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
 
     def observation_text(self, value: str) -> str:
         """A tool result; it becomes a user turn (the VL templates have no tool role)."""
         return f"<tool_response>\n{value}\n</tool_response>"
 
     def system_with_tools(self, system: str | None, tools: list[Any]) -> str:
-        """The system prompt carrying tool signatures, as Qwen2.5's text template renders `tools`."""
+        """The system prompt carrying tool signatures, as the family's template renders `tools`
+        (json: Qwen2.5's text template, the default system prompt first; xml: Qwen3.5's, the
+        record's system prompt after the tools, none by default)."""
         lines = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
-        return (system or self.default_system) + QWEN_TOOLS_INTRO + lines + QWEN_TOOLS_OUTRO
+        if self.tool_style == "json":
+            return (system or self.default_system) + QWEN_TOOLS_INTRO + lines + QWEN_TOOLS_OUTRO
+        text = (system or "").strip()
+        return QWEN35_TOOLS_INTRO + lines + QWEN35_TOOLS_OUTRO + (f"\n\n{text}" if text else "")
+
+
+def _tool_call(value: str) -> tuple[str, dict[str, Any]]:
+    """Name and arguments of a function call written as a JSON object `{"name", "arguments"}`."""
+    try:
+        call = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"a function call must be a JSON object with name and arguments ({exc})") from exc
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+        raise ValueError("a function call must be a JSON object with a string name")
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"function call arguments are a string but not JSON ({exc})") from exc
+    if not isinstance(arguments, dict):
+        raise ValueError("function call arguments must be a JSON object")
+    return call["name"], arguments
+
+
+def _parameter_text(value: Any) -> str:
+    """One argument as the Qwen3.5 template writes it: objects and lists as JSON, the rest as Jinja's
+    `string` filter does (Python `str`)."""
+    if isinstance(value, dict | list):
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)
 
 
 _QWEN_TOKENIZER = "transformers.models.qwen2.tokenization_qwen2.Qwen2Tokenizer"
@@ -212,6 +272,33 @@ QWEN3_VL = Family(
     ),
 )
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (QWEN2_VL, QWEN2_5_VL, QWEN3_VL)}
+# Qwen3.5 (and the Qwen releases on its architecture): Qwen3-VL's processors and vision tower without
+# DeepStack, a hybrid decoder (Gated DeltaNet linear-attention + full-attention layers, both under
+# `model.language_model.layers`) and its own tokenizer class. Its template has no default system prompt.
+QWEN3_5 = replace(
+    QWEN3_VL,
+    name="qwen3.5",
+    model_type="qwen3_5",
+    tool_style="xml",
+    model_class="Qwen3_5ForConditionalGeneration",
+    tokenizer_class="transformers.models.qwen3_5.tokenization_qwen3_5.Qwen3_5Tokenizer",
+    deepstack=False,
+    modules=ModuleLayout(
+        vision=("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks"),
+        merger=("model.visual.merger",),
+        llm=_LLM,
+        embeddings=_EMBEDDINGS,
+        vision_chain=(
+            "model.visual.patch_embed",
+            "model.visual.pos_embed",
+            "model.visual.blocks",
+            "model.visual.merger",
+        ),
+        lora_llm=_LORA_LLM,
+        lora_vision=r"model\.visual\.(?:blocks|merger)\.",
+    ),
+)
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_5)}
 
 FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)

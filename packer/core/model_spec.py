@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from packtrain.packer.core.config import MAX_FRAMES_CEILING, ModelConfig
-from packtrain.packer.core.errors import ConfigError
+from packtrain.packer.core.errors import ConfigError, relative_note
 from packtrain.packer.core.families import FAMILIES, Family
 from packtrain.packer.core.vision import VisionSpec
 
@@ -85,6 +85,10 @@ class ModelSpec:
     vision: VisionSpec
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "added_tokens.json")
+"""Where the special tokens are read from (at least one must be in the model folder)."""
+
+
 def _added_tokens(folder: Path) -> dict[str, int]:
     """Special-token text -> id from the folder's tokenizer files (the same tables the tokenizer loads)."""
     found: dict[str, int] = {}
@@ -119,6 +123,11 @@ _CONFIG_ID_KEYS = {
 def token_ids(folder: Path, family: Family) -> TokenIds:
     """The family's special-token ids as the folder's tokenizer defines them, checked against config.json."""
     added = _added_tokens(folder)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(
+            f"{folder}: no tokenizer files (expected {', '.join(TOKENIZER_FILES)}); point model.path at "
+            "the model's own folder (the one with config.json and the tokenizer)"
+        )
     ids: dict[str, int] = {}
     for role, text in family.token_names.items():
         if text not in added:
@@ -145,7 +154,7 @@ def model_spec(
     """The registry entry bound to `folder` (family from config.json when not given); cheap, torch-free."""
     path = Path(folder)
     if not path.is_dir():
-        raise ConfigError(f"model.path: {path} is not a folder")
+        raise ConfigError(f"model.path: {path} is not a folder{relative_note(path)}")
     fam = (
         detect_family(path)
         if family is None

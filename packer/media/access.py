@@ -38,7 +38,7 @@ from typing import BinaryIO
 
 from packtrain.packer.core.config import SourceConfig
 from packtrain.packer.core.contract import RejectReason
-from packtrain.packer.core.errors import ConfigError, MediaError
+from packtrain.packer.core.errors import ConfigError, MediaError, relative_note
 from packtrain.packer.core.pack.shards import atomic_write
 from packtrain.packer.core.pixels import SNIFF_BYTES, looks_like_image, sniff_container
 from packtrain.packer.core.vision import (
@@ -93,6 +93,7 @@ class MediaLimits:
     video_bytes: int
     image_pixels: int
     video_pixels: int
+    hard_links: bool = False  # source.allowHardLinks
 
     @classmethod
     def of(cls, source: SourceConfig) -> MediaLimits:
@@ -101,6 +102,7 @@ class MediaLimits:
             source.max_video_bytes,
             source.max_image_source_pixels,
             source.max_video_source_pixels,
+            source.allow_hard_links,
         )
 
 
@@ -132,7 +134,8 @@ class MediaRoots:
         if root is not None and not root.is_absolute() and base_dir is not None:
             root = base_dir / root
         if root is not None and not root.is_dir():
-            raise ConfigError(f"source.mediaRoot: {source.media_root} is not a folder")
+            where = relative_note(root) if base_dir is None else ""
+            raise ConfigError(f"source.mediaRoot: {source.media_root} is not a folder{where}")
         self.media_root = root
         self.path_map = source.media_path_map
         fixed = [root] if root is not None else []
@@ -140,6 +143,8 @@ class MediaRoots:
         self._fixed_files: list[Path] = []
         with contextlib.suppress(ConfigError):
             self._fixed_files = expand_paths(source.paths, base_dir)
+        if not source.allow_hard_links:
+            _refuse_hard_linked(self._fixed_files)
         fixed += [p.parent for p in self._fixed_files]
         self._fixed = [_real(p) for p in fixed]
         _refuse_filesystem_root(self._fixed)
@@ -202,6 +207,15 @@ def _refuse_filesystem_root(roots: list[str]) -> None:
             "source.mediaRoot, a dataset file's folder or a source.mediaPathMap target resolves to `/`, "
             "which would let a dataset read any file of the pod; name the folder that holds the media"
         )
+
+
+def _refuse_hard_linked(files: list[Path]) -> None:
+    """A dataset file with other hard links may be a second name of a file outside the job's folders."""
+    for path in files:
+        with contextlib.suppress(OSError):
+            links = path.stat().st_nlink
+            if links > 1:
+                raise ConfigError(f"source.paths: dataset file {path} {HARD_LINK_DETAIL % links}")
 
 
 def _real(path: Path) -> str:
@@ -316,7 +330,7 @@ def measure(
     """Hash and measure one media file (called once per path per worker); `path` is already resolved
     inside `roots`, which are checked again on the opened file."""
     cap = limits.image_bytes if kind == "image" else limits.video_bytes
-    f = open_regular(path, kind, cap, roots)
+    f = open_regular(path, kind, cap, roots, hard_links=limits.hard_links)
     try:
         with f:
             if kind == "image":
@@ -332,8 +346,13 @@ def measure(
         ) from exc
 
 
-def open_regular(path: Path, kind: str, cap: int, roots: frozenset[str] | None = None) -> BinaryIO:
+def open_regular(
+    path: Path, kind: str, cap: int, roots: frozenset[str] | None = None, *, hard_links: bool = False
+) -> BinaryIO:
     """The open file, if it is a regular file of at most `cap` bytes (inside `roots`); else MediaError.
+
+    A file with more than one hard link is refused unless `hard_links` (`source.allowHardLinks`):
+    its other names may lie outside the roots, and no path check can tell.
 
     `O_NONBLOCK` keeps opening a FIFO from waiting for a writer; type and place are checked on
     the open descriptor (`fstat`, and its /proc link where there is one), so a folder swapped
@@ -345,8 +364,7 @@ def open_regular(path: Path, kind: str, cap: int, roots: frozenset[str] | None =
         raise MediaError(RejectReason.MISSING_MEDIA, f"{path}: no such file") from exc
     except OSError as exc:
         raise MediaError(RejectReason.MISSING_MEDIA, f"{path}: cannot open ({exc.strerror or exc})") from exc
-    f = os.fdopen(fd, "rb")
-    try:
+    try:  # checked on the bare descriptor: `os.fdopen` itself refuses a folder, which would leak `fd`
         st = os.fstat(fd)
         opened = _opened_path(fd)
         if roots is not None and opened is not None and not within(opened, roots):
@@ -356,14 +374,22 @@ def open_regular(path: Path, kind: str, cap: int, roots: frozenset[str] | None =
                 RejectReason.UNSUPPORTED_MEDIA,
                 f"{path}: not a regular file (a folder, FIFO, socket or device)",
             )
+        if st.st_nlink > 1 and not hard_links:
+            raise MediaError(RejectReason.HARD_LINKED_MEDIA, f"{path}: {HARD_LINK_DETAIL % st.st_nlink}")
         if st.st_size > cap:
             raise MediaError(
                 RejectReason.MEDIA_TOO_LARGE, f"{path}: {_too_large(kind, st.st_size, cap).detail}"
             )
+        return os.fdopen(fd, "rb")
     except BaseException:
-        f.close()
+        os.close(fd)
         raise
-    return f
+
+
+HARD_LINK_DETAIL = (
+    "has %d hard links; another name of it may lie outside the folders this job reads, which no path "
+    "check can see. Copy the file, or set source.allowHardLinks if the data is deduplicated with hard links"
+)
 
 
 def _opened_path(fd: int) -> str | None:

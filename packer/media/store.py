@@ -134,7 +134,7 @@ def _checked_open(
     """
     cap = limits.image_bytes if kind == "image" else limits.video_bytes
     try:
-        f = open_regular(path, kind, cap, roots)
+        f = open_regular(path, kind, cap, roots, hard_links=limits.hard_links)
         try:
             data = read_capped(f, cap, kind) if keep else b""
             digest = hashlib.sha256(data).hexdigest() if keep else hash_capped(f, cap, kind)

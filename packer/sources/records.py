@@ -11,7 +11,7 @@ name: `.parquet` is Parquet, anything else JSON or JSONL (told from the content)
 from __future__ import annotations
 
 import dataclasses
-import glob
+import fnmatch
 import itertools
 import json
 import os
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol, cast
 
 from packtrain.packer.core.contract import RejectReason
-from packtrain.packer.core.errors import ConfigError
+from packtrain.packer.core.errors import ConfigError, relative_note
 from packtrain.packer.sources.raw import MAX_NESTING_DEPTH, Copies, RawRecord, Times, Want, skipped
 
 _GLOB_CHARS = frozenset("*?[")
@@ -61,18 +61,97 @@ def _expand(paths: Sequence[str], base_dir: Path | None) -> list[tuple[Path, str
         if base_dir is not None and not full.is_absolute():
             full = base_dir / full
         if _GLOB_CHARS & set(pattern):
-            matches = [Path(m) for m in sorted(glob.glob(str(full), recursive=True)) if Path(m).is_file()]
+            matches = sorted(confined_glob(full, pattern))
         else:
             matches = [full] if full.is_file() else []
         if not matches:
             what = "glob matches no file" if _GLOB_CHARS & set(pattern) else "no such file"
-            raise ConfigError(f"source.paths: {pattern!r}: {what} (looked in {full.parent})")
+            where = relative_note(pattern) if base_dir is None else ""
+            raise ConfigError(f"source.paths: {pattern!r}: {what} (looked in {full.parent}){where}")
         for m in matches:
             resolved = m.resolve()
             if resolved not in seen:
                 seen.add(resolved)
                 found.append((m, pattern))
     return found
+
+
+def confined_glob(full: Path, pattern: str) -> Iterator[Path]:
+    """The files a glob matches (`glob.glob(recursive=True)` rules: `**` spans folders, `*` and `**`
+    skip hidden names), confined to the folder it names: its part before the first glob character.
+
+    Symlinks are followed only where their target stays inside that folder; one leading out (a
+    file, or a folder `**` would walk into) is a ConfigError naming it, so a dataset cannot make
+    the job read, or take media from, another folder. Each real folder is walked once, so
+    symlink loops end.
+    """
+    parts = full.parts
+    first = next(i for i, part in enumerate(parts) if _GLOB_CHARS & set(part))
+    named = Path(*parts[:first])
+    if not named.is_dir():
+        return
+    walk = _ConfinedWalk(pattern, named, os.path.realpath(named))
+    yield from walk.match(named, parts[first:])
+
+
+class _ConfinedWalk:
+    def __init__(self, pattern: str, named: Path, real: str) -> None:
+        self.pattern, self.named, self.real = pattern, named, real
+        self.walked: set[str] = set()  # real folders `**` went through
+
+    def inside(self, path: Path, is_dir: bool) -> bool:
+        """Whether `path` (a symlink, or below one) stays inside the named folder; else ConfigError."""
+        real = os.path.realpath(path)
+        if real == self.real or real.startswith(self.real.rstrip(os.sep) + os.sep):
+            return True
+        what = "folder" if is_dir else "file"
+        raise ConfigError(
+            f"source.paths: {self.pattern!r}: the {what} {path} is a symlink leading outside {self.named}, "
+            "the folder this entry names; copy the data there or name the folder it leads to"
+        )
+
+    def match(self, folder: Path, rest: tuple[str, ...]) -> Iterator[Path]:
+        part, last = rest[0], len(rest) == 1
+        if part == "**":
+            yield from self._recursive(folder, rest[1:])
+            return
+        if _GLOB_CHARS & set(part):
+            names = [n for n in _names(folder) if fnmatch.fnmatchcase(n, part) and _shown(n, part)]
+        else:
+            names = [part]
+        for name in sorted(names):
+            path = folder / name
+            if last:
+                if path.is_file() and (not path.is_symlink() or self.inside(path, False)):
+                    yield path
+            elif path.is_dir() and (not path.is_symlink() or self.inside(path, True)):
+                yield from self.match(path, rest[1:])
+
+    def _recursive(self, folder: Path, rest: tuple[str, ...]) -> Iterator[Path]:
+        """`**`: `folder` and every folder below it (hidden ones skipped), each real folder once."""
+        real = os.path.realpath(folder)
+        if real in self.walked:
+            return
+        self.walked.add(real)
+        if not rest:  # a trailing `**` matches folders, never files
+            return
+        yield from self.match(folder, rest)
+        for name in sorted(_names(folder)):
+            path = folder / name
+            if _shown(name, "*") and path.is_dir() and (not path.is_symlink() or self.inside(path, True)):
+                yield from self._recursive(path, rest)
+
+
+def _names(folder: Path) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
+
+
+def _shown(name: str, part: str) -> bool:
+    """Glob rules: a name starting with `.` is matched only by a pattern starting with `.`."""
+    return not name.startswith(".") or part.startswith(".")
 
 
 def source_names(files: Sequence[Path]) -> list[str]:

@@ -31,8 +31,8 @@ os.environ.setdefault("RAYON_NUM_THREADS", "1")
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from packtrain.packer import stages
 from packtrain.packer.core.config import PackConfig
+from packtrain.packer.stages.convert import convert
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling
 from support.synth import generate_dataset
@@ -110,7 +110,7 @@ def _convert_seconds(data: Path, work: Path) -> tuple[float, dict[str, Any]]:
     SampleTokenizer(cfg.source, cfg.model, cfg.packing)
     load = time.process_time() - load0
     start = time.process_time()
-    summary = stages.convert(cfg, work, 0, 1)
+    summary = convert(cfg, work, 0, 1)
     return time.process_time() - start - load, dict(summary)
 
 

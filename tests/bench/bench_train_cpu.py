@@ -28,8 +28,10 @@ from pathlib import Path
 
 import torch
 
-from packtrain.packer import stages
 from packtrain.packer.core.config import PackConfig
+from packtrain.packer.stages.convert import convert
+from packtrain.packer.stages.materialize import materialize
+from packtrain.packer.stages.plan import plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling
 from support.synth import generate_dataset
@@ -65,9 +67,9 @@ def make_pack(work: Path, samples: int, max_length: int) -> Path:
         }
     )
     out = work / "pack"
-    stages.convert(cfg, out, 0, 1)
-    stages.plan(cfg, out)
-    stages.materialize(cfg, out, 0, 1)
+    convert(cfg, out, 0, 1)
+    plan(cfg, out)
+    materialize(cfg, out, 0, 1)
     return out
 
 

@@ -164,8 +164,10 @@ def test_odd_video_pads_its_last_group(shared_dir: Path, tmp_path: Path) -> None
 def test_qwen3_example_packs_and_verifies(shared_dir: Path, tmp_path: Path) -> None:
     """examples/qwen3-vl.yaml's model settings pack the demo images and videos into a pack that
     `pack verify` finds sound (one pad run per temporal group), in both media storage modes."""
-    from packtrain.packer import stages
     from packtrain.packer.core.config import PackConfig, load_pack_config
+    from packtrain.packer.stages.convert import convert
+    from packtrain.packer.stages.materialize import materialize
+    from packtrain.packer.stages.plan import plan
     from packtrain.packer.tools import verify
 
     example = load_pack_config(Path(__file__).resolve().parents[2] / "examples" / "qwen3-vl.yaml")
@@ -179,9 +181,9 @@ def test_qwen3_example_packs_and_verifies(shared_dir: Path, tmp_path: Path) -> N
             }
         )
         out = tmp_path / storage
-        summary = stages.convert(cfg, out, 0, 1)
-        stages.plan(cfg, out)
-        stages.materialize(cfg, out, 0, 1)
+        summary = convert(cfg, out, 0, 1)
+        plan(cfg, out)
+        materialize(cfg, out, 0, 1)
         assert verify(out) == [], summary
         manifest = json.loads((out / "manifest.json").read_text())
         assert (manifest["counts"]["packed"], manifest["counts"]["rejected"]) == (9, 0), manifest["counts"]

@@ -17,13 +17,13 @@ from pathlib import Path
 import media_factory as mf
 import pytest
 
-from packtrain.packer import stages
 from packtrain.packer.core.config import ModelConfig, PackConfig, PackingConfig, SourceConfig
 from packtrain.packer.core.contract import RejectReason
 from packtrain.packer.core.errors import MediaError
 from packtrain.packer.media.access import open_regular
 from packtrain.packer.sources.raw import RawRecord
 from packtrain.packer.sources.records import iter_records
+from packtrain.packer.stages.convert import convert
 from packtrain.packer.tokenize import REJECT_REASONS, Reject, SampleTokenizer, TokenizedSample
 
 REPO = Path(__file__).resolve().parents[2]
@@ -220,7 +220,7 @@ def test_recursion_in_a_record_is_one_reject_and_the_worker_goes_on(tmp_path: Pa
 
 @pytest.mark.timeout(120)
 def test_convert_stage_survives_a_hostile_file(tree: dict[str, Path], tmp_path: Path) -> None:
-    """Through `stages.convert`: counts add up, every hostile record is a reject with its reason."""
+    """Through the convert stage: counts add up, every hostile record is a reject with its reason."""
     os.mkfifo(tree["data"] / "pipe.jpg")
     mf.video_bomb(tree["data"] / "bomb.mp4")
     (tree["data"] / "notes.avi").write_text("secret text\n" * 20)
@@ -242,7 +242,7 @@ def test_convert_stage_survives_a_hostile_file(tree: dict[str, Path], tmp_path: 
         {"source": {"paths": [str(ds)]}, "model": {"path": str(QWEN2)}, "packing": {"maxLength": 1024}}
     )
     out = tmp_path / "out"
-    summary = stages.convert(cfg, out, 0, 1)
+    summary = convert(cfg, out, 0, 1)
     assert (summary["samples"], summary["converted"], summary["rejected"]) == (10, 2, 8)
     rejects = [
         json.loads(x)

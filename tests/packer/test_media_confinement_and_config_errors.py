@@ -16,12 +16,14 @@ from pack_tamper import copy_pack, edit_manifest
 from PIL import Image
 from support.pack_runner import run_in_process
 
-from packtrain.packer import stages
 from packtrain.packer.cli import main as pack_main
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.errors import ConfigError
 from packtrain.packer.core.pack.schema import MEDIA_SCHEMA
 from packtrain.packer.core.pack.shards import MANIFEST, read_table, write_table
+from packtrain.packer.stages.convert import convert
+from packtrain.packer.stages.materialize import materialize
+from packtrain.packer.stages.plan import plan
 from packtrain.packer.stages.workdir import REJECT_DETAIL_CHARS, PackRefused
 from packtrain.trainer.cli import main as train_main
 
@@ -85,7 +87,7 @@ def test_filesystem_root_is_never_a_media_root(source: dict, tmp_path: Path) -> 
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps(_chat("imgs/etc/passwd")) + "\n")
     with pytest.raises(ConfigError, match="resolves to `/`"):
-        stages.convert(_cfg(data, **source), tmp_path / "out", 0, 1)
+        convert(_cfg(data, **source), tmp_path / "out", 0, 1)
 
 
 def test_materialize_reopens_media_only_inside_the_roots(tmp_path: Path) -> None:
@@ -101,12 +103,12 @@ def test_materialize_reopens_media_only_inside_the_roots(tmp_path: Path) -> None
     data = inside / "d.jsonl"
     data.write_text(json.dumps(_chat("a.png")) + "\n")
     cfg, out = _cfg(data), tmp_path / "out"
-    stages.convert(cfg, out, 0, 1)
-    stages.plan(cfg, out)
+    convert(cfg, out, 0, 1)
+    plan(cfg, out)
     image.unlink()
     os.symlink(twin, image)
     with pytest.raises(ConfigError, match="readable at convert time but not now"):
-        stages.materialize(cfg, out, 0, 1)
+        materialize(cfg, out, 0, 1)
 
 
 def test_reject_details_are_bounded(tmp_path: Path) -> None:

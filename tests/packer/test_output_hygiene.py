@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from support.pack_runner import run_in_process
 
-from packtrain.packer import stages
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.pack.shards import MANIFEST, remove_stale_temps
+from packtrain.packer.stages.convert import convert
 from packtrain.packer.stages.finalize import DUPLICATE_IDS
 from packtrain.packer.tools import verify
 
@@ -73,7 +73,7 @@ def test_a_sigkilled_convert_leaves_a_temp_file_the_next_run_removes(tmp_path: P
     left = list(convert_dir.glob(".*.tmp-*"))
     assert left, "the convert was not caught mid-run"
     assert all(f"-{proc.pid}@{socket.gethostname()}" in p.name for p in left)
-    summary = stages.convert(_cfg([data]), out, 0, 1)
+    summary = convert(_cfg([data]), out, 0, 1)
     assert summary["samples"] == 20_000
     assert not [p for p in out.rglob(".*") if ".tmp-" in p.name or ".new-" in p.name]
 

@@ -3,17 +3,18 @@ configs, bad config files, bounded termination messages."""
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
 import pytest
 from support.pack_runner import run_in_process
 
-from packtrain.packer import stages
 from packtrain.packer.cli import main as pack_main
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.pack.shards import MANIFEST
+from packtrain.packer.stages.convert import convert
+from packtrain.packer.stages.materialize import materialize
+from packtrain.packer.stages.plan import plan
 from packtrain.packer.stages.workdir import check_output_config
 from packtrain.packer.tools import unpack, verify
 
@@ -157,15 +158,14 @@ def test_convert_streams_rows_in_batches_with_identical_results(
     src = _write_jsonl(tmp_path / "d.jsonl", [_chat(i) for i in range(40)])
     single = tmp_path / "single"
     _run(_cfg([src]), single, workers=1)
-    # The module, not the package attribute `stages.convert` (the stage function of that name).
-    monkeypatch.setattr(importlib.import_module("packtrain.packer.stages.convert"), "PART_BATCH_TOKENS", 50)
+    monkeypatch.setattr("packtrain.packer.stages.convert.PART_BATCH_TOKENS", 50)
     batched = tmp_path / "batched"
-    summary = stages.convert(_cfg([src]), batched, 0, 1)
+    summary = convert(_cfg([src]), batched, 0, 1)
     part = read_table(batched / "work" / "convert" / "part-00000-of-00001.arrow")
     assert part.column("input_ids").num_chunks > 5
     assert summary["converted"] == 40 and summary["tokens"] == pc_sum(part.column("length"))
-    stages.plan(_cfg([src]), batched)
-    stages.materialize(_cfg([src]), batched, 0, 1)
+    plan(_cfg([src]), batched)
+    materialize(_cfg([src]), batched, 0, 1)
     for rel in ("manifest.json", "shards/00000.arrow", "shards/00001.arrow"):
         assert sha256_file(single / rel) == sha256_file(batched / rel)
     assert verify(batched) == []
@@ -214,7 +214,7 @@ def test_convert_workers_parse_only_their_own_share(tmp_path: Path, monkeypatch:
     out = tmp_path / "out"
     cfg = _cfg([src, arr])
     for i in range(3):
-        stages.convert(cfg, out, i, 3)
+        convert(cfg, out, i, 3)
     # Watched: JSONL line 0 and the bad line, and the JSON array's item 0: each parsed once,
     # by its own worker (arrays are streamed item by item, not decoded whole per worker).
     assert sorted(parsed, key=len)[:2] == ["not json", lines[0]]
@@ -225,9 +225,9 @@ def test_convert_workers_parse_only_their_own_share(tmp_path: Path, monkeypatch:
     assert [(r.source, r.index) for r in raws] == [(r.source, r.index) for r in some]
     assert all((r.reason == SKIPPED) == (p % 3 != 1) for p, r in enumerate(some))
     assert [r for p, r in enumerate(some) if p % 3 == 1] == [r for p, r in enumerate(raws) if p % 3 == 1]
-    stages.plan(cfg, out)
+    plan(cfg, out)
     for i in range(3):
-        stages.materialize(cfg, out, i, 3)
+        materialize(cfg, out, i, 3)
     m = json.loads((out / MANIFEST).read_text())
     assert m["counts"]["input"] == 17 and m["counts"]["rejected_by_reason"] == {"bad_json": 1}
     assert verify(out) == []

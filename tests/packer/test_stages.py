@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 from support.pack_runner import run_in_process
 
-from packtrain.packer import stages
 from packtrain.packer.cli import main as pack_main
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.errors import ShardFormatError
 from packtrain.packer.core.pack.shards import MANIFEST, ShardReader
 from packtrain.packer.sources.records import iter_records
+from packtrain.packer.stages.convert import convert
+from packtrain.packer.stages.materialize import materialize
 from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
 from packtrain.packer.tools import unpack, verify
 
@@ -126,17 +127,17 @@ def test_rerun_is_noop_and_crash_leftovers_are_ignored(tmp_path: Path) -> None:
     (shard.parent / f".{shard.name}.tmp-crash").write_bytes(b"half")
     with pytest.raises(ShardFormatError, match="sha256"):
         ShardReader(out)
-    stages.materialize(cfg, out, 0, 1)
+    materialize(cfg, out, 0, 1)
     assert ShardReader(out).num_sequences == first["sequences"]
 
 
 def test_output_folder_refuses_a_different_config(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
     out = tmp_path / "out"
-    stages.convert(cfg, out, 0, 1)
+    convert(cfg, out, 0, 1)
     other = _config(tmp_path, maxLength=4096)
     with pytest.raises(ValueError, match="different configuration"):
-        stages.convert(other, out, 0, 1)
+        convert(other, out, 0, 1)
 
 
 def test_cli_run_with_flags_and_resized_media(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -66,7 +66,7 @@ from packtrain.packer.core.config import PackConfig
 
 work = Path(sys.argv[1])
 cfg = PackConfig.model_validate(json.loads((work / "cfg.json").read_text()))
-convert_module = importlib.import_module("packtrain.packer.stages.convert")  # not the function
+import packtrain.packer.stages.convert as convert_module
 real = convert_module.sample_tokenizer
 
 def counted(c, out):  # a file per call, in whichever process calls it

@@ -8,7 +8,9 @@ from typing import Any
 
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.pack.shards import MANIFEST
-from packtrain.packer.stages import convert, materialize, plan
+from packtrain.packer.stages.convert import convert
+from packtrain.packer.stages.materialize import materialize
+from packtrain.packer.stages.plan import plan
 
 
 def run_in_process(cfg: PackConfig, out: Path, workers: int = 1) -> dict[str, Any]:

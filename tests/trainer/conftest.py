@@ -11,8 +11,10 @@ import torch
 import yaml
 from vlm_fixtures import DEMO, FOLDER, SHARED, TINY
 
-from packtrain.packer import stages
 from packtrain.packer.core.config import PackConfig
+from packtrain.packer.stages.convert import convert
+from packtrain.packer.stages.materialize import materialize
+from packtrain.packer.stages.plan import plan
 
 torch.set_num_threads(2)
 
@@ -40,9 +42,9 @@ def make_pack(
             "packing": {"maxLength": max_length, "sequencesPerShard": 16, "mediaStorage": media_storage},
         }
     )
-    stages.convert(cfg, out, 0, 1)
-    stages.plan(cfg, out)
-    stages.materialize(cfg, out, 0, 1)
+    convert(cfg, out, 0, 1)
+    plan(cfg, out)
+    materialize(cfg, out, 0, 1)
     return out
 
 

@@ -13,8 +13,10 @@ from conftest import job_spec, write_job
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from packtrain.packer import stages
 from packtrain.packer.core.config import PackConfig
+from packtrain.packer.stages.convert import convert
+from packtrain.packer.stages.materialize import materialize
+from packtrain.packer.stages.plan import plan
 from packtrain.trainer.config import DEFAULT_MAX_STEPS, SFTSpecCore, TrainingSpec, load_train_config
 from packtrain.trainer.data import EvalDataset, PackedDataset, collate_packed, eval_dataset
 from packtrain.trainer.evaluate import due, evaluate
@@ -42,9 +44,9 @@ def tiny_pack(tmp_path_factory: pytest.TempPathFactory, shared_dir: Path) -> Pat
             "packing": {"maxLength": 128, "sequencesPerShard": 16},
         }
     )
-    stages.convert(cfg, out / "pack", 0, 1)
-    stages.plan(cfg, out / "pack")
-    stages.materialize(cfg, out / "pack", 0, 1)
+    convert(cfg, out / "pack", 0, 1)
+    plan(cfg, out / "pack")
+    materialize(cfg, out / "pack", 0, 1)
     return out / "pack"
 
 
