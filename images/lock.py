@@ -1,6 +1,7 @@
 """Generate the hash-locked requirement files the image builds install (`pip --require-hashes`).
 
-One lock per image, from pyproject.toml: the core dependencies (less IMAGE_OMITS) plus that image's extras, resolved
+One lock per image, from pyproject.toml: the core dependencies (less IMAGE_OMITS) plus that \
+image's extras, resolved
 for every platform at once (`uv pip compile --universal`), so an amd64 and an arm64 build install
 the same versions. `requirements-build.txt` locks what builds the packtrain wheel (the
 build-system requirements). Each file starts with the sha256 of the pyproject fields it was made

@@ -1,6 +1,6 @@
 """`packtrain`: one command for every part of the product.
 
-    packtrain pack …       the packer (convert, plan, materialize, run, inspect, …)
+    packtrain pack …       the packer (convert, plan, materialize, run, inspect, verify, unpack, export)
     packtrain train …      the trainer (run under torchrun for several processes)
     packtrain run …        a PackJob/SFTJob YAML on this machine, same commands as the operator
     packtrain render …     the objects the operator would create for a PackJob/SFTJob YAML
@@ -14,15 +14,19 @@ or torch, and `packtrain operator` never loads torch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
 from collections.abc import Sequence
+
+from packtrain.packer.core.errors import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK
 
 # subcommand -> (module with main(argv) -> int, one-line help)
 DELEGATES: dict[str, tuple[str, str]] = {
     "pack": (
         "packtrain.packer.cli",
-        "pack a dataset (convert, plan, materialize, run, inspect, verify, unpack)",
+        "pack a dataset (convert, plan, materialize, run, inspect, verify, unpack, export)",
     ),
     "train": ("packtrain.trainer.cli", "train on a pack (packtrain train -c SFTJOB.yaml)"),
     "run": ("packtrain.operator.local_run", "run a PackJob/SFTJob YAML locally with the operator's commands"),
@@ -50,7 +54,12 @@ def _operator_parser(sub: argparse._SubParsersAction) -> None:
         metavar="URL",
         help="kopf liveness probe endpoint (default: %(default)s; empty: off)",
     )
-    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0: off)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9090,
+        help="Prometheus /metrics port (0: off; default: %(default)s)",
+    )
     p.add_argument(
         "--peering",
         metavar="NAME",
@@ -63,14 +72,16 @@ def _operator_parser(sub: argparse._SubParsersAction) -> None:
         help="log lines as text (plain: no timestamps) or JSON objects; each names its resource (default: "
         "%(default)s)",
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging (default: info)")
 
 
 def _crds_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("crds", help="write the CRDs generated from the API models")
     p.add_argument("--out", default="crds", help="folder to write to (default: %(default)s)")
     p.add_argument(
-        "--check", action="store_true", help="write nothing; exit 1 when the folder is out of date"
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 when the folder is out of date (default: write the files)",
     )
 
 
@@ -84,6 +95,23 @@ def parser() -> argparse.ArgumentParser:
     _operator_parser(sub)
     _crds_parser(sub)
     return ap
+
+
+# Modules an optional extra installs: a missing one is an install step, not a crash.
+EXTRAS: dict[str, str] = {
+    **dict.fromkeys(("kopf", "kubernetes", "aiohttp", "jsonschema", "prometheus_client"), "operator"),
+    **dict.fromkeys(("torch", "torchvision", "peft", "pynvml"), "trainer"),
+    "matplotlib": "plot",
+}
+
+
+def missing_extra(exc: ModuleNotFoundError) -> str | None:
+    """The one line to print for a module an optional extra provides, else None (a real bug)."""
+    top = (exc.name or "").split(".")[0]
+    extra = EXTRAS.get(top)
+    if extra is None:
+        return None
+    return f"this command needs {top}, which the core install leaves out: pip install 'packtrain[{extra}]'"
 
 
 def run_operator(args: argparse.Namespace) -> int:
@@ -120,6 +148,24 @@ def run_crds(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(argv)
+    except ModuleNotFoundError as exc:
+        message = missing_extra(exc)
+        if message is None:
+            raise
+        print(f"packtrain {argv[0] if argv else ''}: {message}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:  # a subcommand without its own handler (theirs say how to resume)
+        print(f"packtrain {argv[0] if argv else ''}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `packtrain pack unpack P | head`: the reader is gone, nothing to say
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (the interpreter flushes it at exit)
+        return EXIT_OK
+
+
+def _dispatch(argv: list[str]) -> int:
     if argv and argv[0] in DELEGATES:
         module, _ = DELEGATES[argv[0]]
         return int(importlib.import_module(module).main(argv[1:]) or 0)

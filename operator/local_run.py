@@ -8,9 +8,13 @@ argv that `commands` builds for pods: what works here works on a cluster.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +25,7 @@ from typing import Any, TextIO
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
 from packtrain.operator.builders import (
@@ -32,7 +37,8 @@ from packtrain.operator.builders import (
 )
 from packtrain.operator.commands import pack_stage_command, train_command
 from packtrain.operator.manifests import Named, load_manifests
-from packtrain.packer.core.errors import EXIT_CONFIG
+from packtrain.packer.core.errors import EXIT_CONFIG, EXIT_INTERRUPTED
+from packtrain.packer.core.report import rejects_warning
 from packtrain.trainer.progress import ProgressBar, follow
 
 console = Console(stderr=True)
@@ -89,12 +95,17 @@ def _run_stage(
                 )
             )
     pending = set(range(len(procs)))
-    while pending:
-        for i in list(pending):
-            if procs[i][0].poll() is not None:
-                pending.discard(i)
-                progress.advance(task)
-        time.sleep(0.2)
+    try:
+        while pending:
+            for i in list(pending):
+                if procs[i][0].poll() is not None:
+                    pending.discard(i)
+                    progress.advance(task)
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        for proc, _, _ in procs:
+            stop(proc)
+        raise
     results = []
     for proc, log, term in procs:
         if proc.returncode != 0:
@@ -144,7 +155,7 @@ def run_pack(
 def run_train(
     job: Named, data_dir: Path, out: Path, nproc: int, max_steps: int | None, env: dict[str, str]
 ) -> dict[str, Any]:
-    spec: SFTJobSpec = job.spec
+    spec: SFTJobSpec = free_metrics_port(job.spec, nproc)
     data = DataSource(claim_name="local", mount_path=str(data_dir.parent), path=str(data_dir))
     config = _write_config(
         out / "config" / f"{job.name}-{TRAIN_CONFIG_FILE}",
@@ -156,22 +167,108 @@ def run_train(
         str(config), str(data_dir), str(train_dir), nproc_per_node=nproc, nnodes=1, max_steps=max_steps
     )
     log = out / "logs" / f"{job.name}-train.log"
+    term = out / "logs" / f"{job.name}-train.termination.json"
+    term.unlink(missing_ok=True)
     console.print(f"[bold]train[/] {job.name}: {' '.join(argv)}")
     with open(log, "w") as f:
+        # Its own session: Ctrl-C reaches only this process, which stops torchrun and its workers.
         proc = subprocess.Popen(
-            _resolve(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            _resolve(argv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env | {"PACKTRAIN_TERMINATION_LOG": str(term)},
+            start_new_session=True,
         )
         assert proc.stdout is not None
-        # The pod's JSON lines go to the log as they are and are drawn as the trainer's own progress bar.
-        summary = follow(
-            _tee(proc.stdout, f),
-            ProgressBar(console),
-            lambda text: console.print(text, markup=False, highlight=False),
-        )
-        proc.wait()
+        try:
+            # The pod's JSON lines go to the log as they are and are drawn as the trainer's progress bar.
+            summary = follow(_tee(proc.stdout, f), ProgressBar(console), _Echo())
+            proc.wait()
+        except BaseException:
+            stop(proc, group=True)
+            raise
     if proc.returncode != 0:
-        raise PipelineError(f"training {job.name} failed (exit {proc.returncode}): {log}")
-    return summary | {"output": str(train_dir)}
+        raise _train_failure(job.name, proc.returncode, log, term)
+    return summary | {"output": str(train_dir), "log": str(log)}
+
+
+class _Echo:
+    """The trainer's other output lines on the console, less what is said better elsewhere: its summary
+    line and its own error lines (the table and the error below) and, once it fails, torchrun's log
+    lines and tracebacks (all of it stays in the log)."""
+
+    TORCHRUN = re.compile(r"^[EWI]\d{4} \d\d:\d\d:\d\d|^Traceback \(most recent call last\)")
+
+    def __init__(self) -> None:
+        self.quiet = False
+
+    def __call__(self, text: str) -> None:
+        self.quiet = self.quiet or bool(self.TORCHRUN.match(text))
+        if self.quiet or text.startswith("packtrain train: ") or text.startswith('{"steps": '):
+            return
+        console.print(text, markup=False, highlight=False)
+
+
+def _train_failure(name: str, code: int, log: Path, term: Path) -> PipelineError:
+    """The trainer's own error line (from its termination message), not torchrun's tracebacks."""
+    report: dict[str, Any] = {}
+    if term.is_file():
+        with contextlib.suppress(ValueError):
+            report = json.loads(term.read_text())
+    error = report.get("error") if isinstance(report, dict) else None
+    if not error:
+        return PipelineError(f"training {name} failed (exit {code}): see {log}")
+    exit_code = EXIT_CONFIG if report.get("exit_code") == EXIT_CONFIG else 1
+    return PipelineError(f"training {name} failed: {error}\n(full log: {log})", exit_code)
+
+
+def stop(proc: subprocess.Popen, group: bool = False, grace: float = 5.0) -> None:
+    """Stop a child (with `group`, its whole process group: torchrun and its workers): SIGTERM, then
+    SIGKILL after `grace` seconds, so no process outlives `packtrain run`."""
+
+    def send(sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if group:
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
+
+    if proc.poll() is None:
+        send(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace)
+    if group or proc.poll() is None:
+        send(signal.SIGKILL)  # the group: workers torchrun left behind, even once torchrun has exited
+        proc.wait()
+
+
+def port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_metrics_port(spec: SFTJobSpec, nproc: int) -> SFTJobSpec:
+    """spec.metricsPort, or when it (or a port of another local rank) is taken, e.g. by another local
+    run, a free one the OS picks (said on the console): two local runs never collide."""
+    wanted = spec.metrics_port
+    if all(port_free(wanted + r) for r in range(nproc)):
+        return spec
+    for _ in range(20):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        if port + nproc <= 65535 and all(port_free(port + r) for r in range(nproc)):
+            console.print(
+                f"metrics: port {wanted} (spec.metricsPort) is in use, e.g. by another run; the trainer "
+                f"serves /metrics on {port} instead"
+            )
+            return spec.model_copy(update={"metrics_port": port})
+    return spec
 
 
 def _tee(lines: Iterator[str], log: TextIO) -> Iterator[str]:
@@ -184,7 +281,7 @@ def _tee(lines: Iterator[str], log: TextIO) -> Iterator[str]:
 def summary_table(packs: dict[str, tuple[Path, dict]], trains: dict[str, dict]) -> Table:
     t = Table(title="packtrain run")
     t.add_column("what")
-    t.add_column("value", justify="right")
+    t.add_column("value", justify="right", overflow="fold")  # paths whole, not cut at 80 columns
     for name, (pack_dir, m) in packs.items():
         c = m["counts"]
         rows = [
@@ -204,6 +301,10 @@ def summary_table(packs: dict[str, tuple[Path, dict]], trains: dict[str, dict]) 
     for name, s in trains.items():
         t.add_section()
         t.add_row(f"[bold]SFTJob {name}[/]", "")
+        if s.get("resumed_from") and not s.get("steps_this_run"):
+            t.add_row("training steps", f"{s.get('steps')}: already complete, nothing trained this run")
+            t.add_row("model and checkpoints", str(s.get("output", "")))
+            continue
         for key, label in (
             ("steps", "training steps"),
             ("effective_tokens_per_second", "effective tokens/s"),
@@ -216,16 +317,30 @@ def summary_table(packs: dict[str, tuple[Path, dict]], trains: dict[str, dict]) 
     return t
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="packtrain run", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="packtrain run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("file", help="YAML with a PackJob and/or an SFTJob (multi-document)")
     ap.add_argument(
-        "--workers", type=int, default=max(1, os.cpu_count() or 1), help="packer processes per stage"
+        "--workers",
+        type=int,
+        default=max(1, os.cpu_count() or 1),
+        help="packer processes per stage (default: the CPU count, %(default)s)",
     )
-    ap.add_argument("--nproc", type=int, default=1, help="trainer processes (torchrun --nproc-per-node)")
+    ap.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="trainer processes (torchrun --nproc-per-node; default: %(default)s)",
+    )
     ap.add_argument("--output", help="where packs, checkpoints and logs go (default: runs/<file stem>)")
-    ap.add_argument("--max-steps", type=int, help="override training.maxSteps")
-    args = ap.parse_args(argv)
+    ap.add_argument("--max-steps", type=int, help="override training.maxSteps (default: the SFTJob's)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     path = Path(args.file)
     if args.workers < 1 or args.nproc < 1:
         console.print(
@@ -251,10 +366,51 @@ def main(argv: list[str] | None = None) -> int:
             data_dir = packed[ref][0] if ref else Path(job.spec.data.path)
             trained[job.name] = run_train(job, data_dir, out, args.nproc, args.max_steps, env)
     except PipelineError as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print(Text.assemble(("error: ", "red"), str(exc)), soft_wrap=True)
         return exc.exit_code
+    except KeyboardInterrupt:  # every child is stopped by now (see stop)
+        console.print(f"interrupted — run the same command again to resume (output: {out})", highlight=False)
+        return EXIT_INTERRUPTED
     Console().print(summary_table(packed, trained))
+    print_next_steps(Console(), out, packed, trained)
     return 0
+
+
+def print_next_steps(
+    con: Console, out: Path, packs: dict[str, tuple[Path, dict]], trains: dict[str, dict]
+) -> None:
+    """Where the results are, any samples the packs lost (loudly), and the commands to try next."""
+    for name, (pack_dir, m) in packs.items():
+        warning = rejects_warning(m["counts"], pack_dir)
+        if warning:
+            con.print(
+                Text.assemble(("WARNING ", "bold yellow"), f"PackJob {name}: {warning}"), soft_wrap=True
+            )
+    lines = [f"logs: {out / 'logs'}"]
+    for name, (pack_dir, _) in packs.items():
+        lines += [f"pack {name}:  {pack_dir}; rejected samples: {pack_dir / 'rejects.jsonl'}"]
+    for name, s in trains.items():
+        final = s.get("final_model") or _final(s)
+        ckpt = Path(s["output"]) / "checkpoints"
+        lines += [f"model {name}:  {final or '(saveFinal: false)'}; checkpoints: {ckpt}"]
+    lines += ["next:"]
+    for _, (pack_dir, _) in packs.items():
+        lines += [
+            f"  packtrain pack inspect {pack_dir} --plot pack.png   # lengths and fill",
+            f"  packtrain pack verify {pack_dir}",
+        ]
+    for final in filter(None, (s.get("final_model") or _final(s) for s in trains.values())):
+        lines += [
+            f'  python -c "from transformers import AutoModelForImageTextToText as M; '
+            f"M.from_pretrained('{final}')\"   # or serve it: vllm serve {final}"
+        ]
+    con.print("\n".join(lines), highlight=False, markup=False, soft_wrap=True)
+
+
+def _final(summary: dict[str, Any]) -> str | None:
+    """The final model of a run that trained nothing this time (the one an earlier run saved)."""
+    final = Path(summary["output"]) / "final"
+    return str(final) if final.is_dir() else None
 
 
 if __name__ == "__main__":

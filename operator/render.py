@@ -188,17 +188,18 @@ def dump(objects: Sequence[dict]) -> str:
     return yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, width=110)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="packtrain render",
         description="Print, as multi-document YAML, every object the operator would create for the "
         "PackJobs and SFTJobs in FILE, with the settings the chart gives it. Other objects in FILE are "
         "printed unchanged first; an SFTJob is rendered as if its PackJob had succeeded.",
     )
-    ap.add_argument("file", type=Path, metavar="FILE.yaml")
+    ap.add_argument("file", type=Path, metavar="FILE.yaml", help="PackJobs and SFTJobs (multi-document YAML)")
     ap.add_argument(
         "-f", "--values", type=Path, action="append", default=[], metavar="VALUES.yaml",
-        help="chart values merged over the chart's values.yaml, as `helm -f` does (repeatable)",
+        help="chart values merged over the chart's values.yaml, as `helm -f` does (repeatable; "
+        "default: none)",
     )  # fmt: skip
     ap.add_argument("--chart", type=Path, default=CHART, help="the chart folder (default: %(default)s)")
     ap.add_argument(
@@ -209,7 +210,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="for an SFTJob whose PackJob is not in FILE: render it as if that PackJob had written its pack "
         "to this claim (mounted at /data), under SUBPATH (default: the PackJob's name)",
     )  # fmt: skip
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         values, app_version = chart_values(args.chart, args.values)
         defaults = builders.OperatorDefaults.from_env(operator_env(values, app_version))

@@ -18,14 +18,22 @@ from pydantic import ValidationError
 
 from packtrain.packer.core.config import PackConfig, load_pack_config
 from packtrain.packer.core.contract import PACK_STAGES, ErrorReport, pack_outcome_error
-from packtrain.packer.core.errors import EXIT_CONFIG, EXIT_OK, ConfigError, ShardFormatError
+from packtrain.packer.core.errors import (
+    EXIT_CONFIG,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    ConfigError,
+    ShardFormatError,
+)
 from packtrain.packer.core.families import FAMILY_NAMES
 from packtrain.packer.core.report import report
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
     cfg = " (default: the config's, else the packer's default)"
-    p.add_argument("-c", "--config", help="PackJob manifest or spec (YAML) (default: none; then give the flags)")
+    p.add_argument(
+        "-c", "--config", help="PackJob manifest or spec (YAML) (default: none; then give the flags)"
+    )
     p.add_argument("-o", "--output", required=True, help="output folder of the pack (required)")
     p.add_argument(
         "--input",
@@ -228,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd in PACK_STAGES:  # what pods run: their outcome goes to the termination log
             report({"stage": args.cmd, "error": msg[:3000]})
         return EXIT_CONFIG
+    except KeyboardInterrupt:
+        again = " — run the same command again to resume" if args.cmd in (*PACK_STAGES, "run") else ""
+        print(f"packtrain pack {args.cmd}: interrupted{again}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except Exception as exc:  # a crash: the short error in the termination message, the traceback in the log
         if args.cmd in PACK_STAGES:
             error: ErrorReport = {"stage": args.cmd, "error": f"{type(exc).__name__}: {exc}"[:3000]}

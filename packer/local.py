@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import queue
 import resource
+import signal
 import sys
 import threading
 import time
@@ -41,6 +42,8 @@ _WORKER: dict[str, Any] = {}
 
 
 def _init_worker(cfg_json: dict[str, Any], out: str, progress: Any) -> None:
+    # Ctrl-C reaches the whole process group: the parent stops the workers (no traceback from each).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if "cfg" not in _WORKER:  # spawned: nothing inherited
         _WORKER["cfg"] = PackConfig.model_validate(cfg_json)
     _WORKER["out"] = Path(out)
@@ -236,6 +239,10 @@ def run_all(
                 lambda advance: dict(materialize(cfg, out, 0, 1, progress=advance)),
             )
             laps.lap("materialize", materialized)
+    except KeyboardInterrupt:
+        if pool is not None:
+            _stop_workers(pool)
+        raise
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
@@ -243,6 +250,17 @@ def run_all(
     if timings is not None:
         timings.update(stages=laps.stages, workers=workers, peak_rss_mib=peak_rss_mib())
     return manifest
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Ctrl-C: the workers ignore SIGINT, so they are stopped here (no process outlives `pack run`)."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
 
 
 def _record_count(cfg: PackConfig) -> int:

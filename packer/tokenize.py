@@ -14,7 +14,9 @@ never generates it. Trainers differ here: ms-swift 4.6 also trains that newline
 (measured: identical input ids, about 2% more label tokens on a chat mix), and
 LLaMA-Factory's Qwen templates put it in the assistant slot
 (`{{content}}<|im_end|>\\n`) too. `packing.labelNewlineAfterTurnEnd: true`
-trains it, to match them. Function-call turns are assistant turns; tool results
+trains it, to match them. A turn is trained as the template renders it: where a
+thinking template (Qwen3.5) opens it with a `<think>` block, reasoning or empty,
+that block is trained with the answer. Function-call turns are assistant turns; tool results
 are user turns. `label_mode: all` trains on every token except vision tokens
 (a Qwen3-VL video's frame timestamps included).
 
@@ -176,8 +178,9 @@ class SampleTokenizer:
         )
 
     def render(self, turns: list[Turn]) -> str:
-        """The chat-template text of a conversation, one pad token per media item."""
-        return self.model.render([{"role": t.role, "content": _template_content(t)} for t in turns])
+        """The chat-template text of a conversation, one pad token per media item; an assistant turn's
+        reasoning goes in as `reasoning_content` (only where the record gives one)."""
+        return self.model.render([_template_message(t) for t in turns])
 
     def _sample_id(self, raw: RawRecord) -> str:
         value = raw.record.get(self.source.field_map.id) if raw.record else None
@@ -226,8 +229,11 @@ class SampleTokenizer:
             [t for a, b in _assistant_spans(ids, header_ids, end_id, self._newline_id) for t in ids[a:b]]
         )
         after = "\n" if self._newline_id is not None else ""
-        want = "b" + family.turn_end + after + "d" + family.turn_end + after
-        if not header.endswith("\n") or got != want:
+        # The rendered assistant turns (a template may open one with more than the answer, such as
+        # Qwen3.5's `<think>` block after the last user turn), each ending with its answer.
+        turns = [t.split(family.turn_end, 1)[0] for t in text.split(header)[1:]]
+        want = "".join(t + family.turn_end + after for t in turns)
+        if not header.endswith("\n") or len(turns) != 2 or got != want or not _answers(turns, "b", "d"):
             raise ConfigError(
                 f"chat template does not mark assistant turns with {header!r} ... {family.turn_end!r} "
                 f"(trained text of a probe: {got!r}, expected {want!r}); labels cannot be placed"
@@ -365,6 +371,18 @@ def _fast_encoder(backend: Any) -> Callable[[str], list[int]]:
     if hasattr(backend, "encode_batch_fast"):
         return lambda text: backend.encode_batch_fast([text])[0].ids
     return lambda text: backend.encode(text).ids
+
+
+def _answers(turns: list[str], *answers: str) -> bool:
+    """Whether each rendered assistant turn ends with its answer."""
+    return all(t.endswith(a) for t, a in zip(turns, answers, strict=True))
+
+
+def _template_message(turn: Turn) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": turn.role, "content": _template_content(turn)}
+    if turn.reasoning is not None:
+        message["reasoning_content"] = turn.reasoning
+    return message
 
 
 def _template_content(turn: Turn) -> str | list[dict[str, str]]:

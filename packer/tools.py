@@ -13,9 +13,11 @@ import pyarrow as pa
 from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from packtrain.packer.core.errors import EXIT_CONFIG, EXIT_OK, ConfigError, ShardFormatError
 from packtrain.packer.core.pack.shards import REJECTS, ShardReader, read_manifest
+from packtrain.packer.core.report import rejects_warning
 from packtrain.packer.sources.records import iter_records
 
 if TYPE_CHECKING:
@@ -66,9 +68,14 @@ def print_stats(manifest: dict[str, Any], out: Path, console: Console | None = N
         ("media blobs (deduplicated per shard)", sum(s["media_rows"] for s in manifest["shards"])),
         ("algorithm", manifest["algorithm"]),
     ]
+    t.add_column(overflow="fold")  # paths whole, folded rather than cut at the terminal's width
+    t.add_column(overflow="fold")
     for k, v in rows:
         t.add_row(k, str(v))
     console.print(t)
+    warning = rejects_warning(c, out)
+    if warning:
+        console.print(Text.assemble(("WARNING ", "bold yellow"), warning), soft_wrap=True)
 
 
 def inspect_cmd(path: Path, plot: str | None, as_json: bool) -> int:
@@ -102,8 +109,11 @@ def write_plot(path: Path, png: Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     a.hist(lengths, bins=min(100, max(10, len(lengths) // 5)))
     a.set(title="sample lengths", xlabel="tokens", ylabel="samples")
+    a.axvline(max_length, color="red", linestyle="--", label=f"maxLength {max_length}")
+    a.legend()
     b.plot(range(len(fills)), fills)
     b.set(title="per-sequence fill (sorted)", xlabel="sequence", ylabel="fill", ylim=(0, 1.02))
+    fig.suptitle(f"{path.name}: {len(lengths)} samples in {len(fills)} sequences of maxLength {max_length}")
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
@@ -334,6 +344,26 @@ def unpack(path: Path, only: set[str] | None = None) -> list[dict[str, Any]]:
 
 
 def unpack_cmd(path: Path, only: list[str] | None) -> int:
+    """Every sample (or only the ids asked for) as JSON lines; an id asked for that was rejected
+    prints its reject record, one that is neither packed nor rejected is an error (exit 2)."""
+    found = set()
     for s in unpack(path, set(only) if only else None):
+        found.add(s["id"])
         print(json.dumps(s, separators=(",", ":")))
+    if not only:
+        return EXIT_OK
+    wanted = [i for i in dict.fromkeys(only) if i not in found]
+    if wanted and (path / REJECTS).is_file():
+        for r in _rejects(path, []):
+            if r.get("id") in wanted:
+                found.add(r["id"])
+                print(json.dumps({**r, "rejected": True}, separators=(",", ":")))
+    unknown = [i for i in wanted if i not in found]
+    if unknown:
+        print(
+            f"packtrain pack unpack: no sample {', '.join(map(repr, unknown))} in {path} "
+            "(neither packed nor rejected); ids are the `id` fields of `pack unpack` lines and rejects.jsonl",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
     return EXIT_OK

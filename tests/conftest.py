@@ -5,16 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from support.paths import SHARED
 
 # The session-scoped `kube_cluster` fixture (a real local control plane), for any test folder.
 pytest_plugins = ["cluster.fixture"]
-
-REPO = Path(__file__).resolve().parents[1]
-# Real tokenizers, configs and datasets live beside the checkout, read-only.
-SHARED = (REPO.parent / "shared").resolve()
-MODELS = SHARED / "models"
-DATASETS = SHARED / "datasets"
-DEMO = DATASETS / "llamafactory-mllm-demo"
 
 
 @pytest.fixture(scope="session")

@@ -146,4 +146,6 @@ def test_every_subpackage_ships() -> None:
 
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     folders = {m for m, p in MODULES.items() if p.name == "__init__.py"}
-    assert folders == listed, f"add to pyproject: {sorted(folders - listed)}; remove: {sorted(listed - folders)}"
+    assert folders == listed, (
+        f"add to pyproject: {sorted(folders - listed)}; remove: {sorted(listed - folders)}"
+    )

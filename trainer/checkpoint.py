@@ -14,6 +14,8 @@ PEFT adapter (`PeftModel.from_pretrained(base, folder)`) and optionally the merg
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import re
 import shutil
@@ -31,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from packtrain.packer.core.errors import ConfigError
 from packtrain.trainer import lora
 from packtrain.trainer.config import TrainModelSpec
 from packtrain.trainer.distributed import DistEnv, barrier
@@ -89,6 +92,85 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# Settings that change nothing a step computes (where things go, how fast they load, what is reported,
+# when checkpoints are written), or that a run may change to be continued (its length): a checkpoint
+# resumes under any value of these. Every other setting, a future one included, must match.
+RESUME_NEUTRAL = frozenset(
+    {
+        "data.path",  # the pack is identified by its config hash instead (it may be mounted elsewhere)
+        "data.packJobRef",
+        "data.numWorkers",
+        "data.prefetchFactor",
+        "data.verifyChecksums",
+        "data.evalPath",  # evaluation only
+        "data.evalPackJobRef",
+        "model.gradientCheckpointing",
+        "model.lora.saveMerged",
+        "training.maxSteps",
+        "training.epochs",
+        "training.evalEvery",
+        "training.attention",
+        "training.activationCheckpointing",
+        "training.visionCheckpointing",
+        "training.compile",
+        "training.strategy",
+        "training.lossChunkTokens",
+        "training.checkpointEvery",
+        "training.checkpointAtEnd",
+        "training.keepCheckpoints",
+        "training.resume",
+        "training.metricsPort",
+        "training.peakTflops",
+        "training.logEvery",
+        "training.outputDir",
+        "training.saveFinal",
+    }
+)
+
+
+def resume_config(spec: dict[str, Any], pack_hash: Any) -> dict[str, Any]:
+    """What a checkpoint must have been trained with to be resumed: the job's settings (camelCase, as
+    dotted keys) less RESUME_NEUTRAL, and the pack's config hash."""
+    flat: dict[str, Any] = {"data.packConfigHash": pack_hash}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict) and value and not prefix.endswith(("configOverrides", "lrMultipliers")):
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else key, item)
+        elif prefix not in RESUME_NEUTRAL:
+            flat[prefix] = value
+
+    walk("", spec)
+    return flat
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def check_resumable(folder: Path, config: dict[str, Any]) -> None:
+    """ConfigError when the checkpoint in `folder` was trained with other settings than `config`
+    (a checkpoint written before checkpoints recorded them resumes unchecked)."""
+    state = torch.load(folder / DONE, map_location="cpu", weights_only=False)
+    saved = state.get("config")
+    if not isinstance(saved, dict) or state.get("config_hash") == config_hash(config):
+        return
+    differ = [
+        f"{key} {saved[key]!r} -> {config[key]!r}"
+        for key in sorted(saved.keys() & config.keys())
+        if saved[key] != config[key]
+    ]
+    if not differ:
+        return  # only settings this version added or dropped
+    root = folder.parent.parent
+    raise ConfigError(
+        f"{root} holds a checkpoint (step {state.get('step')}) trained with other settings: "
+        f"{'; '.join(differ[:8])}{' …' if len(differ) > 8 else ''}. Resuming would mix two runs. To start "
+        f"fresh, train into a new folder (`--output DIR` of `packtrain train` or `packtrain run`) or delete "
+        f"{root}; to continue that run, restore its settings"
+    )
 
 
 def latest(root: Path) -> Path | None:

@@ -17,7 +17,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from packtrain.packer.core.contract import ErrorReport
-from packtrain.packer.core.errors import EXIT_CONFIG, EXIT_OK, ConfigError, ShardFormatError
+from packtrain.packer.core.errors import (
+    EXIT_CONFIG,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    ConfigError,
+    ShardFormatError,
+)
 from packtrain.trainer.config import load_train_config
 from packtrain.trainer.progress import LOG_FORMATS, reporter_for
 
@@ -26,15 +32,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="packtrain train", description=" ".join(__doc__.split("\n\n")[0].split())
     )
-    p.add_argument("-c", "--config", required=True, help="SFTJob manifest or spec (YAML)")
-    p.add_argument("--data", help="override data.path: a pack output folder")
-    p.add_argument("--output", help="override training.outputDir")
-    p.add_argument("--max-steps", type=int, help="override training.maxSteps")
+    p.add_argument("-c", "--config", required=True, help="SFTJob manifest or spec (YAML) (required)")
+    p.add_argument(
+        "--data",
+        metavar="PACK",
+        help="a pack output folder, overriding data.path (default: the config's data.path; needed when the "
+        "config names data.packJobRef)",
+    )
+    p.add_argument("--output", help="override training.outputDir (default: the config's, else runs/sft)")
+    p.add_argument("--max-steps", type=int, help="override training.maxSteps (default: the config's)")
     p.add_argument(
         "--log-format",
         choices=LOG_FORMATS,
         default="auto",
-        help="progress as a bar (rich) or JSON lines (json); auto: a bar when stdout is a terminal",
+        help="progress as a bar (rich) or JSON lines (json); auto: a bar when stdout is a terminal "
+        "(default: %(default)s)",
     )
     return p
 
@@ -64,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = type(cfg).model_validate(cfg.model_dump())
     except (ConfigError, ValidationError, FileNotFoundError) as exc:
         return _fail(f"configuration error: {exc}")
+    if cfg.data.path is None:
+        return _fail(
+            f"data.packJobRef {cfg.data.pack_job_ref!r} names a PackJob, which only the operator and "
+            "`packtrain run` resolve: pass --data PACK (the folder `packtrain pack run -o PACK` wrote)"
+        )
 
     from packtrain.trainer import distributed
     from packtrain.trainer.loop import train
@@ -74,13 +91,29 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(worker_message(exc))
     except ConfigError as exc:  # found once the model is built (LoRA targets, a freeze leaving nothing)
         return _fail(f"configuration error: {exc}")
+    except KeyboardInterrupt:
+        print(
+            "packtrain train: interrupted — run the same command again to resume from the newest checkpoint",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
     except Exception as exc:  # a crash: the short error in the termination message, the traceback in the log
         _terminate({"error": f"{type(exc).__name__}: {worker_message(exc)}"})
         raise
     if distributed.environ().is_main:
         print(json.dumps(summary), flush=True)
         _terminate(summary)
+        if summary.get("resumed_from") and not summary.get("steps_this_run"):
+            print(f"packtrain train: {already_complete(cfg.training.output_dir, summary)}", file=sys.stderr)
     return EXIT_OK
+
+
+def already_complete(output_dir: str, summary: Mapping[str, Any]) -> str:
+    """The line for a rerun that found every step done (it trained nothing and kept the model)."""
+    return (
+        f"already complete: {output_dir} holds all {summary.get('steps')} steps, nothing was trained; to "
+        "train more raise training.maxSteps, to start over use a new --output or delete that folder"
+    )
 
 
 def _terminate(doc: Mapping[str, Any]) -> None:
@@ -95,7 +128,7 @@ def _terminate(doc: Mapping[str, Any]) -> None:
 def _fail(message: str) -> int:
     """A configuration problem: said on stderr and in the termination message; exit 2 (no retry helps)."""
     print(f"packtrain train: {message}", file=sys.stderr)
-    error: ErrorReport = {"error": message[:3000]}
+    error: ErrorReport = {"error": message[:3000], "exit_code": EXIT_CONFIG}
     _terminate(error)
     return EXIT_CONFIG
 

@@ -28,9 +28,12 @@ MAX_NUM_WORKERS = 64
 # LM head's own weight gradient (0.9-1.2 GiB for 1536-2048 hidden), so smaller chunks save little.
 LOSS_CHUNK_TOKENS = 1024
 # model.lora's default targets: the attention and MLP projections of the Qwen2/2.5 language model
-# (q/k/v/o, gate/up/down) and of the vision blocks (qkv, proj; fc1/fc2 in Qwen2-VL's MLP).
+# (q/k/v/o, gate/up/down), Qwen3.5's linear-attention projections (in_proj_qkv, in_proj_z, out_proj;
+# no other family has layers by these names) and of the vision blocks (qkv, proj; fc1/fc2 in
+# Qwen2-VL's MLP).
 LORA_TARGET_MODULES = (
     *("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    *("in_proj_qkv", "in_proj_z", "out_proj"),
     *("qkv", "proj", "fc1", "fc2"),
 )
 # Optimizer steps of a run that sets neither training.maxSteps nor training.epochs.

@@ -13,15 +13,15 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, NoReturn, TypedDict
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from packtrain.packer.core.errors import PackIntegrityError
+from packtrain.packer.core.errors import MediaError, PackIntegrityError
 from packtrain.packer.core.model_spec import ModelSpec
-from packtrain.packer.core.pack.integrity import row_problem
+from packtrain.packer.core.pack.integrity import ref_problem, row_problem
 from packtrain.packer.core.pack.schema import IGNORE_INDEX
 from packtrain.packer.core.pack.shards import ShardReader
 from packtrain.trainer.batch import Batch, BatchInfo, ModelInputs
@@ -313,7 +313,9 @@ class PackedDataset(torch.utils.data.Dataset):
 
     def checked_row(self, seq: int) -> dict[str, Any]:
         """Sequence `seq`, after the cheap invariants every packed row satisfies (`packer.integrity`):
-        a damaged or edited pack stops here, naming shard and row, instead of training on it."""
+        a damaged or edited pack stops here, naming shard and row, instead of training on it. Also
+        its length against the pack's max_length and its media refs against the pack's pixel caps,
+        before a tensor is allocated for them."""
         row = self.reader.sequence(seq)
         problem = row_problem(
             np.asarray(row["input_ids"], dtype=np.int64),
@@ -321,13 +323,23 @@ class PackedDataset(torch.utils.data.Dataset):
             np.asarray(row["seq_lens"], dtype=np.int64),
             self.vocab_size,
         )
+        max_length = self.manifest.get("max_length")
+        if problem is None and isinstance(max_length, int) and len(row["input_ids"]) > max_length:
+            problem = f"{len(row['input_ids'])} tokens, over the pack's max_length {max_length}"
+        vision, p = self.spec.vision, self.pixel_spec
+        for ref in row["media"] if problem is None else ():
+            caps = (vision.max_pixels, vision.video_max_pixels, p.patch_size, p.temporal_patch_size)
+            problem = problem or ref_problem(ref, *caps)
         if problem is not None:
-            shard, index = self.reader.locate(seq)
-            raise PackIntegrityError(
-                f"{self.path / self.reader.shard_file(shard)} row {index}: {problem}. The pack was damaged "
-                "or edited: run `packtrain pack verify` on it, and re-pack the data."
-            )
+            self._refuse(seq, problem)
         return row
+
+    def _refuse(self, seq: int, problem: str) -> NoReturn:
+        shard, index = self.reader.locate(seq)
+        raise PackIntegrityError(
+            f"{self.path / self.reader.shard_file(shard)} row {index}: {problem}. The pack was damaged "
+            "or edited: run `packtrain pack verify` on it, and re-pack the data."
+        )
 
     def _decoded_row(self, seq: int, cache: dict[tuple[Any, ...], torch.Tensor]) -> dict[str, Any]:
         row = self.checked_row(seq)
@@ -336,7 +348,11 @@ class PackedDataset(torch.utils.data.Dataset):
             key = (ref["key"], ref["height"], ref["width"], tuple(ref["frames"] or ()))
             if key not in cache:
                 blob = self.reader.media(ref["key"], shard=row["shard"])
-                cache[key] = media_pixels(blob, ref, self.pixel_spec)
+                try:
+                    cache[key] = media_pixels(blob, ref, self.pixel_spec)
+                except (MediaError, OSError, ValueError, SyntaxError) as exc:  # PIL: not an allowed format
+                    what = f"{type(exc).__name__}: {exc}"
+                    self._refuse(seq, f"media {ref['key'][:12]}… does not decode ({what})")
             pixels.append(cache[key])
         row["pixels"] = pixels
         return row

@@ -99,7 +99,11 @@ def _varlen_forward(
     _, total, _ = hidden_states.shape
     cu = cu.to(device=hidden_states.device, dtype=torch.int32)
     mixed = kernels.conv(
-        layer.in_proj_qkv(hidden_states), layer.conv1d.weight.squeeze(1), layer.conv1d.bias, layer.activation, cu
+        layer.in_proj_qkv(hidden_states),
+        layer.conv1d.weight.squeeze(1),
+        layer.conv1d.bias,
+        layer.activation,
+        cu,
     )
     query, key, value = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
     query = query.reshape(1, total, -1, layer.head_k_dim)
@@ -110,14 +114,14 @@ def _varlen_forward(
     core = kernels.delta_rule(query, key, value, g, beta, cu).to(hidden_states.dtype)
     z = layer.in_proj_z(hidden_states).reshape(-1, layer.head_v_dim)
     core = layer.norm(core.reshape(-1, layer.head_v_dim), z).reshape(1, total, -1)
-    return layer.out_proj(core)  # type: ignore[no-any-return]
+    return layer.out_proj(core)
 
 
 def _bounds(cu: torch.Tensor, total: int) -> list[tuple[int, int]]:
     edges = [int(c) for c in cu.tolist()]
-    if edges[0] != 0 or edges[-1] != total or any(b < a for a, b in zip(edges, edges[1:])):
+    if edges[0] != 0 or edges[-1] != total or any(b < a for a, b in zip(edges, edges[1:], strict=False)):
         raise ValueError(f"linear attention: boundaries {edges} do not cut a row of {total} tokens")
-    return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+    return [(a, b) for a, b in zip(edges, edges[1:], strict=False) if b > a]
 
 
 def isolate(layer: nn.Module, path: str, kernels: VarlenKernels | None = None) -> None:
@@ -135,7 +139,7 @@ def isolate(layer: nn.Module, path: str, kernels: VarlenKernels | None = None) -
     ) -> torch.Tensor:
         cu = kwargs.pop(SEGMENTS, None)
         if cu is None:
-            return forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)  # type: ignore[no-any-return]
+            return forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
         if cache is not None or hidden_states.shape[0] != 1:
             raise ValueError("linear attention: sample boundaries need one packed row and no cache")
         if kernels is not None:
@@ -144,7 +148,7 @@ def isolate(layer: nn.Module, path: str, kernels: VarlenKernels | None = None) -
         parts = [forward(hidden_states[:, a:b], **rest) for a, b in _bounds(cu, hidden_states.shape[1])]
         return torch.cat(parts, dim=1)
 
-    layer.forward = run  # type: ignore[method-assign]
+    layer.forward = run
     layer.packtrain_linear_path = path  # type: ignore[assignment]
 
 
@@ -176,7 +180,9 @@ def reference_kernels() -> VarlenKernels:
 
     def conv(x: torch.Tensor, weight: torch.Tensor, bias: Any, activation: str, cu: torch.Tensor) -> Any:
         parts = [
-            q35.causal_conv1d_fn(x[:, a:b].transpose(1, 2), weight, bias, activation=activation).transpose(1, 2)
+            q35.causal_conv1d_fn(x[:, a:b].transpose(1, 2), weight, bias, activation=activation).transpose(
+                1, 2
+            )
             for a, b in _bounds(cu, x.shape[1])
         ]
         return torch.cat(parts, dim=1)

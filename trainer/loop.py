@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,7 +24,8 @@ from packtrain.trainer.config import SFTSpecCore, TrainingSpec
 from packtrain.trainer.data import EvalDataset, PackedDataset
 from packtrain.trainer.data import loader as data_loader
 from packtrain.trainer.evaluate import due, evaluate
-from packtrain.trainer.loss import global_label_tokens, micro_batch_objective
+from packtrain.trainer.linear_attention import linear_path
+from packtrain.trainer.loss import aux_objective, global_label_tokens, micro_batch_objective
 from packtrain.trainer.metrics import Stopwatch, TrainMetrics, device_peak_tflops
 from packtrain.trainer.progress import JsonLines, Reporter
 from packtrain.trainer.recipe import Run, setup
@@ -67,7 +69,14 @@ def train_step(
         with distributed.set_grad_sync(model, i == len(micro) - 1):
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                 result = model(batch.inputs.to(device, dtype))
-            micro_batch_objective(result["loss_sum"], global_tokens, env.world_size).backward()
+            objective = micro_batch_objective(result["loss_sum"], global_tokens, env.world_size)
+            if "aux_loss" in result:  # mixture of experts: the router's load-balancing term
+                coef = run.hf.config.text_config.router_aux_loss_coef
+                label_tokens = batch.info.num_label_tokens
+                objective = objective + aux_objective(
+                    result["aux_loss"], coef, label_tokens, global_tokens, env.world_size
+                )
+            objective.backward()
         loss_sum += result["loss_sum"].detach().double()
 
     # optimizer (a step whose batches hold no media on any rank ran the vision tower on dummies
@@ -127,13 +136,16 @@ def _start(
         env.rank, device, None if t.metrics_port is None else t.metrics_port + env.local_rank
     )
     metrics.enable_mfu(device_peak_tflops(device, t.peak_tflops))
-    metrics.info(attention=run.backend, mode=t.mode)
+    # Hybrid decoders: how the linear-attention layers keep samples apart (fla kernels or per sample).
+    linear = linear_path(run.hf)
+    chosen = {"attention": run.backend, **({"linear_attention": linear} if linear else {})}
+    metrics.info(mode=t.mode, **chosen)
     metrics.update({"attention_imbalance": run.imbalance_max})
     report.start(
         run.step,
         run.max_steps,
         mode=t.mode,
-        attention=run.backend,
+        **chosen,
         world_size=env.world_size,
         epochs=t.epochs,
         steps_per_epoch=run.dataset.steps_per_epoch(),
@@ -184,6 +196,7 @@ def _units(evaluation: EvalDataset | None) -> int:
 
 
 def _save(out: Path, run: Run, env: distributed.DistEnv, keep: int) -> Path:
-    return checkpoint.save(
-        out, run.step, run.model, run.optimizer, run.scheduler, {"data": run.dataset.state_dict()}, env, keep
-    )
+    state: dict[str, Any] = {"data": run.dataset.state_dict()}
+    if run.config is not None:  # the settings a resume must match
+        state |= {"config": run.config, "config_hash": checkpoint.config_hash(run.config)}
+    return checkpoint.save(out, run.step, run.model, run.optimizer, run.scheduler, state, env, keep)

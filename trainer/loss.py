@@ -196,3 +196,12 @@ def micro_batch_objective(loss_sum: torch.Tensor, global_tokens: int, world_size
     """What to backward for one micro-batch so that the accumulated, rank-averaged gradient is
     the gradient of Σ(all token losses) / global_tokens."""
     return loss_sum * (world_size / max(global_tokens, 1))
+
+
+def aux_objective(
+    aux_loss: torch.Tensor, coef: float, label_tokens: int, global_tokens: int, world_size: int
+) -> torch.Tensor:
+    """A micro-batch's router load-balancing term: `coef` x its aux loss x its share of the step's
+    label tokens, so the accumulated, rank-averaged term is the label-token-weighted mean of the
+    micro-batches' aux losses (each over its own real tokens), whatever the accumulation."""
+    return aux_loss * (coef * label_tokens * world_size / max(global_tokens, 1))

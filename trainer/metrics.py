@@ -2,8 +2,9 @@
 
 MFU counts the model FLOPs a step really needs: 6 x parameters x tokens for the
 matmuls (LM head only on label tokens, as the loss computes it) plus the
-attention term from the actual sub-sample lengths (Σ l², causal), and the
-vision tower's share from its patches and per-frame segments; divided by the
+attention term from the actual sub-sample lengths (Σ l², causal; in a hybrid
+decoder only its full-attention layers, the linear-attention ones add a term
+linear in length), and the vision tower's share from its patches and per-frame segments; divided by the
 device's dense bf16 peak. GPU gauges come from NVML (GPM SM utilisation on
 Hopper and newer when the driver supports it, else the coarse utilisation
 rate); on a machine without GPUs they are simply not registered.
@@ -36,6 +37,7 @@ from packtrain.packer.core.contract import (
     TRAIN_STEP_SECONDS,
     TRAIN_TOKENS_PER_SECOND,
 )
+from packtrain.packer.core.errors import ConfigError
 
 if TYPE_CHECKING:  # imported where used: the device benchmark reads the FLOPs model without it
     from prometheus_client import Gauge
@@ -80,6 +82,9 @@ class ModelShape:
     spatial_merge: int
     vision_full_layers: int  # Qwen2.5-VL: only these attend over a whole frame ...
     vision_window: int  # ... the others within windows of this many patches (0: no windows)
+    full_attention_layers: int  # decoder layers with softmax attention (Σ l²): all but linear ones
+    linear_attention_layers: int  # Qwen3.5's Gated DeltaNet layers: state mixing linear in length
+    linear_flops_per_token: float  # training FLOPs of one such layer's conv-free state mixing, per token
     llm_factor: float = 6.0  # FLOPs per parameter and token: 2 forward + 2 input grads + 2 x trainable share
     vision_factor: float = 6.0  # a wholly frozen tower runs forward only (under no_grad): 2
 
@@ -90,6 +95,8 @@ class ModelShape:
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         full = getattr(vision, "fullatt_block_indexes", None)
         window = getattr(vision, "window_size", 0) // vision.patch_size if full is not None else 0
+        kinds = list(getattr(text, "layer_types", None) or [])[: text.num_hidden_layers]
+        linear = sum(kind == "linear_attention" for kind in kinds)
         return cls(
             llm_params=counts["llm"],
             lm_head_params=counts["lm_head"],
@@ -101,9 +108,21 @@ class ModelShape:
             spatial_merge=vision.spatial_merge_size,
             vision_full_layers=vision.depth if full is None else len(full),
             vision_window=window * window,
+            full_attention_layers=text.num_hidden_layers - linear,
+            linear_attention_layers=linear,
+            linear_flops_per_token=_linear_flops_per_token(text) if linear else 0.0,
             llm_factor=_factor(counts, "llm", frozen_forward_only=False),
             vision_factor=_factor(counts, "vision", frozen_forward_only=True),
         )
+
+
+def _linear_flops_per_token(text: Any, chunk: int = 64) -> float:
+    """Training FLOPs (x3 forward) per token of a Gated DeltaNet layer's state mixing, the
+    projections and the conv being in the parameter term: per value head, the chunked delta rule
+    reads, predicts and updates a d_k x d_v state (3 products) and attends within its chunk (over
+    d_k and d_v). An estimate, but linear in length as the layer is."""
+    dk, dv, heads = text.linear_key_head_dim, text.linear_value_head_dim, text.linear_num_value_heads
+    return 3.0 * 2.0 * heads * (3 * dk * dv + chunk * (dk + dv))
 
 
 def _factor(counts: dict[str, int], part: str, frozen_forward_only: bool) -> float:
@@ -125,7 +144,8 @@ def step_flops(shape: ModelShape, batch: Batch) -> float:
         attn = len(info.seq_lens) * width * width / 2
     else:
         attn = sum(n * n / 2 for n in info.seq_lens)
-    flops += 12.0 * shape.layers * shape.attn_dim * attn  # causal: half of QK^T and AV, x3
+    flops += 12.0 * shape.full_attention_layers * shape.attn_dim * attn  # causal: half of QK^T and AV, x3
+    flops += shape.linear_attention_layers * shape.linear_flops_per_token * tokens
     for grid in (inputs.image_grid_thw, inputs.video_grid_thw):
         if grid is None:
             continue
@@ -247,7 +267,14 @@ class TrainMetrics:
             for key, (name, doc, extra) in GPU_GAUGES.items():
                 self.g[key] = Gauge(name, doc, ["rank", "gpu", *extra], registry=self.registry)
         if port is not None:
-            start_http_server(port, registry=self.registry)
+            try:
+                start_http_server(port, registry=self.registry)
+            except OSError as exc:  # another run (or program) serves there: say which port, and the fix
+                raise ConfigError(
+                    f"cannot serve /metrics on port {port} (training.metricsPort + local rank): "
+                    f"{exc.strerror or exc}; another run or program is using it. Set training.metricsPort "
+                    "(spec.metricsPort of an SFTJob) to a free port, or null to serve no metrics"
+                ) from exc
 
     def info(self, **labels: str) -> None:
         """What this run chose (attention backend, mode, options), as labels of a gauge fixed at 1."""

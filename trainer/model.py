@@ -11,7 +11,9 @@ backend's isolation arguments, and the loss is computed on label tokens only.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,12 @@ from packtrain.packer.core.model_spec import ModelSpec, family_for_model_type, m
 from packtrain.trainer.attention import HF_IMPLEMENTATION, attention_kwargs, register_backend
 from packtrain.trainer.batch import ModelInputs
 from packtrain.trainer.config import LOSS_CHUNK_TOKENS
-from packtrain.trainer.linear_attention import SEGMENTS, has_linear_attention, isolate_linear_attention, resolve_linear
+from packtrain.trainer.linear_attention import (
+    SEGMENTS,
+    has_linear_attention,
+    isolate_linear_attention,
+    resolve_linear,
+)
 from packtrain.trainer.loss import token_losses
 
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
@@ -172,6 +179,7 @@ class VLMForTraining(nn.Module):
         self.loss_chunk_tokens = loss_chunk_tokens
         # Linear-attention layers get the packed row's sample boundaries too (see linear_attention).
         self.linear_attention = has_linear_attention(model)
+        self.router = Router.of(model)
 
     def _encode_media(self, inputs: ModelInputs) -> tuple[dict[str, Any], torch.Tensor | None]:
         """Images and videos through the vision tower in *one* call (each grid stays isolated:
@@ -230,16 +238,56 @@ class VLMForTraining(nn.Module):
             raise ValueError(
                 "model inputs need an attention mask (padded) or cu_seq_lens and max_length (packed)"
             )
-        hidden = self.hf.model(
+        if self.router is not None:
+            extra["output_router_logits"] = True
+        out = self.hf.model(
             input_ids=input_ids,
             position_ids=inputs.position_ids,
             mm_encoder_outputs=encoded or None,
             use_cache=False,
             **extra,
-        ).last_hidden_state
-        losses, positions = token_losses(hidden, self.hf.lm_head, inputs.shift_labels, self.loss_chunk_tokens)
+        )
+        losses, positions = token_losses(
+            out.last_hidden_state, self.hf.lm_head, inputs.shift_labels, self.loss_chunk_tokens
+        )
         loss_sum = losses.sum() if zero is None else losses.sum() + zero
-        return {"loss_sum": loss_sum, "token_losses": losses, "positions": positions}
+        result = {"loss_sum": loss_sum, "token_losses": losses, "positions": positions}
+        if self.router is not None:
+            result["aux_loss"] = self.router.aux_loss(out.router_logits, inputs.attention_mask)
+        return result
+
+
+@dataclass(frozen=True)
+class Router:
+    """A mixture-of-experts decoder's routing (Qwen3.5-MoE, Qwen3-VL-MoE), for its auxiliary
+    load-balancing loss.
+
+    The loss is the model's own `load_balancing_loss_func` (Switch Transformer: experts x Σ_e
+    f_e · P_e, where f_e is the share of top-k assignments to expert e and P_e its mean router
+    probability) over the *real* tokens of the micro-batch, every MoE layer's tokens pooled: a
+    packed row has no padding, a padded batch passes its padding mask. The same samples therefore
+    give the same aux loss packed or padded; the step objective weighs each micro-batch's aux loss
+    by its share of the step's label tokens (`loss.aux_objective`)."""
+
+    num_experts: int
+    top_k: int
+    coef: float
+    loss_fn: Callable[..., Any]
+
+    @classmethod
+    def of(cls, model: PreTrainedModel) -> Router | None:
+        text = getattr(model.config, "text_config", model.config)
+        experts = getattr(text, "num_experts", None)
+        loss_fn = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
+        if not experts or loss_fn is None:
+            return None
+        return cls(int(experts), int(text.num_experts_per_tok), float(text.router_aux_loss_coef), loss_fn)
+
+    def aux_loss(self, router_logits: Any, padding_mask: torch.Tensor | None) -> torch.Tensor:
+        if not router_logits:
+            raise ValueError("a mixture-of-experts model returned no router logits")
+        aux: torch.Tensor = self.loss_fn(tuple(router_logits), self.num_experts, self.top_k, padding_mask)
+        return aux
 
 
 def parameter_groups(model: nn.Module) -> dict[str, int]:

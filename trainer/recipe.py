@@ -92,6 +92,7 @@ class Run:
     step: int = 0
     resumed_from: Path | None = None
     adapter: Any = None  # the PeftModel around `hf` with model.lora (for the adapter export)
+    config: dict[str, Any] | None = None  # what a checkpoint records and a resume checks (resume_config)
 
 
 def setup(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> Run:
@@ -126,6 +127,7 @@ def setup(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> R
         step=step,
         resumed_from=resumed_from,
         adapter=built.adapter,
+        config=_resume_config(cfg, data.dataset),
     )
 
 
@@ -214,9 +216,15 @@ def _resume(
     resumed_from = checkpoint.latest(Path(t.output_dir)) if t.resume else None
     if resumed_from is None:
         return 0, None
+    checkpoint.check_resumable(resumed_from, _resume_config(cfg, dataset))
     state = checkpoint.load(resumed_from, model, optimizer, scheduler, env)
     dataset.load_state_dict(state["data"])
     return int(state["step"]), resumed_from
+
+
+def _resume_config(cfg: SFTSpecCore, dataset: PackedDataset) -> dict[str, Any]:
+    """The settings a checkpoint of this run records, and a resume must match (see checkpoint)."""
+    return checkpoint.resume_config(cfg.dump(), dataset.manifest.get("config_hash"))
 
 
 def _imbalance(data: Data) -> float:

@@ -125,6 +125,7 @@ class ErrorReport(TypedDict):
     error: str
     stage: NotRequired[str]
     reason: NotRequired[str]
+    exit_code: NotRequired[int]  # the trainer's own exit code (torchrun reports 1 for any failed rank)
 
 
 class TrainSummary(TypedDict):

@@ -1,6 +1,6 @@
 """A model family bound to a model folder: token ids, vision settings, tokenizer and chat template.
 
-The families themselves are the entries of `family_registry.FAMILIES`. Here an
+The families themselves are the entries of `families.FAMILIES`. Here an
 entry meets a model folder: `model_spec` reads the special-token ids from the
 folder's tokenizer files (checked against `config.json`) and the processor
 settings from its preprocessor configs, without importing transformers or

@@ -32,9 +32,14 @@ def rgb_of(img: Image.Image) -> np.ndarray:
     return np.asarray(upright(img).convert("RGB"))
 
 
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+"""The only PIL plugins an image is ever decoded with, in the packer and the trainer (JPEG includes MPO)."""
+
+
 def decode_rgb(data: bytes) -> np.ndarray:
-    """(H, W, 3) uint8 of encoded image bytes (see `rgb_of`)."""
-    with Image.open(io.BytesIO(data)) as img:
+    """(H, W, 3) uint8 of encoded image bytes (see `rgb_of`), decoded only by an `IMAGE_FORMATS` plugin:
+    a pack's blobs are bytes like any other, and PIL would otherwise try every decoder it has."""
+    with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
         return rgb_of(img)
 
 

@@ -29,6 +29,11 @@ from packtrain.packer.core.contract import RejectReason
 from packtrain.packer.core.errors import MediaError
 
 MAX_ASPECT_RATIO = 200
+MAX_IMAGE_METADATA_BYTES = 1 << 20
+"""Most bytes of an image's metadata (EXIF, ICC profile, XMP, text chunks together), checked before
+any of it is parsed: parsing EXIF builds a Python object per value, so a file of one huge EXIF block
+(millions of rationals) would cost more time and memory than its pixels. Camera EXIF fits a JPEG
+APP1 segment (64 KiB); ICC profiles are a few KiB to a few hundred."""
 _ORIENTATION_TAG = 0x0112
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -258,6 +263,7 @@ def probe_image(
                 f"{width}x{height} image has {width * height} pixels, over source.maxImageSourcePixels "
                 f"({max_pixels}); raise it to keep the image",
             )
+        _check_metadata(img)
         exif = img.info.get("exif")
         if fmt == "PNG":
             _check_png(data)
@@ -297,7 +303,24 @@ def upright(img: Image.Image) -> Image.Image:
     return img.transpose(method) if method is not None else img
 
 
+def _check_metadata(img: Image.Image) -> None:
+    size = sum(len(v) for v in img.info.values() if isinstance(v, (bytes, str)))
+    if size > MAX_IMAGE_METADATA_BYTES:
+        raise MediaError(
+            RejectReason.MEDIA_TOO_LARGE,
+            f"image metadata (EXIF, ICC, XMP, text) of {size} bytes, over {MAX_IMAGE_METADATA_BYTES}; "
+            "not parsed",
+        )
+
+
 def _orientation(exif: bytes) -> int:
+    """The EXIF orientation (1 when there is none); an EXIF block over MAX_IMAGE_METADATA_BYTES is a
+    MediaError, never parsed (the packer rejects such images, so only an edited pack has one)."""
+    if len(exif) > MAX_IMAGE_METADATA_BYTES:
+        raise MediaError(
+            RejectReason.MEDIA_TOO_LARGE,
+            f"EXIF block of {len(exif)} bytes, over {MAX_IMAGE_METADATA_BYTES}; not parsed",
+        )
     parsed = Image.Exif()
     try:
         parsed.load(exif)

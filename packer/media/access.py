@@ -40,7 +40,7 @@ from packtrain.packer.core.config import SourceConfig
 from packtrain.packer.core.contract import RejectReason
 from packtrain.packer.core.errors import ConfigError, MediaError, relative_note
 from packtrain.packer.core.pack.shards import atomic_write
-from packtrain.packer.core.pixels import SNIFF_BYTES, looks_like_image, sniff_container
+from packtrain.packer.core.pixels import IMAGE_FORMATS, SNIFF_BYTES, looks_like_image, sniff_container
 from packtrain.packer.core.vision import (
     VisionSpec,
     image_grid,
@@ -54,7 +54,6 @@ from packtrain.packer.sources.conversation import MediaRef
 from packtrain.packer.sources.parquet import EmbeddedMedia
 from packtrain.packer.sources.records import expand_paths
 
-IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")  # PIL plugin names; JPEG includes MPO
 # Container magic -> the FFmpeg demuxer forced for it (the only demuxers ever used).
 VIDEO_DEMUXERS = ("mp4", "matroska", "avi", "ogg", "flv", "mpegts")
 _VIDEO_NAMES = "mp4/mov, Matroska/WebM, AVI, Ogg, FLV, MPEG-TS"

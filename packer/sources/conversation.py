@@ -39,6 +39,9 @@ class MediaRef:
 class Turn:
     role: str  # "system" | "user" | "assistant"
     parts: list[str | MediaRef] = field(default_factory=list)
+    reasoning: str | None = (
+        None  # an assistant turn's `reasoning_content` (the template decides its rendering)
+    )
 
     @property
     def has_media(self) -> bool:
@@ -108,6 +111,7 @@ class ConversationParser:
             _media_list(record, fm.images, "image"), _media_list(record, fm.videos, "video"), fm
         )
         turns: list[Turn] = []
+        observed = False  # the previous turn was a tool result
         for i, raw in enumerate(raw_turns):
             if not isinstance(raw, dict):
                 raise SampleError(
@@ -131,19 +135,42 @@ class ConversationParser:
                 raise SampleError(
                     RejectReason.MALFORMED_RECORD, f"turn {i}: content is a {type(content).__name__}"
                 )
+            reasoning = (
+                _reasoning(raw, fm.reasoning_key, i) if role in ("assistant", "function_call") else None
+            )
             if role in ("function_call", "observation"):
-                if any(isinstance(p, MediaRef) for p in parts):
-                    raise SampleError(RejectReason.MALFORMED_RECORD, f"turn {i}: media in a {role} turn")
-                text = "".join(p for p in parts if isinstance(p, str))
-                if role == "function_call":
-                    turns.append(Turn("assistant", [self.family.tool_call_text(text)]))
-                else:
-                    turns.append(Turn("user", [self.family.observation_text(text)]))
+                self._tool_turn(turns, role, parts, reasoning, i, observed)
             else:
-                turns.append(Turn(role, parts))
+                turns.append(Turn(role, parts, reasoning))
+            observed = role == "observation"
         media.check_all_used()
         _check_media_roles(turns)
         return _with_system(turns, record, fm, self.family)
+
+    def _tool_turn(
+        self,
+        turns: list[Turn],
+        role: str,
+        parts: list[str | MediaRef],
+        reasoning: str | None,
+        i: int,
+        observed: bool,
+    ) -> None:
+        """A function call as an assistant turn, a tool result as a user turn. With the xml tool style
+        consecutive results share one user turn, as Qwen3.5's template renders a run of tool messages."""
+        if any(isinstance(p, MediaRef) for p in parts):
+            raise SampleError(RejectReason.MALFORMED_RECORD, f"turn {i}: media in a {role} turn")
+        text = "".join(p for p in parts if isinstance(p, str))
+        if role == "function_call":
+            try:
+                call = self.family.tool_call_text(text)
+            except ValueError as exc:
+                raise SampleError(RejectReason.MALFORMED_RECORD, f"turn {i}: {exc}") from exc
+            turns.append(Turn("assistant", [call], reasoning))
+        elif observed and self.family.tool_style == "xml":
+            turns[-1].parts.append("\n" + self.family.observation_text(text))
+        else:
+            turns.append(Turn("user", [self.family.observation_text(text)]))
 
     def _split(self, text: str, media: _MediaPool) -> list[str | MediaRef]:
         if not any(p in text for p in self.placeholders):
@@ -222,6 +249,18 @@ class _MediaPool:
                     f"{len(pool)} path(s) in {self.columns[kind]!r} but {self.used[kind]} {kind} "
                     "placeholder(s) in the turns",
                 )
+
+
+def _reasoning(raw: dict[str, Any], key: str, i: int) -> str | None:
+    """An assistant turn's reasoning text (`source.fieldMap.reasoningKey`), or None when it has none."""
+    value = raw.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise SampleError(
+            RejectReason.MALFORMED_RECORD, f"turn {i}: {key!r} is a {type(value).__name__}, not a string"
+        )
+    return value
 
 
 def _part_path(part: dict[str, Any], i: int) -> str | None:

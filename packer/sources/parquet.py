@@ -17,11 +17,13 @@ declares, so every count still adds up.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from packtrain.packer.core.contract import RejectReason
@@ -29,6 +31,16 @@ from packtrain.packer.sources.raw import MAX_NESTING_DEPTH, Copies, RawRecord, W
 
 BATCH_ROWS = 64
 """Rows decoded at a time: a batch of images is what memory holds, whatever the row group size."""
+
+BATCH_BYTES = 256 << 20
+"""Budget of decoded bytes per batch. From the footer (each column chunk's uncompressed size) a row
+group's batches get fewer rows so that one batch stays within it; where dictionaries would expand
+past it (a value stored once, referenced by every row), the batch's rows are converted one at a time."""
+
+MAX_ROW_BYTES = 2**31 - 1
+"""Most decoded bytes of one row (its text and embedded media together: a shard row or media blob holds
+less): a larger row is a `record_too_large` reject, found from the footer or the dictionaries before it
+is decoded into Python objects."""
 
 _EMBEDDED_FIELDS = frozenset({"bytes", "path"})
 
@@ -63,6 +75,11 @@ def _open(path: Path) -> pq.ParquetFile | str:
     a byte of real data, and an unbounded count would keep a worker counting placeholders)."""
     try:
         pf = pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)
+        # Byte-array columns stay dictionaries: expanding them is what a tiny file could make huge.
+        leaves = [pf.schema.column(i) for i in range(pf.metadata.num_columns)]
+        dicts = [c.path for c in leaves if c.physical_type == "BYTE_ARRAY"]
+        if dicts:
+            pf = pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False, read_dictionary=dicts)
         meta = pf.metadata
         rows = meta.num_rows
         depth = max((_depth(pf.schema_arrow.field(i).type) for i in range(len(pf.schema_arrow))), default=0)
@@ -118,9 +135,20 @@ def _read_group(pf: pq.ParquetFile, path: Path, group: int, start: int, rows: in
     """Exactly `rows` records: the decoded rows, then one reject for each row that did not decode."""
     index = start
     end = start + rows
+    declared = pf.metadata.row_group(group).total_byte_size  # uncompressed, from the footer
+    per_row = math.ceil(declared / rows) if rows else 0
+    if per_row > MAX_ROW_BYTES:
+        detail = (
+            f"{path.name}: row group {group} declares {declared} uncompressed bytes for {rows} rows, "
+            f"over {MAX_ROW_BYTES} bytes a row may decode to; not decoded"
+        )
+        for i in range(start, end):
+            yield RawRecord(path, i, None, detail, RejectReason.RECORD_TOO_LARGE)
+        return
+    batch_rows = max(1, min(BATCH_ROWS, BATCH_BYTES // max(per_row, 1)))
     try:
-        for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=[group], use_threads=False):
-            for record in _batch_records(batch, path, index):
+        for batch in pf.iter_batches(batch_size=batch_rows, row_groups=[group], use_threads=False):
+            for record in _budgeted(batch, path, index):
                 if index == end:
                     return  # more rows than the footer declares: positions follow the footer
                 yield record
@@ -133,6 +161,51 @@ def _read_group(pf: pq.ParquetFile, path: Path, group: int, start: int, rows: in
     for i in range(index, end):
         detail = f"{path.name}: row group {group} holds fewer rows than its footer declares ({rows})"
         yield RawRecord(path, i, None, detail, RejectReason.BAD_PARQUET)
+
+
+def _budgeted(batch: pa.RecordBatch, path: Path, start: int) -> Iterator[RawRecord]:
+    """The batch's records, converted together when their decoded size is within BATCH_BYTES, else one
+    at a time (a row over MAX_ROW_BYTES not at all), so memory never holds more than the budget or
+    one row."""
+    if batch.num_rows <= 1 or expanded_bytes(batch) <= BATCH_BYTES:
+        yield from _batch_records(batch, path, start)
+        return
+    for i in range(batch.num_rows):
+        row = batch.slice(i, 1)
+        size = expanded_bytes(row)
+        if size > MAX_ROW_BYTES:
+            detail = (
+                f"{path.name}: row {start + i} decodes to {size} bytes, over {MAX_ROW_BYTES}; not decoded"
+            )
+            yield RawRecord(path, start + i, None, detail, RejectReason.RECORD_TOO_LARGE)
+        else:
+            yield from _batch_records(row, path, start + i)
+
+
+def expanded_bytes(data: pa.RecordBatch | pa.Array) -> int:
+    """About how many bytes `data` takes once its dictionaries are expanded (what `to_pylist` builds),
+    computed from dictionary value lengths and indices without expanding anything."""
+    if isinstance(data, pa.RecordBatch):
+        return sum(expanded_bytes(column) for column in data.columns)
+    t = data.type
+    if pa.types.is_dictionary(t):
+        values = data.dictionary
+        if (
+            pa.types.is_binary(values.type)
+            or pa.types.is_string(values.type)
+            or pa.types.is_large_binary(values.type)
+            or pa.types.is_large_string(values.type)
+        ):
+            taken = pc.take(pc.binary_length(values), data.indices)
+            return int(pc.sum(taken).as_py() or 0) + 8 * len(data)
+        return values.nbytes // max(len(values), 1) * len(data) + 8 * len(data)
+    if pa.types.is_struct(t):
+        return sum(expanded_bytes(child) for child in data.flatten()) + 8 * len(data)
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return expanded_bytes(data.flatten()) + 8 * len(data)
+    if pa.types.is_map(t):  # its children unsliced: at most an overestimate
+        return expanded_bytes(data.keys) + expanded_bytes(data.items) + 8 * len(data)
+    return data.nbytes
 
 
 def _batch_records(batch: pa.RecordBatch, path: Path, start: int) -> list[RawRecord]:

@@ -32,12 +32,13 @@ from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfi
 from packtrain.packer.sources.records import iter_records
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling
+from support.paths import MODELS
 from support.synth import generate_dataset
 
 from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODEL = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "qwen2-vl"
+MODEL = MODELS / "qwen2-vl"
 KINDS = {"text": (0.0, 0.0), "image": (1.0, 0.0), "video": (0.0, 1.0)}
 
 
@@ -108,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     rounds = 1 if args.quick else 5
     with tempfile.TemporaryDirectory() as tmp:
         rows = [bench_kind(kind, n, rounds, Path(tmp)) for kind, n in sizes.items()]
-    header = f"{'kind':<7}{'samples':>8}{'tok/sample':>11}{'convert/s':>11}{'bare/s':>9}{'ratio':>7}{'bare exp/s':>11}{'ratio exp':>10}"
+    header = (
+        f"{'kind':<7}{'samples':>8}{'tok/sample':>11}{'convert/s':>11}{'bare/s':>9}{'ratio':>7}"
+        f"{'bare exp/s':>11}{'ratio exp':>10}"
+    )
     print(header)
     for r in rows:
         print(

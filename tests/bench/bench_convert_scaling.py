@@ -22,10 +22,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling
+from support.paths import MODELS
 from support.synth import generate_dataset
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODEL = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "qwen2-vl"
+MODEL = MODELS / "qwen2-vl"
 
 
 def convert_wall_seconds(data: Path, out: Path, workers: int) -> float:

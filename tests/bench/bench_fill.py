@@ -40,12 +40,12 @@ from rich.table import Table
 from packtrain.packer.binpack import ALGORITHMS, lower_bound, lower_bound_l2, plan_bins
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling
+from support.paths import DATASETS, MODELS
 from support.synth import SYSTEM_TOKENS, TURN_OVERHEAD, image_tokens, synthetic_lengths
 
 HERE = Path(__file__).resolve().parent
-SHARED = HERE.parents[1].parent / "shared"
-TEXT_SFT = SHARED / "datasets" / "text-sft"
-TOKENIZER = SHARED / "models" / "qwen2-vl"
+TEXT_SFT = DATASETS / "text-sft"
+TOKENIZER = MODELS / "qwen2-vl"
 RESULTS = HERE / "results"
 MAX_LENGTHS = (4096, 8192, 16384)
 COCO_IMAGE_TOKENS = image_tokens(480, 640)

@@ -25,10 +25,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling
+from support.paths import MODELS
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 GIB = 1 << 30
-QWEN2_VL = HERE.parents[2] / "shared" / "models" / "qwen2-vl"
+QWEN2_VL = MODELS / "qwen2-vl"
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {
         "hidden_size": 64,
@@ -166,7 +169,8 @@ def run_cases(
         saved = 1 - row["growth_gib"] / (first["peak_rss_gib"] - first["built_rss_gib"])
         print(
             f"{row['shape']:6} {row['case']:16} {row['trainable_params']:>12,} {row['frozen_params']:>12,} "
-            f"{row['built_rss_gib']:>10.2f} {row['peak_rss_gib']:>13.2f} {row['growth_gib']:>11.2f} {saved:>13.1%}"
+            f"{row['built_rss_gib']:>10.2f} {row['peak_rss_gib']:>13.2f} {row['growth_gib']:>11.2f} "
+            f"{saved:>13.1%}"
         )
     args.results_dir.mkdir(parents=True, exist_ok=True)
     out = f"{name}.quick.json" if args.quick else f"{name}.json"

@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[dict] = []
     print(
-        f"{args.tokens} tokens, vocabulary {args.vocab}, chunk {args.chunk}, fp32 on CPU, {args.threads} threads"
+        f"{args.tokens} tokens, vocabulary {args.vocab}, chunk {args.chunk}, fp32 on CPU, "
+        f"{args.threads} threads"
     )
     print(f"{'hidden':>6} {'labels':>6} {'method':>8} {'peak MiB':>9} {'growth MiB':>10} {'seconds':>8}")
     for hidden in args.hidden:

@@ -35,10 +35,11 @@ from packtrain.packer.core.config import PackConfig
 from packtrain.packer.stages.convert import convert
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling
+from support.paths import MODELS
 from support.synth import generate_dataset
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODEL = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "qwen2-vl"
+MODEL = MODELS / "qwen2-vl"
 IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 SCHEMA = pa.schema(
     [

@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.huge:
         result = huge(args.huge_n, args.max_length)
         print(
-            f"{result['n']:,} lengths (max_length {result['max_length']}): planned in {result['plan_seconds']:.1f} s "
+            f"{result['n']:,} lengths (max_length {result['max_length']}): "
+            f"planned in {result['plan_seconds']:.1f} s "
             f"wall ({result['plan_cpu_seconds']:.1f} s CPU) = {result['rate']:,.0f} lengths/s; "
             f"{result['sequences']:,} sequences, "
             f"{result['sequences_over_lb']:.5f} x lower bound; valid: {result['valid']}"
@@ -201,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows)
     missed = [row["n"] for row in rows if not row["target_met"]]
     print(
-        f"targets: bfd >= {TARGET_RATE:,} lengths/s (n >= {RATE_TARGET_FROM:,}) and >= {TARGET_SPEEDUP:.0f}x swift:",
+        f"targets: bfd >= {TARGET_RATE:,} lengths/s (n >= {RATE_TARGET_FROM:,}) "
+        f"and >= {TARGET_SPEEDUP:.0f}x swift:",
         "all met" if not missed else f"MISSED at n = {missed}",
     )
     out = args.results_dir / "bench_planner.json"

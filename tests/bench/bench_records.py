@@ -25,7 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling
+from support.paths import SHARED
+
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ["json.loads whole", "all", "1 of 4", "count", "ijson items", "ijson skip"]
 

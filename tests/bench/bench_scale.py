@@ -31,11 +31,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling
+from support.paths import MODELS
 from support.synth import generate_dataset
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-MODEL = HERE.parents[1].parent / "shared" / "models" / "qwen2-vl"
+MODEL = MODELS / "qwen2-vl"
 IMAGE_FRAC, VIDEO_FRAC = 0.30, 0.02
 PLANNER_MIN_FREE_GIB = 12.0
 PLANNER_LIMIT_GIB = 24.0
@@ -200,7 +201,8 @@ def print_table(runs: list[dict[str, Any]], data: dict[str, Any]) -> None:
         cells = " ".join(f"{stage_cell(r, s):>26}" for s in stages)
         speed = base / r["wall_s"] / runs[0]["workers"] if r["wall_s"] else 0
         print(
-            f"{str(r['workers']) + ('*' if r.get('earlier') else ''):>7} {r['wall_s']:>8.1f} {r['cpu_s']:>8.1f} {speed:>7.2f} {cells} {r['main_peak_rss_mib']:>9.0f} "
+            f"{str(r['workers']) + ('*' if r.get('earlier') else ''):>7} {r['wall_s']:>8.1f} "
+            f"{r['cpu_s']:>8.1f} {speed:>7.2f} {cells} {r['main_peak_rss_mib']:>9.0f} "
             f"{r['output_bytes'] / 2**30:>8.2f} {r['sequences_over_lb']:>9.5f} "
             f"{r['load_average_before']:>5.1f}/{r['load_average_after']:<5.1f}"
         )
@@ -303,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"planner at {plan['n']:,} lengths skipped: {plan['skipped']}")
         else:
             print(
-                f"planner{' (earlier invocation)' if plan.get('earlier') else ''}: {plan['n']:,} lengths in {plan['plan_seconds']:.1f} s ({plan['rate']:,.0f}/s), "
+                f"planner{' (earlier invocation)' if plan.get('earlier') else ''}: "
+                f"{plan['n']:,} lengths in {plan['plan_seconds']:.1f} s ({plan['rate']:,.0f}/s), "
                 f"peak RSS {plan['peak_rss_gib_after_plan']:.2f} GiB (limit {PLANNER_LIMIT_GIB:.0f}), "
                 f"{plan['sequences_over_lb']:.5f} x lower bound, valid {plan['valid']}; "
                 f"load avg {plan['load_average_before']}/{plan['load_average_after']}"

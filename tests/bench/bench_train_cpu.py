@@ -14,7 +14,11 @@ both modes; padding is wasted in the (tiny) transformer body. The FLOPs ratio
 shows what padding costs once the body dominates, as it does for real models
 (see gpu_bench.py).
 
-    python tests/bench/bench_train_cpu.py [--samples 300] [--steps 4]
+`--family qwen3.5` trains a tiny Qwen3.5 (hybrid decoder) instead: its packed rows run the
+linear-attention layers once per sample (see trainer/linear_attention.py on CPU), the padded
+baseline once per padded row.
+
+    python tests/bench/bench_train_cpu.py [--samples 300] [--steps 4] [--family qwen3.5]
 """
 
 from __future__ import annotations
@@ -34,13 +38,13 @@ from packtrain.packer.stages.materialize import materialize
 from packtrain.packer.stages.plan import plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling
+from support.paths import MODELS
 from support.synth import generate_dataset
 
 from packtrain.trainer.config import SFTSpecCore
 from packtrain.trainer.loop import train
 
-REPO = Path(__file__).resolve().parents[2]
-MODEL = REPO.parent / "shared" / "models" / "qwen2-vl"
+MODEL = MODELS / "qwen2-vl"
 TINY = {
     "hidden_size": 128,
     "intermediate_size": 512,
@@ -50,15 +54,37 @@ TINY = {
     "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]},
     "vision_config": {"depth": 2, "embed_dim": 64, "num_heads": 2, "hidden_size": 128},
 }
+# --family qwen3.5: the same body sizes as a hybrid decoder (three Gated DeltaNet linear-attention
+# layers, then one full-attention layer), whose packed rows run the linear layers once per sample.
+TINY_QWEN3_5 = {
+    "text_config": {
+        **{k: v for k, v in TINY.items() if k not in ("rope_scaling", "vision_config")},
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "rope_parameters": {"mrope_section": [2, 1, 1]},
+    },
+    "vision_config": {
+        "depth": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 2,
+        "out_hidden_size": 128,
+    },
+}
+FAMILIES = {"qwen2-vl": (MODEL, TINY), "qwen3.5": (MODELS / "qwen3.5", TINY_QWEN3_5)}
 
 
-def make_pack(work: Path, samples: int, max_length: int) -> Path:
+def make_pack(work: Path, samples: int, max_length: int, model: Path = MODEL) -> Path:
     data = generate_dataset(work / "data", samples, seed=0)
     cfg = PackConfig.model_validate(
         {
             "source": {"paths": [str(data)]},
             "model": {
-                "path": str(MODEL),
+                "path": str(model),
                 "maxPixels": 64 * 28 * 28,
                 "videoMaxPixels": 16 * 28 * 28,
                 "maxFrames": 8,
@@ -73,11 +99,20 @@ def make_pack(work: Path, samples: int, max_length: int) -> Path:
     return out
 
 
-def run(pack: Path, out: Path, mode: str, steps: int, packed_batch: int, padded_batch: int) -> dict:
+def run(
+    pack: Path,
+    out: Path,
+    mode: str,
+    steps: int,
+    packed_batch: int,
+    padded_batch: int,
+    family: str = "qwen2-vl",
+) -> dict:
+    model, tiny = FAMILIES[family]
     cfg = SFTSpecCore.model_validate(
         {
             "data": {"path": str(pack), "numWorkers": 1},
-            "model": {"path": str(MODEL), "init": "random", "configOverrides": TINY},
+            "model": {"path": str(model), "init": "random", "configOverrides": tiny},
             "training": {
                 "maxSteps": steps,
                 "mode": mode,
@@ -103,19 +138,21 @@ def main() -> None:
     p.add_argument("--packed-batch", type=int, default=4, help="packed sequences per step")
     p.add_argument("--padded-batch", type=int, default=8, help="samples per step")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--family", choices=sorted(FAMILIES), default="qwen2-vl")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         t0 = time.perf_counter()
-        pack = make_pack(work, args.samples, args.max_length)
+        pack = make_pack(work, args.samples, args.max_length, FAMILIES[args.family][0])
         manifest = json.loads((pack / "manifest.json").read_text())
         print(
             f"pack: {manifest['counts']['packed']} samples -> {manifest['sequences']} sequences of "
-            f"<= {args.max_length} tokens, fill {manifest['fill_ratio']:.3f} ({time.perf_counter() - t0:.1f}s)"
+            f"<= {args.max_length} tokens, fill {manifest['fill_ratio']:.3f} "
+            f"({time.perf_counter() - t0:.1f}s)"
         )
         results = {
-            mode: run(pack, work / mode, mode, args.steps, args.packed_batch, args.padded_batch)
+            mode: run(pack, work / mode, mode, args.steps, args.packed_batch, args.padded_batch, args.family)
             for mode in ("packed", "padded")
         }
     print(

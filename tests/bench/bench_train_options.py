@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(
             f"{r['config']:34} {r['peak_rss_gib']:>7.2f}GiB {r['peak_rss_gib'] / base['peak_rss_gib']:>8.2f} "
-            f"{r['step_seconds']:>7.2f} {r['step_seconds'] / base['step_seconds']:>8.2f} {r['first_step_seconds']:>13.1f}"
+            f"{r['step_seconds']:>7.2f} {r['step_seconds'] / base['step_seconds']:>8.2f} "
+            f"{r['first_step_seconds']:>13.1f}"
         )
     args.results_dir.mkdir(parents=True, exist_ok=True)
     name = "bench_train_options.quick.json" if args.quick else "bench_train_options.json"

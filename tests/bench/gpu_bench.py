@@ -48,8 +48,10 @@ from typing import Any
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-MODEL = REPO.parent / "shared" / "models" / "qwen2.5-vl"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling
+from support.paths import MODELS, REPO
+
+MODEL = MODELS / "qwen2.5-vl"
 IGNORE_INDEX = -100
 # The released Qwen2.5-VL-7B's sizes over the shared 3B config (same vision tower, 3584-wide output).
 SIZES: dict[str, dict[str, Any]] = {
@@ -513,7 +515,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"device: {name}, torch {torch.__version__}, transformers {transformers.__version__}; "
-        f"{len(bench.samples)} samples -> {len(bench.rows)} sequences of <= {args.max_length}, fill {bench.fill:.3f}",
+        f"{len(bench.samples)} samples -> {len(bench.rows)} sequences of <= {args.max_length}, "
+        f"fill {bench.fill:.3f}",
         flush=True,
     )
     backends = available(args.backends.split(","), device, bench.dtype)
@@ -598,12 +601,14 @@ def print_table(report: dict[str, Any]) -> None:
             continue
         eq = r.get("packed_vs_alone")
         mem = r["peak_memory_bytes"]
+        same = "-" if eq is None else format(eq["max_rel_diff"], ".1e") + (" ok" if eq["equal"] else " NO")
         print(
-            f"{key:24} {r['step_seconds']:>7.2f} {r['tokens_per_second']:>9.0f} {r['effective_tokens_per_second']:>10.0f} "
+            f"{key:24} {r['step_seconds']:>7.2f} {r['tokens_per_second']:>9.0f} "
+            f"{r['effective_tokens_per_second']:>10.0f} "
             f"{r['padding_ratio']:>8.1%} {(r['mfu'] or 0):>6.1%} "
             f"{'-' if r['sm_utilization'] is None else format(r['sm_utilization'], '.0f') + '%':>5} "
             f"{'-' if mem is None else format(mem / 2**30, '.1f') + 'GiB':>9} "
-            f"{'-' if eq is None else format(eq['max_rel_diff'], '.1e') + (' ok' if eq['equal'] else ' NO'):>13}"
+            f"{same:>13}"
         )
     for key, v in report["verdict"].items():
         speed = v.get("effective_speedup")

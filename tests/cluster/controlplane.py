@@ -88,7 +88,7 @@ def locate_binaries() -> tuple[Path, Path]:
 
 
 def free_port() -> int:
-    """A loopback port that was free a moment ago (a component, rendezvous or /metrics binds it right after)."""
+    """A loopback port free a moment ago (a component, rendezvous or /metrics binds it right after)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -534,7 +534,7 @@ class ControlPlane:
         return self.bin.parent / "addons"
 
     def install_addon_manifests(self, *subdirs: str) -> None:
-        """Server-side apply every manifest under the add-on dir's ``subdirs`` (CRDs wait until Established)."""
+        """Server-side apply each manifest in the add-on dir's ``subdirs`` (CRDs wait until Established)."""
         files = [f for d in subdirs for f in sorted((self.addon_dir / d).rglob("*.yaml"))]
         if not files:
             raise RuntimeError(

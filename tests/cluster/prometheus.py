@@ -315,7 +315,7 @@ class Prometheus:
                 self.proc.wait()
 
     def api(self, path: str, **params: Any) -> Any:
-        """GET /api/v1/<path>; the `data` of a success, PrometheusError (with Prometheus' message) otherwise."""
+        """GET /api/v1/<path>: the `data` of a success, else PrometheusError (with Prometheus' message)."""
         self._check_alive()
         query = urllib.parse.urlencode({k: v for k, v in params.items() if v is not None}, doseq=True)
         try:

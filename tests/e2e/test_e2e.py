@@ -24,7 +24,6 @@ import yaml
 from e2e_harness import (
     GROUP,
     QUICKSTART,
-    REPO,
     RESTRICTED,
     VERSION,
     Background,
@@ -41,6 +40,7 @@ from e2e_harness import (
     wait_for,
 )
 from kubernetes import watch
+from support.paths import DEMO
 
 pytestmark = pytest.mark.cluster
 
@@ -231,7 +231,7 @@ def test_quickstart_end_to_end(
 
 def _write_corrupt_dataset(folder: Path) -> dict[str, str]:
     """Two good samples and three with broken media; returns id -> expected reject reason."""
-    demo = REPO.parent / "shared" / "datasets" / "llamafactory-mllm-demo" / "mllm_demo_data"
+    demo = DEMO / "mllm_demo_data"
     folder.mkdir(parents=True)
     shutil.copy(demo / "1.jpg", folder / "good.jpg")
     data = (demo / "1.jpg").read_bytes()

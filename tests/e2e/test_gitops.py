@@ -194,7 +194,7 @@ def owned(repo: Repo, owner_uid: str) -> list[str]:
 
 
 def pack_max_length(repo: Repo, folder: str) -> int:
-    """``max_length`` in the manifest of the pack in `folder` on the data claim, as the PackJob's pods wrote it."""
+    """``max_length`` in the manifest the PackJob's pods wrote for the pack in `folder` on the data claim."""
     return int(
         json.loads((repo.h.pvc_dir(repo.ns, DATA_CLAIM) / folder / "manifest.json").read_text())["max_length"]
     )

@@ -197,5 +197,6 @@ def test_quickstart_runs_in_the_images(
     with capsys.disabled():
         print(
             f"\nquickstart in the images: {len(ran)} containers, pack {pack_seconds:.0f} s, "
-            f"apply -> SFTJob Succeeded {seconds:.0f} s, {progress['step']} steps, loss {progress['loss']:.4f}"
+            f"apply -> SFTJob Succeeded {seconds:.0f} s, {progress['step']} steps, "
+            f"loss {progress['loss']:.4f}"
         )

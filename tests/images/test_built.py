@@ -51,7 +51,8 @@ def locked(image: str) -> dict[str, str]:
 PROBE = r"""
 import importlib.metadata as md, importlib.util, json, os, shutil, sys
 venv = [d for d in md.distributions(path=[p for p in sys.path if p.startswith("/opt/packtrain/")])]
-leftovers = [p for p in ("/opt/tools", "/root/.cache", "/wheels", "/src", "/etc/pip.conf") if os.path.exists(p)]
+leftovers = [p for p in ("/opt/tools", "/root/.cache", "/wheels", "/src", "/etc/pip.conf")
+             if os.path.exists(p)]
 # apt's package lists and downloaded .debs (its empty folders may stay, as in the slim images).
 leftovers += [os.path.join(d, f) for top in ("/var/lib/apt/lists", "/var/cache/apt", "/mnt")
               for d, _, files in os.walk(top) for f in files if f != "lock"]

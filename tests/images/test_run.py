@@ -1,7 +1,7 @@
 """Each built image's entrypoint runs inside its own root filesystem (chroot in a private mount namespace).
 
-The operator image writes `packtrain crds` as the checkout does; the packer image packs the quickstart's datasets
-(the shared folder mounted read-only at the same path) into a manifest byte-identical to the one
+The operator image writes `packtrain crds` as the checkout does; the packer image packs the quickstart's
+datasets (the shared folder mounted read-only at the same path) into a manifest byte-identical to the one
 packed here by the checkout; the trainer image trains the tiny model two CPU steps on that pack,
 with the command the operator builds for a pod.
 """

@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -306,3 +307,40 @@ def rejected(api: client.ApiClient, ns: str, body: dict[str, Any]) -> str:
         create(api, ns, body)
     assert err.value.status == 422, err.value.body
     return str(json.loads(err.value.body)["message"])
+
+
+def describe(kube_cluster: Any, namespace: str, kind: str, name: str) -> str:
+    """`kubectl describe`, as a user reads it (printed, so a run's log holds the transcript)."""
+    out = kube_cluster.kubectl("describe", kind, name, "-n", namespace).stdout
+    print(f"$ kubectl describe {kind} {name}\n{out}")
+    return out
+
+
+def report_pytorchjob(api: client.ApiClient, ns: str, name: str, *conds: tuple[str, str, str]) -> None:
+    """What the training-operator would write: conditions (type, reason, message)."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    status = {
+        "conditions": [
+            {
+                "type": t,
+                "status": "True",
+                "reason": r,
+                "message": m,
+                "lastTransitionTime": now,
+                "lastUpdateTime": now,
+            }
+            for t, r, m in conds
+        ],
+    }
+    custom(api).patch_namespaced_custom_object_status(
+        "kubeflow.org", "v1", ns, "pytorchjobs", name, {"status": status}
+    )
+
+
+def pytorchjob_of(api: client.ApiClient, ns: str, name: str) -> dict[str, Any] | None:
+    try:
+        return dict(custom(api).get_namespaced_custom_object("kubeflow.org", "v1", ns, "pytorchjobs", name))
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise

@@ -1,5 +1,5 @@
 """The training-stall deadline of a Running SFTJob: the pure decision, the scrape's bookkeeping, and the
-reconcile against the in-memory API of `test_handlers` (the real API server: `test_integration`)."""
+reconcile against the in-memory API of `test_handlers` (the real API server: `test_cluster_deadlines`)."""
 
 from __future__ import annotations
 

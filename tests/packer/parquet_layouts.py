@@ -15,12 +15,10 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from support.paths import DATASETS, DEMO, MODELS
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED = REPO.parent / "shared"
-DEMO = SHARED / "datasets" / "llamafactory-mllm-demo"
-LLAVA = SHARED / "datasets" / "text-sft" / "llava-instruct-100" / "llava_instruct_100.json"
-QWEN2 = SHARED / "models" / "qwen2-vl"
+LLAVA = DATASETS / "text-sft" / "llava-instruct-100" / "llava_instruct_100.json"
+QWEN2 = MODELS / "qwen2-vl"
 DEMO_IMAGES = [DEMO / "mllm_demo_data" / f"{i}.jpg" for i in (1, 2, 3)]
 
 IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import media_factory as mf
 import pytest
+from support.paths import SHARED
 
 from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
 from packtrain.packer.core.vision import VisionSpec, image_grid, probe_image
 from packtrain.packer.sources.records import iter_records
 from packtrain.packer.tokenize import REJECT_REASONS, Reject, SampleTokenizer, TokenizedSample
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 DEMO_MEDIA = SHARED / "datasets" / "llamafactory-mllm-demo" / "mllm_demo_data"
 
 

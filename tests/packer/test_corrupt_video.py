@@ -24,6 +24,7 @@ import av
 import media_factory as mf
 import pytest
 from support.pack_runner import run_in_process
+from support.paths import DEMO, MODELS
 
 from packtrain.packer import local, stages, tools
 from packtrain.packer.cli import main as pack_main
@@ -33,10 +34,8 @@ from packtrain.packer.core.pack.shards import MANIFEST, REJECTS, ShardReader, re
 from packtrain.packer.media.store import check_frames, decode_failure, video_frames
 from packtrain.packer.stages.workdir import SHARD_REJECTS, PackRefused, refusal
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED = REPO.parent / "shared"
-DEMO_MEDIA = SHARED / "datasets" / "llamafactory-mllm-demo" / "mllm_demo_data"
-QWEN2 = SHARED / "models" / "qwen2-vl"
+DEMO_MEDIA = DEMO / "mllm_demo_data"
+QWEN2 = MODELS / "qwen2-vl"
 BAD = "bad-sample"
 MAX_LENGTH = 384  # a video and a few text samples per sequence: the corrupt one shares its sequence
 

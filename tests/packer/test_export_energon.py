@@ -17,17 +17,15 @@ import numpy as np
 import pytest
 from PIL import Image
 from support.pack_runner import run_in_process
+from support.paths import DATASETS, DEMO, MODELS
 
 from packtrain.packer.cli import main as pack_main
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.pack.shards import ShardReader
 from packtrain.packer.export_energon import export_energon
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED = REPO.parent / "shared"
-DEMO = SHARED / "datasets" / "llamafactory-mllm-demo"
-TEXT = SHARED / "datasets" / "text-sft"
-QWEN2 = SHARED / "models" / "qwen2-vl"
+TEXT = DATASETS / "text-sft"
+QWEN2 = MODELS / "qwen2-vl"
 
 
 @pytest.fixture(scope="module", params=["original", "resized"])

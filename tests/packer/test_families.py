@@ -10,6 +10,7 @@ from pathlib import Path
 import media_factory as mf
 import numpy as np
 import pytest
+from support.paths import DEMO, MODELS
 
 from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
 from packtrain.packer.core.errors import ConfigError
@@ -20,9 +21,6 @@ from packtrain.packer.core.pack.schema import IGNORE_INDEX
 from packtrain.packer.sources.raw import RawRecord
 from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
-MODELS = SHARED / "models"
-DEMO = SHARED / "datasets" / "llamafactory-mllm-demo"
 NAMES = sorted(FAMILIES)
 
 
@@ -161,22 +159,24 @@ def test_odd_video_pads_its_last_group(shared_dir: Path, tmp_path: Path) -> None
     assert "<0.3 seconds><|vision_start|>" in text and "<1.5 seconds>" in text and "<2.4 seconds>" in text
 
 
-def test_qwen3_example_packs_and_verifies(shared_dir: Path, tmp_path: Path) -> None:
-    """examples/qwen3-vl.yaml's model settings pack the demo images and videos into a pack that
-    `pack verify` finds sound (one pad run per temporal group), in both media storage modes."""
+@pytest.mark.parametrize("name", ["qwen3-vl", "qwen3.5"])
+def test_qwen3_example_packs_and_verifies(shared_dir: Path, tmp_path: Path, name: str) -> None:
+    """examples/qwen3-vl.yaml's and examples/qwen3.5.yaml's model settings pack the demo images and
+    videos into a pack that `pack verify` finds sound (one pad run per temporal group), in both media
+    storage modes."""
     from packtrain.packer.core.config import PackConfig, load_pack_config
     from packtrain.packer.stages.convert import convert
     from packtrain.packer.stages.materialize import materialize
     from packtrain.packer.stages.plan import plan
     from packtrain.packer.tools import verify
 
-    example = load_pack_config(Path(__file__).resolve().parents[2] / "examples" / "qwen3-vl.yaml")
-    assert example.model.family == "qwen3-vl"
+    example = load_pack_config(Path(__file__).resolve().parents[2] / "examples" / f"{name}.yaml")
+    assert example.model.family == name
     for storage in ("original", "resized"):
         cfg = PackConfig.model_validate(
             {
                 "source": {"paths": [str(DEMO / "mllm_demo.json"), str(DEMO / "mllm_video_demo.json")]},
-                "model": {**example.model.dump(), "path": str(MODELS / "qwen3-vl")},
+                "model": {**example.model.dump(), "path": str(MODELS / name)},
                 "packing": {"maxLength": 4096, "mediaStorage": storage},
             }
         )
@@ -209,3 +209,70 @@ def test_video_sampling_settings_come_from_the_folder_unless_configured(
         2.0,
         768,
     )
+
+
+QWEN35_CHAT = [
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello!", "reasoning_content": "A greeting."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "function_call", "content": '{"name": "weather", "arguments": {"city": "Paris"}}'},
+    {"role": "observation", "content": '{"temp": 21}'},
+    {"role": "assistant", "content": "21 degrees.", "reasoning_content": "The tool said 21."},
+]
+
+
+def _rendered_assistant_turns(text: str, turn_end: str) -> list[str]:
+    """Each assistant turn of a rendered chat, from after its header through its end token."""
+    return [t.split(turn_end, 1)[0] + turn_end for t in text.split("<|im_start|>assistant\n")[1:]]
+
+
+@pytest.mark.parametrize("mode", ["all_assistant", "last_assistant"])
+def test_qwen35_labels_are_the_assistant_turns_as_rendered(shared_dir: Path, mode: str) -> None:
+    """Labels cover each assistant turn exactly as the template renders it: the `<think>` block it
+    writes after the last user query (reasoning, or empty) is trained; history reasoning is not rendered."""
+    tok = _tok("qwen3.5", mode)
+    sample = tok(RawRecord(Path("d.json"), 0, {"messages": QWEN35_CHAT}, None))
+    assert isinstance(sample, TokenizedSample), sample
+    tokenizer = tok.model.tokenizer
+    messages = [
+        {"role": "assistant", "content": "", "tool_calls": [{"function": json.loads(m["content"])}]}
+        if m["role"] == "function_call"
+        else {**m, "role": "tool" if m["role"] == "observation" else m["role"]}
+        for m in QWEN35_CHAT
+    ]
+    text = tokenizer.apply_chat_template(messages, chat_template=tok.model.chat_template, tokenize=False)
+    assert tokenizer.decode(sample.input_ids) == text
+    turns = _rendered_assistant_turns(text, "<|im_end|>")
+    assert turns == [
+        "Hello!<|im_end|>",
+        "<think>\n\n</think>\n\n<tool_call>\n<function=weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "</function>\n</tool_call><|im_end|>",
+        "<think>\nThe tool said 21.\n</think>\n\n21 degrees.<|im_end|>",
+    ]
+    trained = tokenizer.decode([t for t in sample.labels if t != IGNORE_INDEX])
+    assert trained == "".join(turns if mode == "all_assistant" else turns[-1:])
+
+
+def test_qwen35_function_call_must_be_a_json_call(shared_dir: Path) -> None:
+    """Qwen3.5 writes a call as XML blocks from its name and arguments, so a call that is not a JSON
+    object with a name is a malformed record; the JSON-style families keep the text verbatim."""
+    record = {
+        "conversations": [
+            {"from": "human", "value": "Go"},
+            {"from": "function_call", "value": "weather(Paris)"},
+            {"from": "observation", "value": "21"},
+            {"from": "gpt", "value": "21."},
+        ]
+    }
+    bad = _tok("qwen3.5")(RawRecord(Path("d.json"), 0, record, None))
+    assert not isinstance(bad, TokenizedSample) and bad.reason == "malformed_record"
+    assert "function call" in bad.detail
+    assert isinstance(_tok("qwen3-vl")(RawRecord(Path("d.json"), 0, record, None)), TokenizedSample)
+    record["conversations"][1]["value"] = '{"name": "weather", "arguments": "{\\"city\\": \\"Paris\\"}"}'
+    sample = _tok("qwen3.5")(RawRecord(Path("d.json"), 0, record, None))
+    assert isinstance(sample, TokenizedSample), sample
+    assert "<parameter=city>\nParis\n</parameter>" in _tok("qwen3.5").model.tokenizer.decode(sample.input_ids)
+    record["conversations"][3]["reasoning_content"] = ["not", "text"]
+    bad = _tok("qwen3.5")(RawRecord(Path("d.json"), 0, record, None))
+    assert not isinstance(bad, TokenizedSample) and bad.reason == "malformed_record"
+    assert "'reasoning_content' is a list" in bad.detail

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import media_factory as mf
 import pytest
+from support.paths import MODELS, REPO
 
 from packtrain.packer.core.config import ModelConfig, PackConfig, PackingConfig, SourceConfig
 from packtrain.packer.core.contract import RejectReason
@@ -26,8 +27,7 @@ from packtrain.packer.sources.records import iter_records
 from packtrain.packer.stages.convert import convert
 from packtrain.packer.tokenize import REJECT_REASONS, Reject, SampleTokenizer, TokenizedSample
 
-REPO = Path(__file__).resolve().parents[2]
-QWEN2 = REPO.parent / "shared" / "models" / "qwen2-vl"
+QWEN2 = MODELS / "qwen2-vl"
 
 
 def _ask(placeholder: str, key: str, path: str) -> dict:

@@ -14,14 +14,14 @@ from pathlib import Path
 import media_factory as mf
 import pytest
 from support.pack_runner import run_in_process
+from support.paths import MODELS
 
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.errors import ConfigError, MediaError
 from packtrain.packer.media.access import open_regular
 from packtrain.packer.sources.records import expand_paths
 
-REPO = Path(__file__).resolve().parents[2]
-QWEN2 = REPO.parent / "shared" / "models" / "qwen2-vl"
+QWEN2 = MODELS / "qwen2-vl"
 
 
 def _chat(image: str | None = None) -> dict:
@@ -176,3 +176,337 @@ def test_a_hard_linked_dataset_file_stops_the_job_unless_allowed(tmp_path: Path)
     manifest = run_in_process(_cfg([str(data / "*.jsonl")], allowHardLinks=True), tmp_path / "out2")
     _adds_up(manifest)
     assert manifest["counts"]["packed"] == 2
+
+
+# 5. A pack is read only inside its folder
+
+
+@pytest.fixture(scope="module")
+def small_pack(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("pack")
+    mf.image(tmp / "data" / "a.png", 64, 48)
+    dataset = _jsonl(tmp / "data" / "d.jsonl", [_chat("a.png"), _chat(), _chat()])
+    manifest = run_in_process(_cfg([str(dataset)]), tmp / "out")
+    _adds_up(manifest)
+    return tmp / "out"
+
+
+def _verify(pack: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    from packtrain.packer.cli import main as pack_main
+
+    rc = pack_main(["verify", str(pack)])
+    return rc, capsys.readouterr().err
+
+
+def _outside_copy(pack: Path, tmp_path: Path, key: str) -> tuple[Path, Path]:
+    """A copy of the pack whose shard 0 `key` file lies in a folder beside it (the sha256 still matches)."""
+    from pack_tamper import copy_pack
+
+    bad = copy_pack(pack, tmp_path / "bad")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    manifest = json.loads((bad / "manifest.json").read_text())
+    moved = elsewhere / "x.arrow"
+    (bad / manifest["shards"][0][key]).rename(moved)
+    return bad, moved
+
+
+@pytest.mark.parametrize("key", ["file", "media_file"])
+@pytest.mark.parametrize("spelling", ["relative", "absolute"])
+def test_a_shard_named_outside_the_pack_is_refused_everywhere(
+    key: str, spelling: str, small_pack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pack_tamper import edit_manifest
+
+    from packtrain.packer.core.errors import ShardFormatError
+    from packtrain.packer.core.pack.shards import ShardReader
+    from packtrain.packer.export_energon import export_energon
+    from packtrain.packer.tools import unpack
+
+    bad, moved = _outside_copy(small_pack, tmp_path, key)
+    name = "../elsewhere/x.arrow" if spelling == "relative" else str(moved)
+
+    def point(m: dict) -> None:
+        m["shards"][0][key] = name
+
+    edit_manifest(bad, point)
+    rc, err = _verify(bad, capsys)
+    assert rc == 2 and "not a plain file name in the pack's shards/ folder" in err, err
+    for read in (
+        lambda: ShardReader(bad),
+        lambda: ShardReader(bad, verify_checksums=False),
+        lambda: export_energon(bad, tmp_path / "energon"),
+        lambda: unpack(bad),
+    ):
+        with pytest.raises(ShardFormatError, match="not a plain file name"):
+            read()
+
+
+def test_a_device_or_proc_file_in_a_shards_place_is_refused_at_once(
+    small_pack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import time
+
+    from pack_tamper import copy_pack
+
+    for target in ("/proc/self/pagemap", "/dev/zero"):
+        bad = copy_pack(small_pack, tmp_path / Path(target).name)
+        shard = bad / json.loads((bad / "manifest.json").read_text())["shards"][0]["file"]
+        shard.unlink()
+        shard.symlink_to(target)
+        start = time.monotonic()
+        rc, err = _verify(bad, capsys)
+        assert rc == 2 and "not a regular file" in err, err
+        assert time.monotonic() - start < 10
+
+
+def test_a_sparse_file_of_the_wrong_size_is_not_hashed(
+    small_pack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import time
+
+    from pack_tamper import copy_pack
+
+    bad = copy_pack(small_pack, tmp_path / "bad")
+    shard = bad / json.loads((bad / "manifest.json").read_text())["shards"][0]["media_file"]
+    with shard.open("r+b") as f:
+        f.truncate(40 << 30)  # sparse: no blocks written
+    start = time.monotonic()
+    rc, err = _verify(bad, capsys)
+    assert rc == 2 and f"has {40 << 30} bytes, the manifest records" in err, err
+    assert time.monotonic() - start < 10
+    assert "sha256" not in err.split("records")[0]  # no digest of what it found
+
+
+# 6. The trainer refuses what `verify` refuses, before allocating
+
+
+def _image_row(pack: Path) -> tuple[int, int]:
+    from pack_tamper import first_row
+
+    return first_row(pack, lambda row: bool(row["media"]))
+
+
+def _dataset(pack: Path):  # noqa: ANN202 - the trainer's PackedDataset (torch imported lazily)
+    from packtrain.packer.core.model_spec import model_spec
+    from packtrain.trainer.data import PackedDataset
+
+    return PackedDataset(pack, model_spec(QWEN2), vocab_size=151936)
+
+
+def _seq(pack: Path, shard: int, row: int) -> int:
+    shards = json.loads((pack / "manifest.json").read_text())["shards"]
+    return sum(int(e["rows"]) for e in shards[:shard]) + row
+
+
+def _lying_grid(row: dict) -> None:
+    ref = row["media"][0]
+    ref.update(height=28 * 4000, width=28 * 4000, grid_h=4000, grid_w=4000)
+
+
+def _overlong(row: dict) -> None:
+    extra = 600
+    row["input_ids"] = row["input_ids"] + [198] * extra
+    row["labels"] = row["labels"] + [198] * extra
+    row["seq_lens"] = [*row["seq_lens"][:-1], row["seq_lens"][-1] + extra]
+
+
+@pytest.mark.parametrize(
+    ("edit", "verify_says", "trainer_says"),
+    [
+        (_lying_grid, "outside the pack's pixel cap", "outside the pack's pixel cap"),
+        (_overlong, "tokens > max_length 512", "over the pack's max_length 512"),
+    ],
+    ids=["grid-lies-about-size", "row-over-max-length"],
+)
+def test_rows_verify_refuses_the_trainer_refuses_before_allocating(
+    edit, verify_says: str, trainer_says: str, small_pack: Path, tmp_path: Path, capsys
+) -> None:
+    import resource
+
+    from pack_tamper import copy_pack, tamper_row
+
+    from packtrain.packer.core.errors import PackIntegrityError
+
+    bad = copy_pack(small_pack, tmp_path / "bad")
+    shard, row = _image_row(bad)
+    shard_file = tamper_row(bad, shard, row, edit)
+    rc, err = _verify(bad, capsys)
+    assert rc == 2 and f"{shard_file} row {row}: " in err and verify_says in err, err
+    ds = _dataset(bad)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(PackIntegrityError, match=rf"{shard_file} row {row}: .*{trainer_says}"):
+        ds._decoded_row(_seq(bad, shard, row), {})
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 200 << 10  # KiB: no GB buffers
+
+
+def _media_blobs(pack: Path, shard: int, edit) -> None:  # noqa: ANN001
+    """Apply `edit` to each blob of one media table and re-sign it, as an attacker would."""
+    import pyarrow as pa
+
+    from packtrain.packer.core.pack.schema import MEDIA_SCHEMA
+    from packtrain.packer.core.pack.shards import canonical_json, read_table, write_table
+
+    manifest = json.loads((pack / "manifest.json").read_text())
+    entry = manifest["shards"][shard]
+    path = pack / entry["media_file"]
+    blobs = read_table(path).to_pylist()
+    for blob in blobs:
+        edit(blob)
+    path.unlink()
+    entry["media_sha256"] = write_table(path, pa.Table.from_pylist(blobs, schema=MEDIA_SCHEMA))
+    entry["media_bytes"] = path.stat().st_size
+    (pack / "manifest.json").write_bytes(canonical_json(manifest))
+
+
+def _as_tga(renamed: dict[str, str]):  # noqa: ANN202
+    """An edit re-encoding image blobs as TGA (re-keyed where the key is their sha256; `renamed` gets
+    old key -> new key, for the rows)."""
+    import hashlib
+    import io
+
+    from PIL import Image
+
+    def edit(blob: dict) -> None:
+        if blob["kind"] != "image":
+            return
+        with Image.open(io.BytesIO(blob["data"])) as img:
+            out = io.BytesIO()
+            img.save(out, format="TGA")
+        blob["data"] = out.getvalue()
+        if blob["encoding"] == "original":
+            renamed[blob["key"]] = blob["key"] = hashlib.sha256(blob["data"]).hexdigest()
+
+    return edit
+
+
+def test_an_image_blob_in_a_format_outside_the_allow_list_neither_verifies_nor_trains(
+    small_pack: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pack_tamper import copy_pack, tamper_row
+
+    from packtrain.packer.core.errors import PackIntegrityError
+
+    bad = copy_pack(small_pack, tmp_path / "bad")
+    shard, row = _image_row(bad)
+    renamed: dict[str, str] = {}
+    _media_blobs(bad, shard, _as_tga(renamed))
+
+    def rekey(r: dict) -> None:
+        for ref in r["media"]:
+            ref["key"] = renamed.get(ref["key"], ref["key"])
+
+    tamper_row(bad, shard, row, rekey)
+    rc, err = _verify(bad, capsys)
+    assert rc == 2 and ("resized image is None" in err or "not an image of an allowed format" in err), err
+    with pytest.raises(PackIntegrityError, match=rf"row {row}: media .* does not decode"):
+        _dataset(bad)._decoded_row(_seq(bad, shard, row), {})
+
+
+# 4. Cost bounded before the expensive step
+
+
+def exif_bomb(rationals: int, orientation: int = 6) -> bytes:
+    """A big-endian TIFF/EXIF block: Orientation, then one XResolution tag holding `rationals` values."""
+    import struct
+
+    header = b"MM\x00\x2a" + struct.pack(">I", 8)
+    data_offset = 8 + 2 + 2 * 12 + 4
+    entries = struct.pack(">HHIHH", 0x0112, 3, 1, orientation, 0)
+    entries += struct.pack(">HHII", 0x011A, 5, rationals, data_offset)
+    ifd = struct.pack(">H", 2) + entries + struct.pack(">I", 0)
+    return header + ifd + struct.pack(">II", 72, 1) * rationals
+
+
+def _png_with_exif(path: Path, exif: bytes) -> Path:
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (64, 48), (1, 2, 3)).save(path, exif=exif)
+    return path
+
+
+def test_an_exif_bomb_is_rejected_before_its_exif_is_parsed(tmp_path: Path) -> None:
+    import time
+
+    from packtrain.packer.core.vision import MAX_IMAGE_METADATA_BYTES, probe_image
+
+    small = _png_with_exif(tmp_path / "small.png", exif_bomb(4))
+    assert probe_image(small.read_bytes()).width == 48  # orientation 6 still read: width and height swap
+    bomb = _png_with_exif(tmp_path / "bomb.png", exif_bomb(MAX_IMAGE_METADATA_BYTES // 8 + 1))
+    start = time.monotonic()
+    with pytest.raises(MediaError, match="metadata .* not parsed") as exc:
+        probe_image(bomb.read_bytes())
+    assert exc.value.reason == "media_too_large"
+    assert time.monotonic() - start < 2
+    data = tmp_path / "data"
+    (data / "bomb.png").parent.mkdir(parents=True, exist_ok=True)
+    bomb.rename(data / "bomb.png")
+    mf.image(data / "ok.png", 64, 48)
+    dataset = _jsonl(data / "d.jsonl", [_chat("bomb.png"), _chat("ok.png")])
+    manifest = run_in_process(_cfg([str(dataset)]), tmp_path / "out")
+    _adds_up(manifest)
+    assert manifest["counts"]["rejected_by_reason"] == {"media_too_large": 1}
+
+
+def test_the_trainer_never_parses_an_exif_bomb_in_a_pack(tmp_path: Path) -> None:
+    from packtrain.packer.core.pixels import decode_rgb
+    from packtrain.packer.core.vision import MAX_IMAGE_METADATA_BYTES
+
+    bomb = _png_with_exif(tmp_path / "bomb.png", exif_bomb(MAX_IMAGE_METADATA_BYTES // 8 + 1))
+    with pytest.raises(MediaError, match="EXIF block of .* not parsed|metadata"):
+        decode_rgb(bomb.read_bytes())
+
+
+def _parquet(path: Path, rows: int, value_bytes: int, dictionary: bool) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    text = json.dumps(_chat()["messages"])
+    big = "x" * value_bytes
+    if dictionary:  # one value stored once, referenced by every row
+        column = pa.DictionaryArray.from_arrays(pa.array([0] * rows, pa.int32()), pa.array([big]))
+    else:
+        column = pa.array([big] * rows)
+    table = pa.table({"messages": pa.array([text] * rows), "pad": column})
+    pq.write_table(table, path, compression="zstd", row_group_size=rows, use_dictionary=dictionary)
+    return path
+
+
+@pytest.mark.parametrize("dictionary", [False, True], ids=["footer-declares", "dictionary-expands"])
+def test_parquet_rows_over_the_decoded_budget_are_rejected_before_decoding(
+    dictionary: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from packtrain.packer.sources import parquet
+    from packtrain.packer.sources.parquet import read_parquet
+
+    monkeypatch.setattr(parquet, "BATCH_BYTES", 4 << 20)
+    monkeypatch.setattr(parquet, "MAX_ROW_BYTES", 512 << 10)
+    path = _parquet(tmp_path / "bomb.parquet", 64, 1 << 20, dictionary)
+    assert path.stat().st_size < 64 << 10
+    records = list(read_parquet(path, lambda: True))
+    assert [r.index for r in records] == list(range(64))
+    assert {r.reason for r in records} == {"record_too_large"}
+    small = list(read_parquet(_parquet(tmp_path / "ok.parquet", 64, 1 << 10, dictionary), lambda: True))
+    assert len(small) == 64 and all(r.error is None for r in small)
+
+
+def test_parquet_batches_shrink_to_the_decoded_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from packtrain.packer.sources import parquet
+    from packtrain.packer.sources.parquet import read_parquet
+
+    sizes: list[int] = []
+    real = parquet._budgeted
+
+    def spy(batch, path, start):  # noqa: ANN001, ANN202
+        sizes.append(batch.num_rows)
+        return real(batch, path, start)
+
+    monkeypatch.setattr(parquet, "BATCH_BYTES", 4 << 20)
+    monkeypatch.setattr(parquet, "_budgeted", spy)
+    path = _parquet(tmp_path / "big.parquet", 64, 1 << 20, dictionary=False)
+    records = list(read_parquet(path, lambda: True))
+    assert len(records) == 64 and all(r.error is None for r in records)
+    assert max(sizes) <= 4 and sum(sizes) == 64

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from support.paths import MODELS
+
 from packtrain.operator import local_run
 
-REPO = Path(__file__).resolve().parents[2]
-QWEN2 = REPO.parent / "shared" / "models" / "qwen2-vl"
+QWEN2 = MODELS / "qwen2-vl"
 
 
 def _yaml(tmp_path: Path, input_path: str) -> Path:

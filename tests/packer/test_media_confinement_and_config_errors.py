@@ -15,6 +15,7 @@ import pytest
 from pack_tamper import copy_pack, edit_manifest
 from PIL import Image
 from support.pack_runner import run_in_process
+from support.paths import MODELS
 
 from packtrain.packer.cli import main as pack_main
 from packtrain.packer.core.config import PackConfig
@@ -27,10 +28,7 @@ from packtrain.packer.stages.plan import plan
 from packtrain.packer.stages.workdir import REJECT_DETAIL_CHARS, PackRefused
 from packtrain.trainer.cli import main as train_main
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED = REPO.parent / "shared"
-DEMO = SHARED / "datasets" / "llamafactory-mllm-demo"
-QWEN2 = SHARED / "models" / "qwen2-vl"
+QWEN2 = MODELS / "qwen2-vl"
 
 
 def _chat(image: str) -> dict:

@@ -9,9 +9,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from parquet_layouts import DEMO, LLAVA_OV_SCHEMA, SHARED, config, llava_ov_rows, write
+from parquet_layouts import LLAVA_OV_SCHEMA, config, llava_ov_rows, write
 from pydantic import ValidationError
 from support.pack_runner import run_in_process
+from support.paths import DEMO, SHARED
 
 from packtrain.packer.cli import main as pack_main
 from packtrain.packer.core.config import MixtureEntry, PackConfig

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from support.pack_runner import run_in_process
+from support.paths import MODELS
 
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.pack.shards import MANIFEST, remove_stale_temps
@@ -22,8 +23,7 @@ from packtrain.packer.stages.convert import convert
 from packtrain.packer.stages.finalize import DUPLICATE_IDS
 from packtrain.packer.tools import verify
 
-REPO = Path(__file__).resolve().parents[2]
-QWEN2 = REPO.parent / "shared" / "models" / "qwen2-vl"
+QWEN2 = MODELS / "qwen2-vl"
 PACKTRAIN = Path(sys.executable).with_name("packtrain")
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from support.pack_runner import run_in_process
+from support.paths import MODELS
 
 from packtrain.packer.cli import main as pack_main
 from packtrain.packer.core.config import PackConfig
@@ -18,9 +19,7 @@ from packtrain.packer.stages.plan import plan
 from packtrain.packer.stages.workdir import check_output_config
 from packtrain.packer.tools import unpack, verify
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED = REPO.parent / "shared"
-QWEN2 = SHARED / "models" / "qwen2-vl"
+QWEN2 = MODELS / "qwen2-vl"
 
 
 def _chat(i: int, with_id: bool = False) -> dict:

@@ -8,16 +8,14 @@ from pathlib import Path
 import pytest
 from pack_tamper import ROW_EDITS, copy_pack, edit_manifest, first_row, tamper_row
 from support.pack_runner import run_in_process
+from support.paths import DEMO, MODELS
 
 from packtrain.packer.cli import main as pack_main
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.pack.integrity import model_facts, stored_config_hash
 from packtrain.packer.core.pack.shards import MANIFEST, REJECTS
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED = REPO.parent / "shared"
-DEMO = SHARED / "datasets" / "llamafactory-mllm-demo"
-QWEN2 = SHARED / "models" / "qwen2-vl"
+QWEN2 = MODELS / "qwen2-vl"
 
 
 def _config(tmp: Path) -> PackConfig:

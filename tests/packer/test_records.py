@@ -11,6 +11,7 @@ from typing import Any
 
 import media_factory as mf
 import pytest
+from support.paths import SHARED
 
 from packtrain.packer.core.config import FieldMap, ModelConfig, PackingConfig, SourceConfig
 from packtrain.packer.core.errors import ConfigError
@@ -19,7 +20,6 @@ from packtrain.packer.sources.raw import RawRecord
 from packtrain.packer.sources.records import expand_paths, iter_records
 from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 MODEL = SHARED / "models" / "qwen2-vl"
 VIDEO_DEMO = SHARED / "datasets" / "llamafactory-mllm-demo" / "mllm_video_demo.json"
 TEXT_SFT = SHARED / "datasets" / "text-sft"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from support.pack_runner import run_in_process
+from support.paths import DATASETS, DEMO, MODELS
 
 from packtrain.packer.cli import main as pack_main
 from packtrain.packer.core.config import PackConfig
@@ -19,11 +20,8 @@ from packtrain.packer.stages.materialize import materialize
 from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
 from packtrain.packer.tools import unpack, verify
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED = REPO.parent / "shared"
-DEMO = SHARED / "datasets" / "llamafactory-mllm-demo"
-TEXT = SHARED / "datasets" / "text-sft"
-QWEN2 = SHARED / "models" / "qwen2-vl"
+TEXT = DATASETS / "text-sft"
+QWEN2 = MODELS / "qwen2-vl"
 
 
 def _config(tmp_path: Path, **packing: object) -> PackConfig:

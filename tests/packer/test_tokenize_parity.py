@@ -17,16 +17,14 @@ from typing import Any
 
 import media_factory as mf
 import pytest
+from support.paths import DEMO, MODELS, SHARED
 
 from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
 from packtrain.packer.sources.raw import RawRecord
 from packtrain.packer.sources.records import iter_records
 from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
-MODELS = SHARED / "models"
-DEMO = SHARED / "datasets" / "llamafactory-mllm-demo"
-FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
+FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5"]
 FPS, MIN_FRAMES, MAX_FRAMES = 2.0, 4, 768
 
 transformers = pytest.importorskip("transformers")
@@ -184,7 +182,7 @@ def test_video_ids_match_processor(
     ]
     text = processor.apply_chat_template(conversation, tokenize=False)
     kwargs = {"do_sample_frames": True, "fps": FPS, "min_frames": MIN_FRAMES, "max_frames": MAX_FRAMES}
-    extra = {"cap_pixels_per_frame": True} if family == "qwen3-vl" else {}
+    extra = {"cap_pixels_per_frame": True} if family in ("qwen3-vl", "qwen3.5") else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ref = processor(text=[text], videos=[frames], video_metadata=[metadata], **kwargs, **extra)
@@ -267,13 +265,14 @@ QWEN3_VIDEOS = {
 
 
 @pytest.mark.parametrize("name", sorted(QWEN3_VIDEOS))
-def test_qwen3_generated_video_ids_match_processor(tmp_path: Path, name: str) -> None:
+@pytest.mark.parametrize("model", ["qwen3-vl", "qwen3.5"])
+def test_qwen3_generated_video_ids_match_processor(tmp_path: Path, name: str, model: str) -> None:
     """Sampled frame counts odd and even, sides below the patch factor, and a clip where
     `cap_pixels_per_frame` changes the size: ids (timestamps included) equal the processor's."""
     from transformers.video_utils import load_video
 
     transformers.utils.logging.set_verbosity_error()
-    processor = transformers.AutoProcessor.from_pretrained(str(MODELS / "qwen3-vl"))
+    processor = transformers.AutoProcessor.from_pretrained(str(MODELS / model))
     frames_n, fps, width, height = QWEN3_VIDEOS[name]
     path = mf.video(tmp_path / name, frames=frames_n, fps=fps, width=width, height=height)
     record = {
@@ -283,7 +282,7 @@ def test_qwen3_generated_video_ids_match_processor(tmp_path: Path, name: str) ->
         ],
         "videos": [name],
     }
-    ours = _ours(_tokenizer("qwen3-vl"), record, tmp_path / "d.json")
+    ours = _ours(_tokenizer(model), record, tmp_path / "d.json")
     assert isinstance(ours, TokenizedSample), ours
     frames, metadata = load_video(str(path), backend="pyav")
     conversation = [
@@ -304,3 +303,129 @@ def test_qwen3_generated_video_ids_match_processor(tmp_path: Path, name: str) ->
     assert _grids(ours, "video") == grids[True]
     if name == "hd-short.mp4":
         assert grids[True] != grids[False], "the clip must exercise the per-frame cap"
+
+
+def test_system_prompt_and_multi_turn_image_match_processor(family: str, processor: Any) -> None:
+    """A record's `system` column and a multi-turn chat with an image in a later turn."""
+    image = str(DEMO / "mllm_demo_data" / "1.jpg")
+    record = {
+        "system": "You answer in one short sentence.",
+        "messages": [
+            {"role": "user", "content": "Hello, who are you?"},
+            {"role": "assistant", "content": "An assistant."},
+            {"role": "user", "content": "What is in <image>this picture?"},
+            {"role": "assistant", "content": "Two dogs."},
+        ],
+        "images": [image],
+    }
+    ours = _ours(_tokenizer(family), record, DEMO / "d.json")
+    assert isinstance(ours, TokenizedSample), ours
+    conversation = [
+        {"role": "system", "content": record["system"]},
+        *[_placeholder_to_hf(m, [image]) for m in record["messages"]],
+    ]
+    ref = _hf(processor, conversation)
+    assert ours.input_ids == ref["input_ids"][0]
+    assert _grids(ours, "image") == ref["image_grid_thw"].tolist()
+
+
+GLAIVE = SHARED / "datasets" / "text-sft" / "glaive-toolcall" / "glaive_toolcall_en_demo.json"
+_HF_ROLES = {"human": "user", "gpt": "assistant", "observation": "tool"}
+
+
+def _glaive_to_hf(turn: dict[str, str]) -> dict[str, Any]:
+    """A ShareGPT tool-calling turn as the structured message `apply_chat_template` takes."""
+    if turn["from"] == "function_call":
+        call = json.loads(turn["value"])
+        return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
+    return {"role": _HF_ROLES[turn["from"]], "content": turn["value"]}
+
+
+@pytest.mark.parametrize("system", [None, "Be brief."])
+def test_qwen35_tool_calls_match_processor(system: str | None) -> None:
+    """Qwen3.5's template renders `tools` and `tool_calls` itself (XML function/parameter blocks);
+    the packer's tools system prompt and function-call turns equal what it renders."""
+    processor = transformers.AutoProcessor.from_pretrained(str(MODELS / "qwen3.5"))
+    tok = _tokenizer("qwen3.5")
+    raws = [r for r in iter_records([str(GLAIVE)]) if "function_call" in str(r.record)][:25]
+    assert len(raws) == 25
+    for raw in raws:
+        record = {**raw.record, **({"system": system} if system else {})}
+        ours = _ours(tok, record, GLAIVE)
+        assert isinstance(ours, TokenizedSample), ours
+        messages = [_glaive_to_hf(t) for t in record["conversations"]]
+        if system:
+            messages.insert(0, {"role": "system", "content": system})
+        ref = _hf(processor, messages, tools=json.loads(record["tools"]))
+        assert ours.input_ids == ref["input_ids"][0], raw.index
+
+
+QWEN35_REASONING = [
+    # (record turns, why): each is compared with the processor on the same messages
+    (
+        [
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4.", "reasoning_content": "Two plus two is four."},
+        ],
+        "last turn with reasoning",
+    ),
+    (
+        [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!", "reasoning_content": "A greeting."},
+            {"role": "user", "content": "Bye"},
+            {"role": "assistant", "content": "See you."},
+        ],
+        "history reasoning dropped, last turn without reasoning gets an empty block",
+    ),
+    (
+        [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "<think>\nGreet back.\n</think>\n\nHello!"},
+            {"role": "user", "content": "Again"},
+            {"role": "assistant", "content": "<think>Once more.</think>Hello again!"},
+        ],
+        "<think> written in the content",
+    ),
+    (
+        [
+            {"role": "user", "content": "Weather in Paris and Rome?"},
+            {
+                "role": "function_call",
+                "content": '{"name": "weather", "arguments": {"city": "Paris", "days": 2, "metric": true}}',
+                "reasoning_content": "Look it up.",
+            },
+            {"role": "observation", "content": '{"temp": 21}'},
+            {"role": "observation", "content": '{"temp": 25}'},
+            {"role": "assistant", "content": "Paris 21, Rome 25.", "reasoning_content": "Both known."},
+        ],
+        "turns after the last user query all get think blocks; tool results share one user turn",
+    ),
+]
+
+
+def _reasoning_to_hf(turn: dict[str, Any]) -> dict[str, Any]:
+    if turn["role"] == "function_call":
+        call = {"type": "function", "function": json.loads(turn["content"])}
+        return {"role": "assistant", "content": "", "tool_calls": [call], **_reasoning(turn)}
+    role = "tool" if turn["role"] == "observation" else turn["role"]
+    return {"role": role, "content": turn["content"], **_reasoning(turn)}
+
+
+def _reasoning(turn: dict[str, Any]) -> dict[str, Any]:
+    return {"reasoning_content": turn["reasoning_content"]} if "reasoning_content" in turn else {}
+
+
+@pytest.mark.parametrize("case", range(len(QWEN35_REASONING)))
+def test_qwen35_reasoning_matches_processor(case: int) -> None:
+    """`reasoning_content` on assistant turns and `<think>` in their content render as the template
+    renders them (history vs turns after the last user query), in both record layouts."""
+    processor = transformers.AutoProcessor.from_pretrained(str(MODELS / "qwen3.5"))
+    turns, why = QWEN35_REASONING[case]
+    ref = _hf(processor, [_reasoning_to_hf(t) for t in turns])["input_ids"][0]
+    ours = _ours(_tokenizer("qwen3.5"), {"messages": turns}, Path("d.json"))
+    assert isinstance(ours, TokenizedSample), ours
+    assert ours.input_ids == ref, why
+    sharegpt = [{"from": t["role"], "value": t["content"], **_reasoning(t)} for t in turns]
+    ours = _ours(_tokenizer("qwen3.5"), {"conversations": sharegpt}, Path("d.json"))
+    assert isinstance(ours, TokenizedSample) and ours.input_ids == ref, why

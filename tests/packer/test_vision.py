@@ -10,6 +10,7 @@ import media_factory as mf
 import pytest
 from PIL import Image, ImageOps
 from support.pack_runner import run_in_process
+from support.paths import DEMO
 
 from packtrain.packer.core.errors import MediaError
 from packtrain.packer.core.vision import (
@@ -21,13 +22,7 @@ from packtrain.packer.core.vision import (
     smart_resize,
 )
 
-DEMO_MEDIA = (
-    Path(__file__).resolve().parents[2].parent
-    / "shared"
-    / "datasets"
-    / "llamafactory-mllm-demo"
-    / "mllm_demo_data"
-)
+DEMO_MEDIA = DEMO / "mllm_demo_data"
 
 
 def test_smart_resize_equals_transformers() -> None:

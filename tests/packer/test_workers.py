@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.paths import DATASETS, DEMO, MODELS
 
 from packtrain.packer import local, stages
 from packtrain.packer.cli import main as pack_main
@@ -18,11 +19,8 @@ from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.errors import ConfigError
 from packtrain.packer.stages.plan import MIN_SHARD_SEQUENCES, shard_size
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED = REPO.parent / "shared"
-DEMO = SHARED / "datasets" / "llamafactory-mllm-demo"
-TEXT = SHARED / "datasets" / "text-sft"
-QWEN2 = SHARED / "models" / "qwen2-vl"
+TEXT = DATASETS / "text-sft"
+QWEN2 = MODELS / "qwen2-vl"
 
 
 def _config(**packing: object) -> PackConfig:

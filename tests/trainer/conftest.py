@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from vlm_fixtures import DEMO, FOLDER, SHARED, TINY
+from support.paths import DEMO, SHARED
+from vlm_fixtures import FOLDER, TINY
 
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.stages.convert import convert

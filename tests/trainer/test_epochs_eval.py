@@ -12,6 +12,7 @@ import vlm_fixtures as fx
 from conftest import job_spec, write_job
 from pydantic import ValidationError
 from safetensors.torch import load_file
+from support.paths import SHARED
 
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.stages.convert import convert
@@ -34,7 +35,7 @@ def tiny_pack(tmp_path_factory: pytest.TempPathFactory, shared_dir: Path) -> Pat
     epochs of a tiny model in seconds."""
     out = tmp_path_factory.mktemp("tiny")
     chats = json.loads(
-        (fx.SHARED / "datasets" / "text-sft" / "fastchat" / "dummy_conversation.json").read_text()
+        (SHARED / "datasets" / "text-sft" / "fastchat" / "dummy_conversation.json").read_text()
     )
     (out / "chats.json").write_text(json.dumps(chats[:40]))
     cfg = PackConfig.model_validate(

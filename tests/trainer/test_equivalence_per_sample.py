@@ -36,6 +36,8 @@ def _double_batch(batch: Batch) -> Batch:
 def _group(name: str) -> str:
     if "deepstack" in name:
         return "deepstack"
+    if "linear_attn" in name:  # Qwen3.5's Gated DeltaNet layers (conv1d, A_log, dt_bias, in_proj_*, ...)
+        return "linear_attention"
     return "vision" if "visual" in name else "llm"
 
 
@@ -92,6 +94,7 @@ def test_each_sample_loss_and_gradient_equal_the_sample_alone(family, shared_dir
     assert all(v <= TOL for v in worst.values()), worst
     assert {"llm", "vision"} <= set(worst)
     assert ("deepstack" in worst) == (family == "qwen3-vl")
+    assert ("linear_attention" in worst) == (family == "qwen3.5")
 
 
 def test_a_cache_turns_off_the_packed_detection_so_boundaries_stay_explicit(shared_dir):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from support.paths import MODELS
 from transformers import AutoImageProcessor
 
 from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
@@ -15,7 +16,7 @@ from packtrain.packer.sources.raw import RawRecord
 from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
 from packtrain.trainer.media import PixelSpec, image_pixels
 
-MODEL = Path(__file__).resolve().parents[2].parent / "shared" / "models" / "qwen2-vl"
+MODEL = MODELS / "qwen2-vl"
 ORIENTATION = 0x0112
 
 

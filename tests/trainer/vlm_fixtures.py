@@ -12,20 +12,15 @@ import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
+from support.paths import DEMO, MODELS
 from transformers import AutoProcessor
 
 from packtrain.packer.core.model_spec import ModelSpec, model_spec
 from packtrain.trainer.media import PixelSpec, decode_video_frames, media_pixels
-
-REPO = Path(__file__).resolve().parents[2]
-SHARED = REPO.parent / "shared"
-MODELS = SHARED / "models"
-DEMO = SHARED / "datasets" / "llamafactory-mllm-demo"
 
 TINY_TEXT = {
     "hidden_size": 64,
@@ -67,6 +62,28 @@ TINY["qwen3-vl"] = {
         "deepstack_visual_indexes": [0, 1],
     },
 }
+# Qwen3.5: a hybrid decoder, three Gated DeltaNet linear-attention layers then one full-attention
+# layer (as in the real config's 3:1 pattern), grouped values (4 value heads over 2 key heads).
+TINY["qwen3.5"] = {
+    "text_config": {
+        **{k: v for k, v in TINY_TEXT.items() if k != "rope_scaling"},
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "rope_parameters": {"mrope_section": [2, 1, 1]},  # partial_rotary_factor 0.25: 8 rotary dims
+    },
+    "vision_config": {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+    },
+}
 FOLDER = {name: MODELS / name for name in TINY}
 FAMILIES = tuple(TINY)
 IMAGE_SIZE = {"shortest_edge": 3136, "longest_edge": 48 * 28 * 28}
@@ -77,6 +94,10 @@ SIZES = {
     "qwen2-vl": (IMAGE_SIZE, VIDEO_SIZE),
     "qwen2.5-vl": (IMAGE_SIZE, VIDEO_SIZE),
     "qwen3-vl": (
+        {"shortest_edge": 4096, "longest_edge": 48 * 32 * 32},
+        {"shortest_edge": 4096, "longest_edge": 4 * 16 * 32 * 32},
+    ),
+    "qwen3.5": (
         {"shortest_edge": 4096, "longest_edge": 48 * 32 * 32},
         {"shortest_edge": 4096, "longest_edge": 4 * 16 * 32 * 32},
     ),
@@ -157,6 +178,7 @@ def demo_samples(family: str) -> list[Sample]:
         videos = [decode_video_frames((DEMO / p).read_bytes(), VIDEO_FRAMES) for p in video_paths]
         kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
         image_size, video_size = SIZES[family]
+        timestamps = model_spec(FOLDER[family]).family.video_timestamps  # Qwen3-VL's video processor and text
         if images:
             kwargs["images"] = images
             kwargs["images_kwargs"] = {"size": image_size}
@@ -165,10 +187,10 @@ def demo_samples(family: str) -> list[Sample]:
             kwargs["videos_kwargs"] = {
                 "size": video_size,
                 "do_sample_frames": False,
-                "cap_pixels_per_frame": family == "qwen3-vl",
+                "cap_pixels_per_frame": timestamps,
                 "fps": VIDEO_FPS,
             }
-            if family == "qwen3-vl":  # its text has timestamps from the frame indices and the source fps
+            if timestamps:  # its text has timestamps from the frame indices and the source fps
                 kwargs["videos_kwargs"]["video_metadata"] = [
                     {**VIDEO_SOURCE, "frames_indices": VIDEO_FRAMES} for _ in videos
                 ]

@@ -24,9 +24,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from packtrain.packer.core.config import MAX_FRAMES_CEILING, MAX_PIXELS_CEILING
 from packtrain.packer.core.families import FAMILIES
 from packtrain.packer.core.pack.schema import IGNORE_INDEX
 from packtrain.packer.core.pack.shards import ShardReader
+from packtrain.packer.core.pixels import IMAGE_FORMATS
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,35 @@ def grid_problem(
     return None
 
 
+def ref_problem(
+    ref: dict[str, Any],
+    image_pixels: int = MAX_PIXELS_CEILING,
+    video_pixels: int = MAX_PIXELS_CEILING,
+    patch_size: int | None = None,
+    temporal_patch_size: int | None = None,
+) -> str | None:
+    """A media ref against the pack's pixel caps, before anything is decoded or allocated for it: the
+    resized size (per image or frame) at most `image_pixels` / `video_pixels`, at most
+    MAX_FRAMES_CEILING frames, and, when the patch sizes are given, a grid that is that size."""
+    kind, h, w = ref["kind"], int(ref["height"]), int(ref["width"])
+    grid = [int(ref[g]) for g in ("grid_t", "grid_h", "grid_w")]
+    frames = list(ref["frames"] or ())
+    cap = image_pixels if kind == "image" else video_pixels
+    if kind not in ("image", "video"):
+        return f"media kind {kind!r} is neither image nor video"
+    if h < 1 or w < 1 or h * w > cap:
+        return f"{kind} resized to {w}x{h}, outside the pack's pixel cap ({cap} per {kind} or frame)"
+    if len(frames) > MAX_FRAMES_CEILING or (kind == "video") != bool(frames):
+        return f"{kind} with {len(frames)} sampled frames (a video has 1 to {MAX_FRAMES_CEILING}, images 0)"
+    if patch_size is not None and (grid[1] * patch_size, grid[2] * patch_size) != (h, w):
+        return f"media grid {grid} is not its resized size {w}x{h} in patches of {patch_size}"
+    if temporal_patch_size is not None:
+        want_t = 1 if kind == "image" else -(-len(frames) // temporal_patch_size)
+        if grid[0] != want_t:
+            return f"media grid {grid}: grid_t should be {want_t} for {len(frames)} sampled frames"
+    return None
+
+
 @dataclass
 class Scan:
     """What a pass over every row found: problems, and the totals the manifest must agree with."""
@@ -173,12 +204,13 @@ class Scan:
     sample_ids: list[str] = field(default_factory=list)
 
 
-def _png_size(data: bytes) -> tuple[int, int] | None:
-    """(width, height) from an image header, without decoding pixels; None if it is not an image."""
+def _png_size(data: bytes, formats: tuple[str, ...] = ("PNG",)) -> tuple[int, int] | None:
+    """(width, height) from an image header, without decoding pixels; None if it is not an image of
+    `formats` (resized media are PNG; the trainer decodes nothing outside IMAGE_FORMATS)."""
     from PIL import Image
 
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with Image.open(io.BytesIO(data), formats=formats) as img:
             return img.size
     except Exception:  # any decoder error on edited bytes is simply "not the image the ref says"
         return None
@@ -192,6 +224,8 @@ def blob_problem(blob: dict[str, Any], ref: dict[str, Any]) -> str | None:
     if blob["encoding"] == "original":
         if hashlib.sha256(blob["data"]).hexdigest() != key:
             return f"media {key[:12]}…: its bytes do not hash to its key"
+        if blob["kind"] == "image" and _png_size(blob["data"], IMAGE_FORMATS) is None:
+            return f"media {key[:12]}…: not an image of an allowed format ({', '.join(IMAGE_FORMATS)})"
         return None
     want = (ref["width"], ref["height"])
     images = [blob["data"]] if blob["kind"] == "image" else list(blob["frames"])
@@ -233,6 +267,8 @@ def scan_rows(reader: ShardReader, facts: ModelFacts, max_length: int, limit: in
             problem = row_problem(row_ids, row_labels, row_lens, facts.vocab_size)
             if problem is None and len(row_ids) > max_length:
                 problem = f"{len(row_ids)} tokens > max_length {max_length}"
+            if problem is None:
+                problem = next((p for ref in media[r] if (p := ref_problem(ref))), None)
             if problem is None:
                 problem = grid_problem(row_ids, row_lens.tolist(), media[r], facts)
             if problem is None and (lost := [m["key"] for m in media[r] if m["key"] not in keys]):

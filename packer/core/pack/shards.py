@@ -20,6 +20,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -248,6 +249,67 @@ def _check_shard_entries(mpath: Path, shards: Any) -> None:
                 f"{mpath}: shards[{i}] has a wrong type or value for {', '.join(bad or ['rows'])}; "
                 "re-run `packtrain pack materialize` on the output folder, or re-pack."
             )
+        for key in ("file", "media_file"):
+            if not _is_shard_name(entry[key]):
+                raise ShardFormatError(
+                    f"{mpath}: shards[{i}].{key} {entry[key][:200]!r} is not a plain file name in the pack's "
+                    f"{SHARDS_DIR}/ folder; a pack is read only inside its folder. Re-pack the data."
+                )
+        for key in ("bytes", "media_bytes"):
+            if key in entry and (not isinstance(entry[key], int) or entry[key] < 0):
+                raise ShardFormatError(f"{mpath}: shards[{i}].{key} is not a byte count; re-pack the data.")
+
+
+SHARDS_DIR = "shards"
+
+
+def _is_shard_name(rel: str) -> bool:
+    """`shards/NAME` with NAME a plain file name: no folder, `..`, absolute path, backslash or NUL."""
+    folder, sep, name = rel.partition("/")
+    return (
+        folder == SHARDS_DIR
+        and sep == "/"
+        and name not in ("", ".", "..")
+        and not any(c in name for c in "/\\\0")
+    )
+
+
+def sha256_shard(path: Path, size: int | None) -> str:
+    """The sha256 of a shard file: opened only if it is a regular file (not a symlink, FIFO or device)
+    of the manifest's `size` when it records one, compared before a byte is hashed."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError as exc:
+        raise ShardFormatError(f"{path} is listed in the manifest but missing; re-run materialize") from exc
+    except OSError as exc:  # ELOOP: a symlink
+        raise ShardFormatError(f"{path}: not a regular file of the pack ({exc.strerror}); re-pack") from exc
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = "is not a regular file"
+    elif size is not None and st.st_size != size:
+        problem = f"has {st.st_size} bytes, the manifest records {size}"
+    if problem is not None:
+        os.close(fd)
+        raise ShardFormatError(f"{path} {problem}: the pack was damaged or edited; re-pack the data")
+    with os.fdopen(fd, "rb") as f:
+        h = hashlib.sha256()
+        while block := f.read(1 << 20):
+            h.update(block)
+        return h.hexdigest()
+
+
+def check_regular(path: Path) -> None:
+    """Refuse a shard path that is not a regular file itself (a symlink, FIFO, device)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return  # reading it reports the error
+    if not stat.S_ISREG(st.st_mode):
+        raise ShardFormatError(
+            f"{path} is not a regular file: the pack was damaged or edited; re-pack the data"
+        )
 
 
 class ShardReader:
@@ -270,14 +332,14 @@ class ShardReader:
     def verify(self) -> None:
         """Check every shard file against the manifest's sha256; raise on the first mismatch."""
         for entry in self._entries:
-            for rel, want in ((entry["file"], entry["sha256"]), (entry["media_file"], entry["media_sha256"])):
+            for rel, want, size in (
+                (entry["file"], entry["sha256"], entry.get("bytes")),
+                (entry["media_file"], entry["media_sha256"], entry.get("media_bytes")),
+            ):
                 p = self.path / rel
-                if not p.is_file():
-                    raise ShardFormatError(f"{p} is listed in the manifest but missing; re-run materialize")
-                got = sha256_file(p)
-                if got != want:
+                if sha256_shard(p, size) != want:
                     raise ShardFormatError(
-                        f"{p}: sha256 {got[:12]}… does not match the manifest ({want[:12]}…); "
+                        f"{p}: its sha256 does not match the manifest ({want[:12]}…); "
                         "the file is corrupt or was modified. Re-run `packtrain pack materialize`."
                     )
 
@@ -316,6 +378,7 @@ class ShardReader:
     def _open(self, rel: str, schema: pa.Schema) -> pa.Table:
         """A shard file, refused unless it is an Arrow file of exactly the format's schema."""
         path = self.path / rel
+        check_regular(path)
         try:
             table = read_table(path)
         except (OSError, pa.ArrowInvalid) as exc:
