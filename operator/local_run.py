@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -358,13 +359,14 @@ def main(argv: list[str] | None = None) -> int:
     trained: dict[str, dict] = {}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:
-        with Progress(*columns, console=console) as progress:
+        with _stopped_by_signals(), Progress(*columns, console=console) as progress:
             for job in packs:
                 packed[job.name] = run_pack(job, out, args.workers, progress, env)
         for job in sfts:
             ref = job.spec.data.pack_job_ref
             data_dir = packed[ref][0] if ref else Path(job.spec.data.path)
-            trained[job.name] = run_train(job, data_dir, out, args.nproc, args.max_steps, env)
+            with _stopped_by_signals():
+                trained[job.name] = run_train(job, data_dir, out, args.nproc, args.max_steps, env)
     except PipelineError as exc:
         console.print(Text.assemble(("error: ", "red"), str(exc)), soft_wrap=True)
         return exc.exit_code
@@ -374,6 +376,25 @@ def main(argv: list[str] | None = None) -> int:
     Console().print(summary_table(packed, trained))
     print_next_steps(Console(), out, packed, trained)
     return 0
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP (`timeout`, `kill`, a closed terminal) stop the pipeline as Ctrl-C does, so
+    the children (torchrun runs in its own session) are stopped too, not orphaned."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def print_next_steps(

@@ -66,7 +66,8 @@ REJECT_REASONS: dict[RejectReason, str] = {
     "levels; where a JSON array itself breaks, the rest of the file is one reject",
     RejectReason.BAD_UTF8: "a line or array item is not valid UTF-8, or has a lone surrogate escape",
     RejectReason.RECORD_TOO_LARGE: f"one record's JSON text is over {MAX_RECORD_BYTES >> 20} MiB "
-    "(records.MAX_RECORD_BYTES); counted, not read",
+    "(records.MAX_RECORD_BYTES), or a Parquet row decodes to more than 2 GiB (from the footer or its "
+    "dictionaries); counted, not read",
     RejectReason.BAD_PARQUET: "a Parquet file's footer, a row group or a row does not decode (a file that "
     "cannot be opened is one reject, a row group that fails one reject per row it declares)",
     RejectReason.MALFORMED_RECORD: "the record is not a conversation this packer can read (see detail)",
@@ -88,8 +89,8 @@ REJECT_REASONS: dict[RejectReason, str] = {
     RejectReason.MEDIA_TYPE_MISMATCH: "a video used as an image, or an image used as a video",
     RejectReason.UNSUPPORTED_MEDIA: "audio, or a media path that is not a regular file (folder, FIFO, "
     "device)",
-    RejectReason.MEDIA_TOO_LARGE: "a media file over source.maxImageBytes / source.maxVideoBytes, or an "
-    "image over source.maxImageSourcePixels",
+    RejectReason.MEDIA_TOO_LARGE: "a media file over source.maxImageBytes / source.maxVideoBytes, an "
+    "image over source.maxImageSourcePixels, or one whose metadata (EXIF, ICC, XMP, text) is over 1 MiB",
     RejectReason.VIDEO_TOO_LARGE: "a video whose decoded work (source pixels x sampled frames) is over "
     "source.maxVideoSourcePixels",
     RejectReason.ASPECT_RATIO: "an image or video more than 200 times wider than tall (or taller than wide)",

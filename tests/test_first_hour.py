@@ -213,9 +213,12 @@ def test_top_level_help_lists_every_subcommand() -> None:
     assert "export" in packtrain("pack", "--help").stdout
 
 
-def _interrupt(cmd: list[str], ready: Callable[[], bool], delay: float = 1.0) -> tuple[int, str]:
+def _interrupt(
+    cmd: list[str], ready: Callable[[], bool], delay: float = 1.0, sig: int = signal.SIGINT
+) -> tuple[int, str]:
     """Start `cmd` in its own process group, wait until `ready()` (then `delay` seconds), press Ctrl-C
-    (SIGINT to the group, as a terminal does); its exit code and stderr."""
+    (SIGINT to the group, as a terminal does; any other signal goes to the process alone, as `kill`
+    or `timeout` send it); its exit code and stderr."""
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True
     )
@@ -224,7 +227,10 @@ def _interrupt(cmd: list[str], ready: Callable[[], bool], delay: float = 1.0) ->
         time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()[1][-3000:]
     time.sleep(delay)
-    os.killpg(proc.pid, signal.SIGINT)
+    if sig == signal.SIGINT:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
     pressed = time.monotonic()
     _, err = proc.communicate(timeout=60)
     assert time.monotonic() - pressed < 15, "Ctrl-C took too long to stop everything"
@@ -358,13 +364,15 @@ def test_trainer_on_a_busy_metrics_port(
 
 
 @pytest.mark.slow
-def test_ctrl_c_in_local_run_training(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "kill"])
+def test_ctrl_c_in_local_run_training(tmp_path: Path, sig: int) -> None:
     busy = _listening()
     job, out = _pipeline(tmp_path, busy.getsockname()[1], steps=2000), tmp_path / "out"
     log = out / "logs" / "tiny-train.log"
     code, err = _interrupt(
         [PACKTRAIN, "run", str(job), "--workers", "1", "--output", str(out)],
         ready=lambda: log.is_file() and '"event": "step"' in log.read_text(),
+        sig=sig,
     )
     assert code == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]

@@ -97,7 +97,7 @@ def _varlen_forward(
     """`Qwen3_5GatedDeltaNet.forward` (training, no cache) over a packed (1, T, D) row, with the
     conv and the delta rule restarted at the boundaries `cu` by varlen kernels."""
     _, total, _ = hidden_states.shape
-    cu = cu.to(device=hidden_states.device, dtype=torch.int32)
+    cu = cu.to(device=hidden_states.device, dtype=torch.long)  # fla: LongTensor cu_seqlens
     mixed = kernels.conv(
         layer.in_proj_qkv(hidden_states),
         layer.conv1d.weight.squeeze(1),
@@ -131,8 +131,7 @@ def isolate(layer: nn.Module, path: str, kernels: VarlenKernels | None = None) -
     if path not in PATHS:
         raise ValueError(f"unknown linear-attention path {path!r}; use one of {', '.join(PATHS)}")
     forward = layer.forward
-    if path == "fla":
-        kernels = kernels or fla_kernels()
+    kernels = (kernels or fla_kernels()) if path == "fla" else None
 
     def run(
         hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None, **kwargs: Any

@@ -98,7 +98,7 @@ class ModelShape:
         kinds = list(getattr(text, "layer_types", None) or [])[: text.num_hidden_layers]
         linear = sum(kind == "linear_attention" for kind in kinds)
         return cls(
-            llm_params=counts["llm"],
+            llm_params=counts["llm"] - _inactive_expert_params(hf, text),
             lm_head_params=counts["lm_head"],
             vision_params=counts["vision"],
             layers=text.num_hidden_layers,
@@ -114,6 +114,16 @@ class ModelShape:
             llm_factor=_factor(counts, "llm", frozen_forward_only=False),
             vision_factor=_factor(counts, "vision", frozen_forward_only=True),
         )
+
+
+def _inactive_expert_params(hf: Any, text: Any) -> int:
+    """Mixture of experts: the expert weights a token does not use (each token runs top-k of the
+    experts), left out of the per-token matmul FLOPs."""
+    experts = getattr(text, "num_experts", None)
+    if not experts:
+        return 0
+    total = sum(p.numel() for name, p in hf.named_parameters() if ".mlp.experts." in name)
+    return int(total * (1 - text.num_experts_per_tok / experts))
 
 
 def _linear_flops_per_token(text: Any, chunk: int = 64) -> float:

@@ -11,7 +11,11 @@ beyond its data lives here, in one place:
   path exists, so a dataset cannot probe the file system. URLs are
   `remote_media`: the packer never fetches over the network.
 - Only regular files are opened (`O_NONBLOCK`, then `fstat` on the open
-  descriptor): a FIFO cannot hang a worker, a device cannot feed it endless bytes.
+  descriptor, which is closed on every refusal): a FIFO cannot hang a worker, a device
+  cannot feed it endless bytes, a folder is `unsupported_media`.
+- Hard links: a file with more than one link may be a second name of a file outside the
+  roots, which no path check sees; such media are `hard_linked_media` and such dataset
+  files a ConfigError, unless `source.allowHardLinks`.
 - Byte caps (`source.maxImageBytes`, `source.maxVideoBytes`) are enforced while
   reading, not trusted from `stat`.
 - Formats: images through PIL's plugins for `IMAGE_FORMATS` only; videos through

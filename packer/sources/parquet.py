@@ -9,7 +9,8 @@ allow-list as a file (`media.MediaAccess`), keyed by their sha256. A struct with
 bytes names a path, resolved and confined like a JSON record's.
 
 A row group is the unit of work (convert workers split by row groups) and is read in
-batches of `BATCH_ROWS` rows, so memory holds one batch, never a whole file. A file
+batches of at most `BATCH_ROWS` rows and about `BATCH_BYTES` decoded bytes (see there), so
+memory holds one batch, never a whole file. A file
 is untrusted like any dataset: a footer that cannot be read is one `bad_parquet`
 reject for the whole file, a row group that fails to decode one reject per row it
 declares, so every count still adds up.

@@ -6,6 +6,7 @@ that matches nothing) stop the job. Files are streamed: memory holds one record 
 most `MAX_RECORD_BYTES` of JSON text) and one read chunk, or one batch of a Parquet
 row group (`parquet_source`), never a whole file. The format is told by the file
 name: `.parquet` is Parquet, anything else JSON or JSONL (told from the content).
+A `source.paths` glob matches only inside the folder it names (`confined_glob`).
 """
 
 from __future__ import annotations

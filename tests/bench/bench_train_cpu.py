@@ -78,12 +78,14 @@ TINY_QWEN3_5 = {
 FAMILIES = {"qwen2-vl": (MODEL, TINY), "qwen3.5": (MODELS / "qwen3.5", TINY_QWEN3_5)}
 
 
-def make_pack(work: Path, samples: int, max_length: int, model: Path = MODEL) -> Path:
+def make_pack(work: Path, samples: int, max_length: int, family: str = "qwen2-vl") -> Path:
+    model = FAMILIES[family][0]
     data = generate_dataset(work / "data", samples, seed=0)
     cfg = PackConfig.model_validate(
         {
             "source": {"paths": [str(data)]},
             "model": {
+                "family": family,
                 "path": str(model),
                 "maxPixels": 64 * 28 * 28,
                 "videoMaxPixels": 16 * 28 * 28,
@@ -144,7 +146,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         t0 = time.perf_counter()
-        pack = make_pack(work, args.samples, args.max_length, FAMILIES[args.family][0])
+        pack = make_pack(work, args.samples, args.max_length, args.family)
         manifest = json.loads((pack / "manifest.json").read_text())
         print(
             f"pack: {manifest['counts']['packed']} samples -> {manifest['sequences']} sequences of "

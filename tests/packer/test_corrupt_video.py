@@ -26,12 +26,13 @@ import pytest
 from support.pack_runner import run_in_process
 from support.paths import DEMO, MODELS
 
-from packtrain.packer import local, stages, tools
+from packtrain.packer import local, tools
 from packtrain.packer.cli import main as pack_main
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.errors import ConfigError, MediaError, ShardFormatError
 from packtrain.packer.core.pack.shards import MANIFEST, REJECTS, ShardReader, read_table
 from packtrain.packer.media.store import check_frames, decode_failure, video_frames
+from packtrain.packer.stages.materialize import materialize
 from packtrain.packer.stages.workdir import SHARD_REJECTS, PackRefused, refusal
 
 DEMO_MEDIA = DEMO / "mllm_demo_data"
@@ -210,7 +211,7 @@ def test_rerun_and_resumed_materialize_count_the_reject_once(
     out = tmp_path / "pack"
     shutil.copytree(done, out)  # the manifest's paths are relative to the pack: a copy is the same pack
     cfg = _config(done.parent / "data")
-    again = stages.materialize(cfg, out, 0, 1)
+    again = materialize(cfg, out, 0, 1)
     assert (again["written"], again["rejected"], again["manifest"]) == (0, 1, True)
     assert again["pack"] is not None and again["pack"]["rejected_by_reason"] == {"corrupt_media": 1}
     assert _files(out) == _files(done)
@@ -224,7 +225,7 @@ def test_rerun_and_resumed_materialize_count_the_reject_once(
     (out / json.loads(shard.read_text())["file"]).unlink()
     shard.unlink()
     for i in range(2):
-        stages.materialize(cfg, out, i, 2)
+        materialize(cfg, out, i, 2)
     assert json.loads((out / MANIFEST).read_text()) == manifest
     assert _files(out) == _files(done)
 

@@ -406,16 +406,21 @@ def test_an_image_blob_in_a_format_outside_the_allow_list_neither_verifies_nor_t
 # 4. Cost bounded before the expensive step
 
 
-def exif_bomb(rationals: int, orientation: int = 6) -> bytes:
-    """A big-endian TIFF/EXIF block: Orientation, then one XResolution tag holding `rationals` values."""
+def exif_bomb(rationals: int, orientation: int | None = None) -> bytes:
+    """A big-endian TIFF/EXIF block holding `rationals` values: in the Orientation tag itself (what
+    reading the orientation unpacks), or, given an `orientation`, in an XResolution tag beside it."""
     import struct
 
     header = b"MM\x00\x2a" + struct.pack(">I", 8)
     data_offset = 8 + 2 + 2 * 12 + 4
-    entries = struct.pack(">HHIHH", 0x0112, 3, 1, orientation, 0)
-    entries += struct.pack(">HHII", 0x011A, 5, rationals, data_offset)
+    if orientation is None:
+        entries = struct.pack(">HHII", 0x0112, 5, rationals, data_offset)
+        entries += struct.pack(">HHIHH", 0x0128, 3, 1, 2, 0)  # ResolutionUnit
+    else:
+        entries = struct.pack(">HHIHH", 0x0112, 3, 1, orientation, 0)
+        entries += struct.pack(">HHII", 0x011A, 5, rationals, data_offset)
     ifd = struct.pack(">H", 2) + entries + struct.pack(">I", 0)
-    return header + ifd + struct.pack(">II", 72, 1) * rationals
+    return header + ifd + struct.pack(">II", 6, 1) * rationals
 
 
 def _png_with_exif(path: Path, exif: bytes) -> Path:
@@ -431,7 +436,7 @@ def test_an_exif_bomb_is_rejected_before_its_exif_is_parsed(tmp_path: Path) -> N
 
     from packtrain.packer.core.vision import MAX_IMAGE_METADATA_BYTES, probe_image
 
-    small = _png_with_exif(tmp_path / "small.png", exif_bomb(4))
+    small = _png_with_exif(tmp_path / "small.png", exif_bomb(4, orientation=6))
     assert probe_image(small.read_bytes()).width == 48  # orientation 6 still read: width and height swap
     bomb = _png_with_exif(tmp_path / "bomb.png", exif_bomb(MAX_IMAGE_METADATA_BYTES // 8 + 1))
     start = time.monotonic()

@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 from support.paths import DATASETS, DEMO, MODELS
 
-from packtrain.packer import local, stages
+from packtrain.packer import local
 from packtrain.packer.cli import main as pack_main
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.stages.plan import MIN_SHARD_SEQUENCES, shard_size
+from packtrain.packer.stages.convert import convert
+from packtrain.packer.stages.materialize import materialize
+from packtrain.packer.stages.plan import MIN_SHARD_SEQUENCES, plan, shard_size
 
 TEXT = DATASETS / "text-sft"
 QWEN2 = MODELS / "qwen2-vl"
@@ -133,10 +135,10 @@ def test_materialize_splits_a_small_pack_between_workers(
     cfg = _config()
     out = tmp_path / "pack"
     for i in range(2):
-        stages.convert(cfg, out, i, 2)
-    stages.plan(cfg, out)
-    first = stages.materialize(cfg, out, 0, 2)
-    second = stages.materialize(cfg, out, 1, 2)
+        convert(cfg, out, i, 2)
+    plan(cfg, out)
+    first = materialize(cfg, out, 0, 2)
+    second = materialize(cfg, out, 1, 2)
     assert first["written"] > 0 and second["written"] > 0
     assert not first["manifest"] and second["manifest"]
     assert _files(out) == _files(out1)

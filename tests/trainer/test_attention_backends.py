@@ -261,11 +261,18 @@ def test_varlen_model_trains_like_sdpa(family, shared_dir, reference_varlen):
         out = VLMForTraining(model, backend)(batch.inputs)
         (out["loss_sum"] / batch.info.num_label_tokens).backward()
         results[backend], grads[backend] = out["token_losses"].detach(), _grads(model)
-    torch.testing.assert_close(results["varlen"], results["sdpa"], rtol=1e-10, atol=1e-12)
+    # Qwen3.5's delta rule computes in fp32 inside (as transformers writes it): fp64 inputs that
+    # differ in their last bits between the two kernels round to fp32 apart now and then.
+    fp32_inside = family == "qwen3.5"
+    rtol = 1e-6 if fp32_inside else 1e-10
+    torch.testing.assert_close(results["varlen"], results["sdpa"], rtol=rtol, atol=1e-12)
     assert set(grads["varlen"]) == set(grads["sdpa"])
     assert any("visual" in name for name in grads["varlen"])
     for name, g in grads["sdpa"].items():
-        torch.testing.assert_close(grads["varlen"][name], g, rtol=1e-9, atol=1e-12, msg=name)
+        if fp32_inside:  # relative to the whole tensor: single entries near 0 carry fp32 noise
+            assert ((grads["varlen"][name] - g).norm() / g.norm().clamp_min(1e-300)).item() <= 1e-6, name
+        else:
+            torch.testing.assert_close(grads["varlen"][name], g, rtol=1e-9, atol=1e-12, msg=name)
 
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")

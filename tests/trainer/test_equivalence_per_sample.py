@@ -21,7 +21,7 @@ from packtrain.trainer.data import collate_packed
 from packtrain.trainer.loss import per_sample_sums
 from packtrain.trainer.model import VLMForTraining, build_model
 
-TOL = 1e-5
+TOL = 1e-6  # fp64; Qwen3.5 ~2e-7: its delta rule computes in fp32 inside, as transformers writes it
 
 
 def _double(inputs: dict) -> dict:
@@ -38,6 +38,8 @@ def _group(name: str) -> str:
         return "deepstack"
     if "linear_attn" in name:  # Qwen3.5's Gated DeltaNet layers (conv1d, A_log, dt_bias, in_proj_*, ...)
         return "linear_attention"
+    if "visual.merger" in name:
+        return "merger"
     return "vision" if "visual" in name else "llm"
 
 
@@ -92,7 +94,7 @@ def test_each_sample_loss_and_gradient_equal_the_sample_alone(family, shared_dir
             assert any(_group(k) != "llm" and g.norm() > 0 for k, g in ref.items())
     print(f"{family}: max rel diff per sample " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items()))
     assert all(v <= TOL for v in worst.values()), worst
-    assert {"llm", "vision"} <= set(worst)
+    assert {"llm", "vision", "merger"} <= set(worst)
     assert ("deepstack" in worst) == (family == "qwen3-vl")
     assert ("linear_attention" in worst) == (family == "qwen3.5")
 

@@ -112,3 +112,30 @@ def test_dense_models_have_no_router(shared_dir):
 
     model = build_model(fx.FOLDER["qwen3.5"], init="random", overrides=fx.TINY["qwen3.5"])
     assert Router.of(model) is None
+
+
+def test_the_flops_model_counts_the_experts_a_token_runs(shared_dir):
+    from packtrain.trainer.metrics import ModelShape
+    from packtrain.trainer.model import parameter_groups
+
+    model, _ = _moe_model("qwen3.5-moe")
+    counts = parameter_groups(model)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    assert experts > 0
+    shape = ModelShape.from_model(model, counts)
+    assert shape.llm_params == counts["llm"] - experts * 6 // 8  # top-2 of 8 experts per token
+    assert (shape.full_attention_layers, shape.linear_attention_layers) == (1, 3)
+
+
+def test_the_step_objective_weighs_each_micro_batch_aux_loss_by_its_label_tokens():
+    from packtrain.trainer.loss import aux_objective
+
+    aux = [torch.tensor(2.0), torch.tensor(4.0)]
+    tokens = [30, 10]
+    # Two ranks holding these same micro-batches: DDP averages the ranks' gradients, so the step's
+    # term is the mean of the ranks' objectives (here: one rank's), and it must be the label-token
+    # weighted mean over all four micro-batches.
+    rank = sum(
+        aux_objective(a, 0.01, n, 2 * sum(tokens), world_size=2) for a, n in zip(aux, tokens, strict=True)
+    )
+    assert rank.item() == pytest.approx(0.01 * 2 * (2.0 * 30 + 4.0 * 10) / (2 * 40))
