@@ -117,7 +117,7 @@ def missing_extra(exc: ModuleNotFoundError) -> str | None:
 def run_operator(args: argparse.Namespace) -> int:
     import kopf
 
-    from packtrain.operator import logs
+    from packtrain.operator import handlers, logs  # noqa: F401  (importing handlers registers them)
 
     logs.configure(args.log_format, args.verbose)
     kopf.run(

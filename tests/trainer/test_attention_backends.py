@@ -261,7 +261,7 @@ def test_varlen_model_trains_like_sdpa(family, shared_dir, reference_varlen):
         out = VLMForTraining(model, backend)(batch.inputs)
         (out["loss_sum"] / batch.info.num_label_tokens).backward()
         results[backend], grads[backend] = out["token_losses"].detach(), _grads(model)
-    # Qwen3.5's delta rule computes in fp32 inside (as transformers writes it): fp64 inputs that
+    # Qwen3.5's RMSNorms and delta rule compute in fp32 inside (as transformers writes them): fp64 inputs that
     # differ in their last bits between the two kernels round to fp32 apart now and then.
     fp32_inside = family == "qwen3.5"
     rtol = 1e-6 if fp32_inside else 1e-10

@@ -21,7 +21,7 @@ from packtrain.trainer.data import collate_packed
 from packtrain.trainer.loss import per_sample_sums
 from packtrain.trainer.model import VLMForTraining, build_model
 
-TOL = 1e-6  # fp64; Qwen3.5 ~2e-7: its delta rule computes in fp32 inside, as transformers writes it
+TOL = 1e-6  # fp64; Qwen3.5 ~2e-7: its RMSNorms and delta rule compute in fp32 inside (transformers)
 
 
 def _double(inputs: dict) -> dict:

@@ -6,7 +6,7 @@ linear-attention parameters apart: conv1d, A_log, dt_bias, in_proj_*). Here: nai
 recurrent state, so those tests can tell; the varlen path the fla kernels take on CUDA gives the
 per-sample path's loss and gradients when its kernels are references of the same signatures; and
 the parts, freezing, LoRA targets and the FLOPs model know the family from its registry entry.
-fp64 on CPU (the chunked delta rule computes in fp32 inside, as transformers writes it).
+fp64 on CPU (its RMSNorms and chunked delta rule compute in fp32 inside, as transformers writes them).
 """
 
 from __future__ import annotations
@@ -97,6 +97,7 @@ def test_naive_packing_leaks_through_the_linear_attention_state(batch):
     assert min(grads.values()) > 1e-3
 
 
+@pytest.mark.slow
 def test_the_varlen_path_equals_the_per_sample_path(batch):
     """The fla path (one varlen call per layer over the row) with reference kernels in fla's
     signatures (transformers' torch conv and chunked delta rule per boundary) gives the per-sample
