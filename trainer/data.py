@@ -326,13 +326,24 @@ class PackedDataset(torch.utils.data.Dataset):
         max_length = self.manifest.get("max_length")
         if problem is None and isinstance(max_length, int) and len(row["input_ids"]) > max_length:
             problem = f"{len(row['input_ids'])} tokens, over the pack's max_length {max_length}"
-        vision, p = self.spec.vision, self.pixel_spec
         for ref in row["media"] if problem is None else ():
-            caps = (vision.max_pixels, vision.video_max_pixels, p.patch_size, p.temporal_patch_size)
-            problem = problem or ref_problem(ref, *caps)
+            problem = problem or ref_problem(ref, *self._pixel_caps())
         if problem is not None:
             self._refuse(seq, problem)
         return row
+
+    def _pixel_caps(self) -> tuple[int, int, int, int]:
+        """The pack's own pixel caps (its config's, else the processor's), doubled for the rounding up to
+        whole merged patches that min-pixel bounds allow, and its patch sizes."""
+        model = (self.manifest.get("config") or {}).get("model") or {}
+        vision, p = self.spec.vision, self.pixel_spec
+
+        def cap(key: str, default: int) -> int:
+            value = model.get(key)
+            return value if isinstance(value, int) and value > 0 else default
+
+        image, video = cap("maxPixels", vision.max_pixels), cap("videoMaxPixels", vision.video_max_pixels)
+        return 2 * image, 2 * video, p.patch_size, p.temporal_patch_size
 
     def _refuse(self, seq: int, problem: str) -> NoReturn:
         shard, index = self.reader.locate(seq)

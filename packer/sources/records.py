@@ -217,7 +217,7 @@ def _times(times: Times, index: int) -> int:
 
 def _read_source(path: Path, unit_wanted: Want, times: Copies, everything: bool) -> Iterator[RawRecord]:
     if is_parquet(path):
-        from packtrain.packer.sources.parquet import read_parquet
+        from packtrain.packer.sources.parquet import read_parquet  # pyarrow.parquet: only for Parquet jobs
 
         yield from read_parquet(path, unit_wanted, times)
         return

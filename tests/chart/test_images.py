@@ -268,8 +268,15 @@ def imports_of(module: str, path: Path, *, lazy: bool) -> set[str]:
 
 
 def package_modules(package: str) -> list[str]:
+    """Every module of `package`, subpackages included."""
     folder = REPO / PACKAGE_DIRS[package]
-    return sorted(package if p.name == "__init__.py" else f"{package}.{p.stem}" for p in folder.glob("*.py"))
+    found = []
+    for path in folder.rglob("*.py"):
+        parts = path.relative_to(folder).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found.append(".".join((package, *parts)))
+    return sorted(found)
 
 
 def static_problems(

@@ -227,6 +227,7 @@ def test_a_shard_with_other_columns_exits_2(
     table = read_table(bad / entry["file"]).drop_columns(["labels"])
     (bad / entry["file"]).unlink()
     entry["sha256"] = write_table(bad / entry["file"], pa.table(table.to_pydict()))
+    entry["bytes"] = (bad / entry["file"]).stat().st_size  # re-signed whole, as an attacker would
     edit_manifest(bad, lambda m: m["shards"].__setitem__(0, entry))
     rc, err = _verify(bad, capsys)
     assert rc == 2 and "are not those of pack format" in err and "Traceback" not in err
