@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,12 +25,21 @@ import yaml
 from pydantic import ValidationError
 
 from packtrain.operator import builders, policy
-from packtrain.operator.api import PackJobSpec, PackOutput
+from packtrain.operator.api import MAX_NAME_LENGTH, PackJobSpec, PackOutput
 from packtrain.operator.manifests import load_manifests
 from packtrain.packer.core.contract import PACK_STAGES
 from packtrain.packer.core.errors import EXIT_CONFIG
 
 CHART = Path(__file__).resolve().parents[1] / "charts" / "packtrain"
+
+# What the API server refuses, checked here so a spec `kubectl apply` (or the operator's create of a
+# child) would refuse does not render: apimachinery's DNS-1123 label, DNS-1123 subdomain and label value.
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS_SUBDOMAIN = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
+MAX_OBJECT_NAME = 253  # a DNS-1123 subdomain
+MAX_LABEL_VALUE = 63  # a Job's name is also its pods' batch.kubernetes.io/job-name label
+MAX_CONFIG_MAP_BYTES = 1024 * 1024  # ValidateConfigMap: every key and value of data, together
 
 
 def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -146,6 +156,12 @@ def render(
             "to the file, or pass --pack-claim CLAIM[:SUBPATH] to render as if it wrote there"
         )
     refused = [
+        problem
+        for kind, docs in (("PackJob", packs), ("SFTJob", sfts))
+        for doc in docs
+        for problem in name_problems(kind, doc.name)
+    ]
+    refused += [
         policy.summary(f"{kind} {doc.name}", violations)
         for kind, docs in (("PackJob", packs), ("SFTJob", sfts))
         for doc in docs
@@ -169,7 +185,72 @@ def render(
         data = builders.data_source(s.spec, pack_specs.get(ref) if ref else None, None)
         objects.append(builders.train_config_map(s.name, ns, s.spec, data))
         objects.append(builders.training_job(s.name, ns, s.spec, data, defaults))
+    problems = [problem for obj in objects[len(found.others) :] for problem in child_problems(obj)]
+    if problems:
+        raise ValueError("\n".join(problems))
     return objects
+
+
+def name_problems(kind: str, name: object) -> list[str]:
+    """What is wrong with a PackJob's or SFTJob's metadata.name, one line each with what to change."""
+    text = str(name)
+    problems = []
+    if len(text) > MAX_NAME_LENGTH:
+        problems.append(
+            f"{kind} {text}: metadata.name has {len(text)} characters; shorten it to at most "
+            f"{MAX_NAME_LENGTH} (the CRD's rule: it prefixes the names of the Jobs, pods and Services "
+            "the operator creates)"
+        )
+    if not re.fullmatch(_DNS_LABEL, text):
+        problems.append(
+            f"{kind} {text!r}: metadata.name must be lowercase letters, digits and '-', starting and ending "
+            "with a letter or digit (a DNS-1123 label: it names the pods' hostnames)"
+        )
+    elif kind == "SFTJob" and not text[0].isalpha():
+        problems.append(
+            f"{kind} {text}: metadata.name must start with a letter: the training operator names Services "
+            "after it, and a Service name is a DNS-1035 label"
+        )
+    return problems
+
+
+def _labelled(obj: Any) -> list[dict]:
+    """Every `metadata` map of `obj` (its own and its pod templates') that carries labels."""
+    if isinstance(obj, list):
+        return [m for item in obj for m in _labelled(item)]
+    if not isinstance(obj, dict):
+        return []
+    found = (
+        [obj["metadata"]] if isinstance(obj.get("metadata"), dict) and obj["metadata"].get("labels") else []
+    )
+    return found + [m for key, value in obj.items() if key != "metadata" for m in _labelled(value)]
+
+
+def child_problems(obj: Mapping[str, Any]) -> list[str]:
+    """What the API server would refuse in a child the operator creates: its name, labels and size."""
+    kind, name = obj["kind"], obj["metadata"]["name"]
+    problems = []
+    longest = MAX_LABEL_VALUE if kind == "Job" else MAX_OBJECT_NAME
+    if len(name) > longest or not _DNS_SUBDOMAIN.fullmatch(name):
+        problems.append(
+            f"{kind} {name}: not a valid name (a DNS-1123 subdomain of at most {longest} characters)"
+        )
+    for meta in _labelled(obj):
+        for key, value in meta["labels"].items():
+            if len(str(value)) > MAX_LABEL_VALUE or not _LABEL_VALUE.fullmatch(str(value)):
+                problems.append(
+                    f"{kind} {name}: label {key}={value!r} is not a label value (at most {MAX_LABEL_VALUE} "
+                    "letters, digits, '-', '_' or '.', starting and ending with a letter or digit): change "
+                    "the field it comes from"
+                )
+    if kind == "ConfigMap":
+        size = sum(len(k.encode()) + len(v.encode()) for k, v in obj.get("data", {}).items())
+        if size > MAX_CONFIG_MAP_BYTES:
+            problems.append(
+                f"ConfigMap {name}: {size} bytes of data, over Kubernetes' {MAX_CONFIG_MAP_BYTES} (1 MiB): "
+                "shorten the spec it carries (its source paths and maps, say)"
+            )
+    return problems
 
 
 class _Dumper(yaml.SafeDumper):

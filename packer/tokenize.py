@@ -90,7 +90,9 @@ REJECT_REASONS: dict[RejectReason, str] = {
     RejectReason.UNSUPPORTED_MEDIA: "audio, or a media path that is not a regular file (folder, FIFO, "
     "device)",
     RejectReason.MEDIA_TOO_LARGE: "a media file over source.maxImageBytes / source.maxVideoBytes, an "
-    "image over source.maxImageSourcePixels, or one whose metadata (EXIF, ICC, XMP, text) is over 1 MiB",
+    "image over source.maxImageSourcePixels, one whose metadata (EXIF, ICC, XMP, text) is over 1 MiB, "
+    "or an mp4/mov whose sample tables declare over 1,000,000 samples or whose edit lists declare over "
+    "1,000 entries",
     RejectReason.VIDEO_TOO_LARGE: "a video whose decoded work (source pixels x sampled frames) is over "
     "source.maxVideoSourcePixels",
     RejectReason.ASPECT_RATIO: "an image or video more than 200 times wider than tall (or taller than wide)",

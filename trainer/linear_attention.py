@@ -71,9 +71,15 @@ class VarlenKernels:
 
 
 def fla_kernels() -> VarlenKernels:
-    """The `flash-linear-attention` kernels (CUDA, Triton), imported on first use."""
-    from fla.modules.convolution import causal_conv1d
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    """The `flash-linear-attention` kernels (CUDA, Triton), imported on first use (an optional extra,
+    absent from the trainer image unless installed)."""
+    try:
+        from fla.modules.convolution import causal_conv1d
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as exc:
+        raise ImportError(
+            "the 'fla' linear-attention path needs flash-linear-attention: pip install 'packtrain[linear]'"
+        ) from exc
 
     def conv(x: torch.Tensor, weight: torch.Tensor, bias: Any, activation: str, cu: torch.Tensor) -> Any:
         out = causal_conv1d(x, weight=weight, bias=bias, activation=activation, cu_seqlens=cu)

@@ -26,6 +26,7 @@ from torchvision.transforms.v2 import functional as tvF
 
 from packtrain.packer.core.families import CLIP_MEAN, CLIP_STD
 from packtrain.packer.core.model_spec import model_spec
+from packtrain.packer.core.mp4_index import check_mp4_index
 from packtrain.packer.core.pixels import SNIFF_BYTES, decode_rgb, image_rgb, resize_uint8, sniff_container
 from packtrain.packer.core.vision import VisionSpec
 
@@ -116,6 +117,8 @@ def decode_video_frames(
         raise ValueError(
             "video bytes are not in an allowed container; re-pack, or run `packtrain pack verify`"
         )
+    if demuxer == "mp4":  # FFmpeg builds the whole sample index on open: bound it first
+        check_mp4_index(data)
     want = set(wanted)
     got: dict[int, np.ndarray] = {}
     with av.open(io.BytesIO(data), mode="r", format=demuxer) as container:

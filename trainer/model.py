@@ -1,4 +1,4 @@
-"""Building Qwen2-VL / Qwen2.5-VL / Qwen3-VL with `transformers`, and the packed forward.
+"""Building Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 with `transformers`, and the packed forward.
 
 `build_model` reads the folder's config.json (merged with overrides), loads real
 weights when present (or when `init: pretrained`), else initialises randomly

@@ -27,6 +27,7 @@ from PIL import Image, UnidentifiedImageError
 
 from packtrain.packer.core.contract import RejectReason
 from packtrain.packer.core.errors import MediaError
+from packtrain.packer.core.mp4_index import check_mp4_index
 
 MAX_ASPECT_RATIO = 200
 MAX_IMAGE_METADATA_BYTES = 1 << 20
@@ -417,6 +418,8 @@ def probe_video(
     """
     target = str(source) if isinstance(source, Path) else source
     skip = headers_only and format in HEADER_SIZED_DEMUXERS
+    if format == "mp4":  # FFmpeg builds the whole sample index on open: bound it first
+        _check_index(target)
     try:
         with av.open(target, "r", format=format, options=dict(_SKIP_DECODE) if skip else None) as container:
             opened = set(container.format.name.split(","))
@@ -460,3 +463,14 @@ def probe_video(
             f"video is truncated: the header lists {header_frames} frames, {packets} are present",
         )
     return VideoInfo(width, height, total, float(rate))
+
+
+def _check_index(target: str | BinaryIO) -> None:
+    if not isinstance(target, str):
+        check_mp4_index(target)
+        return
+    try:
+        with open(target, "rb") as f:
+            check_mp4_index(f)
+    except OSError as exc:
+        raise MediaError(RejectReason.CORRUPT_MEDIA, f"video does not open: {exc}") from exc

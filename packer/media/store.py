@@ -19,6 +19,7 @@ from PIL import Image
 
 from packtrain.packer.core.contract import RejectReason
 from packtrain.packer.core.errors import ConfigError, MediaError
+from packtrain.packer.core.mp4_index import check_mp4_index
 from packtrain.packer.core.pixels import SNIFF_BYTES, decode_rgb, resize_uint8, sniff_container
 from packtrain.packer.media.access import MediaLimits, hash_capped, open_regular, read_capped
 
@@ -74,6 +75,8 @@ def _sampled(f: BinaryIO, indices: list[int], name: str) -> Iterator[tuple[int, 
         if demuxer is None:
             raise MediaError(RejectReason.CORRUPT_MEDIA, f"{name}: not a video in an allowed container")
         f.seek(0)
+        if demuxer == "mp4":
+            check_mp4_index(f)
         with av.open(f, mode="r", format=demuxer) as container:
             stream = container.streams.video[0]
             declared = (stream.codec_context.width, stream.codec_context.height)

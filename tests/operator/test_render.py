@@ -233,3 +233,77 @@ def test_other_objects_are_printed_unchanged(tmp_path: Path, capsys: pytest.Capt
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     defaults = builders.OperatorDefaults.from_env(deployment_env({}))
     assert docs == [claim, *expected_quickstart(defaults)]
+
+
+def _quickstart_with(
+    tmp_path: Path, pack: dict[str, Any], sft: dict[str, Any], name: str = "qs.yaml"
+) -> Path:
+    """The quickstart with `pack` and `sft` merged over its PackJob and SFTJob documents."""
+    docs = [
+        render.deep_merge(doc, change)
+        for doc, change in zip(yaml.safe_load_all(QUICKSTART.read_text()), (pack, sft), strict=True)
+    ]
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump_all(docs))
+    return path
+
+
+def _renamed(tmp_path: Path, pack_name: str, sft_name: str) -> Path:
+    return _quickstart_with(
+        tmp_path,
+        {"metadata": {"name": pack_name}},
+        {"metadata": {"name": sft_name}, "spec": {"data": {"packJobRef": pack_name}}},
+    )
+
+
+def test_names_the_api_server_refuses_exit_2_one_line_each(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CRD's 45-character rule and the DNS forms the children's names need, checked before rendering."""
+    longest = "a" * 45
+    assert cli.main(["render", str(_renamed(tmp_path, longest, longest))]) == 0
+    assert capsys.readouterr().err == ""
+    assert cli.main(["render", str(_renamed(tmp_path, longest + "b", "Team.Run"))]) == EXIT_CONFIG
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.removeprefix("packtrain render: ").splitlines()
+    assert len(lines) == 2, err
+    assert lines[0].startswith(
+        f"PackJob {longest}b: metadata.name has 46 characters; shorten it to at most 45"
+    )
+    assert lines[1].startswith("SFTJob 'Team.Run': metadata.name must be lowercase letters, digits and '-'")
+    # A digit may start a pod hostname but not a Service name, which the training operator derives.
+    assert cli.main(["render", str(_renamed(tmp_path, "1pack", "1sft"))]) == EXIT_CONFIG
+    lines = capsys.readouterr().err.removeprefix("packtrain render: ").splitlines()
+    assert lines == [
+        "SFTJob 1sft: metadata.name must start with a letter: the training operator names Services after "
+        "it, and a Service name is a DNS-1035 label"
+    ]
+
+
+def test_a_child_the_api_server_refuses_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A queue name that is no label value, and a ConfigMap over 1 MiB, are refused before kubectl sees
+    them."""
+    queue = _quickstart_with(tmp_path, {}, {"spec": {"queueName": "team a"}})
+    assert cli.main(["render", str(queue)]) == EXIT_CONFIG
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "PyTorchJob quickstart: label kueue.x-k8s.io/queue-name='team a' is not a label value" in err
+    paths = [f"/data/{'x' * 1000}/{n}.json" for n in range(1100)]
+    big = _quickstart_with(tmp_path, {"spec": {"source": {"paths": paths}}}, {})
+    assert cli.main(["render", str(big)]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "ConfigMap quickstart-pack-config: " in err and "over Kubernetes' 1048576 (1 MiB)" in err
+    fits = _quickstart_with(tmp_path, {"spec": {"source": {"paths": paths[:900]}}}, {})
+    assert cli.main(["render", str(fits)]) == 0
+
+
+def test_crd_ceilings_are_checked_through_the_models(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The pydantic models the CRDs are generated from refuse what the API server's schema would."""
+    volumes = [{"name": f"v{n}", "claimName": "c", "mountPath": f"/mnt/v{n}"} for n in range(17)]
+    path = _quickstart_with(tmp_path, {"spec": {"volumes": volumes}}, {})
+    assert cli.main(["render", str(path)]) == EXIT_CONFIG
+    out, err = capsys.readouterr()
+    assert out == "" and "PackJob quickstart is invalid" in err and "spec.volumes" in err.replace("\n", " ")

@@ -515,3 +515,152 @@ def test_parquet_batches_shrink_to_the_decoded_budget(
     records = list(read_parquet(path, lambda: True))
     assert len(records) == 64 and all(r.error is None for r in records)
     assert max(sizes) <= 4 and sum(sizes) == 64
+
+
+# mp4 index costs: boxes rewritten from a real clip, so only the declared counts differ.
+_BOX_PARENTS = {b"moov", b"trak", b"mdia", b"minf", b"stbl", b"edts"}
+
+
+def _boxes(data: bytes) -> list[list]:
+    """[type, payload bytes or child list] for each box; containers on the stbl/edts path are parsed."""
+    import struct
+
+    out, pos = [], 0
+    while pos + 8 <= len(data):
+        size, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        assert size >= 8, "the generated clips use 32-bit box sizes"
+        payload = data[pos + 8 : pos + size]
+        out.append([kind, _boxes(payload) if kind in _BOX_PARENTS else payload])
+        pos += size
+    return out
+
+
+def _unbox(boxes: list[list]) -> bytes:
+    import struct
+
+    parts = []
+    for kind, body in boxes:
+        payload = _unbox(body) if isinstance(body, list) else body
+        parts.append(struct.pack(">I4s", 8 + len(payload), kind) + payload)
+    return b"".join(parts)
+
+
+def _find(boxes: list[list], *path: bytes) -> list:
+    node = next(b for b in boxes if b[0] == path[0])
+    return node if len(path) == 1 else _find(node[1], *path[1:])
+
+
+def _clip(tmp_path: Path) -> list[list]:
+    clip = mf.video(tmp_path / "clip.mp4", frames=8)
+    boxes = _boxes(clip.read_bytes())
+    assert [b[0] for b in boxes].index(b"mdat") < [b[0] for b in boxes].index(b"moov")  # no offsets move
+    return boxes
+
+
+def sample_count_bomb(tmp_path: Path, samples: int = 85_000_000) -> bytes:
+    """The clip with a constant-size stsz declaring `samples` samples: about 1.4 KB."""
+    import struct
+
+    boxes = _clip(tmp_path)
+    _find(boxes, b"moov", b"trak", b"mdia", b"minf", b"stbl", b"stsz")[1] = struct.pack(">III", 0, 1, samples)
+    return _unbox(boxes)
+
+
+def edit_list(tmp_path: Path, entries: int) -> bytes:
+    """The clip with an edit list of `entries` one-tick edits (12 bytes each: 100,000 make 1.2 MB)."""
+    import struct
+
+    boxes = _clip(tmp_path)
+    trak = _find(boxes, b"moov", b"trak")[1]
+    elst = struct.pack(">II", 0, entries) + struct.pack(">IiHH", 1, 0, 1, 0) * entries
+    trak[:] = [b for b in trak if b[0] != b"edts"]  # the encoder's own (one edit: its start delay)
+    trak.insert(1, [b"edts", [[b"elst", elst]]])  # after tkhd
+    return _unbox(boxes)
+
+
+def test_an_mp4_declaring_85m_samples_is_refused_before_ffmpeg_opens_it(tmp_path: Path) -> None:
+    import io
+    import time
+
+    from packtrain.packer.core.mp4_index import MAX_SAMPLES
+    from packtrain.packer.core.vision import probe_video
+
+    bomb = sample_count_bomb(tmp_path)
+    assert len(bomb) < 4096
+    start = time.monotonic()
+    with pytest.raises(MediaError, match=f"declare 85000000 samples or more \\(stsz\\), over {MAX_SAMPLES}"):
+        probe_video(io.BytesIO(bomb), format="mp4")
+    assert time.monotonic() - start < 2  # FFmpeg's open took 3.1 GiB on this file
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "bomb.mp4").write_bytes(bomb)
+    mf.video(data / "ok.mp4", frames=8)
+    turns = [{"role": "user", "content": "<video>Describe."}, {"role": "assistant", "content": "Gray."}]
+    records = [{"messages": turns, "videos": [name]} for name in ("bomb.mp4", "ok.mp4")]
+    manifest = run_in_process(_cfg([str(_jsonl(data / "d.jsonl", records))]), tmp_path / "out")
+    _adds_up(manifest)
+    assert manifest["counts"]["rejected_by_reason"] == {"media_too_large": 1}
+    assert "over 1000000; not opened" in _rejects(tmp_path / "out")[0]["detail"]
+
+
+def test_the_trainer_refuses_a_sample_count_bomb_in_a_pack(tmp_path: Path) -> None:
+    from packtrain.trainer.media import decode_video_frames
+
+    with pytest.raises(MediaError) as exc:
+        decode_video_frames(sample_count_bomb(tmp_path), [0, 1])
+    assert exc.value.reason == "media_too_large"
+
+
+def test_an_mp4_with_100k_edits_is_refused_and_a_few_edits_are_not(tmp_path: Path) -> None:
+    import io
+    import time
+
+    from packtrain.packer.core.mp4_index import MAX_EDITS, check_mp4_index
+    from packtrain.packer.core.vision import probe_video
+
+    attack = edit_list(tmp_path, 100_000)
+    assert len(attack) > 1_200_000
+    start = time.monotonic()
+    with pytest.raises(
+        MediaError, match=f"edit lists declare 100000 entries or more, over {MAX_EDITS}"
+    ) as exc:
+        probe_video(io.BytesIO(attack), format="mp4")
+    assert exc.value.reason == "media_too_large"
+    assert time.monotonic() - start < 2  # FFmpeg took 496 s and accepted it
+    check_mp4_index(edit_list(tmp_path, MAX_EDITS))  # the cap itself is allowed
+    with pytest.raises(MediaError, match="edit lists"):
+        check_mp4_index(edit_list(tmp_path, MAX_EDITS + 1))
+    assert probe_video(io.BytesIO(edit_list(tmp_path, 1)), format="mp4").total_frames == 8
+
+
+def test_the_mp4_reader_accepts_real_clips_and_refuses_boxes_past_their_parent(tmp_path: Path) -> None:
+    import io
+    import struct
+
+    from support.paths import DEMO
+
+    from packtrain.packer.core.mp4_index import check_mp4_index
+
+    demos = sorted((DEMO / "mllm_demo_data").glob("*.mp4"))
+    assert demos
+    for path in demos:
+        with path.open("rb") as f:
+            f.seek(5)
+            check_mp4_index(f)
+            assert f.tell() == 5  # left where it was
+        check_mp4_index(path.read_bytes())
+    clip = _unbox(_clip(tmp_path))
+    check_mp4_index(clip)
+    moov = clip.index(b"moov") - 4
+    with pytest.raises(MediaError, match="past the end of the file") as exc:
+        check_mp4_index(clip[: moov + 100])  # a cut-off movie header
+    assert exc.value.reason == "corrupt_media"
+    stsz = clip.index(b"stsz") - 4
+    (size,) = struct.unpack(">I", clip[stsz : stsz + 4])
+    grown = clip[:stsz] + struct.pack(">I", size + 4096) + clip[stsz + 4 :]
+    with pytest.raises(MediaError, match="past the end of its parent b'stbl'"):
+        check_mp4_index(grown)
+    with pytest.raises(MediaError, match="less than its header"):
+        check_mp4_index(clip[:stsz] + struct.pack(">I", 4) + clip[stsz + 4 :])
+    with pytest.raises(MediaError):
+        check_mp4_index(io.BytesIO(sample_count_bomb(tmp_path)))
