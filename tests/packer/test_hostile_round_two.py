@@ -603,11 +603,18 @@ def test_an_mp4_declaring_85m_samples_is_refused_before_ffmpeg_opens_it(tmp_path
     assert "over 1000000; not opened" in _rejects(tmp_path / "out")[0]["detail"]
 
 
-def test_the_trainer_refuses_a_sample_count_bomb_in_a_pack(tmp_path: Path) -> None:
+def test_materialize_and_the_trainer_refuse_a_sample_count_bomb(tmp_path: Path) -> None:
+    import io
+
+    from packtrain.packer.media.store import check_frames
     from packtrain.trainer.media import decode_video_frames
 
+    bomb = sample_count_bomb(tmp_path)
     with pytest.raises(MediaError) as exc:
-        decode_video_frames(sample_count_bomb(tmp_path), [0, 1])
+        check_frames(io.BytesIO(bomb), [0, 1], "bomb.mp4")
+    assert exc.value.reason == "media_too_large"
+    with pytest.raises(MediaError) as exc:
+        decode_video_frames(bomb, [0, 1])
     assert exc.value.reason == "media_too_large"
 
 
