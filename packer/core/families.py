@@ -299,6 +299,18 @@ QWEN3_5 = replace(
     ),
 )
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_5)}
+# The mixture-of-experts variants (Qwen3.5-35B-A3B and its kin, Qwen3-VL-30B-A3B): the dense family's
+# tokenizer, processors, vision tower and layout; the experts and the router sit inside the decoder
+# layers (the `llm` part), and the trainer adds the router's load-balancing loss over real tokens.
+QWEN3_5_MOE = replace(
+    QWEN3_5, name="qwen3.5-moe", model_type="qwen3_5_moe", model_class="Qwen3_5MoeForConditionalGeneration"
+)
+QWEN3_VL_MOE = replace(
+    QWEN3_VL, name="qwen3-vl-moe", model_type="qwen3_vl_moe", model_class="Qwen3VLMoeForConditionalGeneration"
+)
+
+FAMILIES: dict[str, Family] = {
+    f.name: f for f in (QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_5, QWEN3_5_MOE, QWEN3_VL_MOE)
+}
 
 FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)

@@ -1,0 +1,1 @@
+"""Dataset readers: JSON, JSONL and Parquet records, weighted mixtures, records to conversations."""

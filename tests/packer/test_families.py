@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import media_factory as mf
@@ -24,11 +25,29 @@ from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
 NAMES = sorted(FAMILIES)
 
 
+# The MoE variants share the dense model's tokenizer and processors; ../shared holds no MoE folder, so
+# theirs is the dense one with the MoE config's model type and architecture.
+DENSE_OF = {"qwen3.5-moe": "qwen3.5", "qwen3-vl-moe": "qwen3-vl"}
+
+
+@functools.cache
+def _folder(family: str) -> Path:
+    if family not in DENSE_OF:
+        return MODELS / family
+    folder = Path(tempfile.mkdtemp(prefix=f"{family}-"))
+    shutil.copytree(MODELS / DENSE_OF[family], folder, dirs_exist_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = FAMILIES[family].model_type
+    config["architectures"] = [FAMILIES[family].model_class]
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 @functools.cache
 def _tok(family: str, label_mode: str = "all_assistant", newline: bool = False) -> SampleTokenizer:
     return SampleTokenizer(
         SourceConfig(paths=["unused"]),
-        ModelConfig(family=family, path=str(MODELS / family), maxFrames=8),
+        ModelConfig(family=family, path=str(_folder(family)), maxFrames=8),
         PackingConfig(label_mode=label_mode, label_newline_after_turn_end=newline),
     )
 
@@ -36,7 +55,7 @@ def _tok(family: str, label_mode: str = "all_assistant", newline: bool = False) 
 @pytest.mark.parametrize("name", NAMES)
 def test_each_model_folder_binds_to_its_entry(shared_dir: Path, name: str) -> None:
     """Ids come from the folder's tokenizer files and agree with the loaded tokenizer and config.json."""
-    folder = MODELS / name
+    folder = _folder(name)
     assert detect_family(folder) is FAMILIES[name] is get_family(name)
     assert family_for_model_type(FAMILIES[name].model_type) is FAMILIES[name]
     spec = model_spec(folder)
