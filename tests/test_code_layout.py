@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.import_graph import imports_of
 
 REPO = Path(__file__).resolve().parents[1]
 PARTS = {"packer": "packtrain.packer", "trainer": "packtrain.trainer", "operator": "packtrain.operator"}
@@ -33,44 +34,9 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(module: str, *, lazy: bool) -> set[str]:
-    """Our modules `module` imports (`lazy`: those inside functions too; TYPE_CHECKING blocks never)."""
-    path = MODULES[module]
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    found: set[str] = set()
-
-    def target(node: ast.ImportFrom) -> str:
-        if not node.level:
-            return node.module or ""
-        parts = package.split(".")
-        parent = ".".join(parts[: len(parts) - node.level + 1])
-        return f"{parent}.{node.module}" if node.module else parent
-
-    def visit(nodes: list[ast.stmt], in_function: bool) -> None:
-        for node in nodes:
-            if isinstance(node, ast.If) and _is_type_checking(node):
-                continue
-            if isinstance(node, ast.Import) and (lazy or not in_function):
-                found.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and (lazy or not in_function):
-                base = target(node)
-                subs = {f"{base}.{a.name}" for a in node.names} & MODULES.keys()
-                found.update(subs or {base})
-            nested = in_function or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
-            for field in ("body", "orelse", "finalbody", "handlers"):
-                children = getattr(node, field, None)
-                if isinstance(children, list):
-                    visit([c for c in children if isinstance(c, ast.stmt | ast.excepthandler)], nested)
-
-    visit(ast.parse(path.read_text()).body, False)
-    return {m for m in found if m in MODULES}
+    """Our modules `module` imports (`lazy`: those inside functions too; optional ones never)."""
+    return {m for m in imports_of(module, MODULES[module], lazy=lazy) if m in MODULES}
 
 
 def _functions(tree: ast.AST) -> Iterator[ast.FunctionDef | ast.AsyncFunctionDef]:
