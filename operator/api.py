@@ -400,6 +400,11 @@ class PackJobStatus(CamelModel):
     claim_name: str | None = Field(None, description="The PersistentVolumeClaim holding the pack.")
     sub_path: str | None = Field(None, description="The pack folder inside that claim.")
     manifest_digest: str | None = Field(None, description="sha256 of the pack's manifest.json.")
+    model_sizes: dict[str, Any] | None = Field(
+        None,
+        description="model.path's config.json keys the memory planner reads (sizes of the model's layers); "
+        "an SFTJob on this pack with the same model.path plans its GPU memory from them.",
+    )
 
 
 class PackJob(CamelModel):
@@ -455,6 +460,12 @@ class SFTResources(Scheduling):
     cpu: Quantity | None = Field(None, description="CPU request and limit per pod, e.g. 16 or 15500m.")
     memory: Annotated[str, Field(pattern=QUANTITY_PATTERN, max_length=64)] | None = Field(
         None, description="Memory request and limit per pod, e.g. 200Gi."
+    )
+    gpu_memory: Annotated[str, Field(pattern=QUANTITY_PATTERN, max_length=64)] | None = Field(
+        None,
+        description="Memory of one GPU, e.g. 80Gi (H100) or 141Gi (H200): the operator plans the job's "
+        "memory against it before creating the training job and refuses one that cannot fit; default: "
+        "the chart's policy.gpuMemory.",
     )
 
 
@@ -628,6 +639,17 @@ class TrainFailure(CamelModel):
     time: str = Field(..., description="When the operator saw it.")
 
 
+class MemoryPlanStatus(CamelModel):
+    """The GPU memory plan the operator made before creating the training job."""
+
+    planned: bool = Field(False, description="Whether the operator could plan (it knows the model's sizes).")
+    fits: bool | None = Field(None, description="Whether the plan fits resources.gpuMemory.")
+    per_gpu_bytes: int | None = Field(None, description="Estimated peak memory of one GPU.")
+    per_host_bytes: int | None = Field(None, description="Estimated memory of one node's GPUs together.")
+    gpu_memory_bytes: int | None = Field(None, description="Memory of one GPU the plan was checked against.")
+    message: str | None = Field(None, description="The plan in words, or why there is none.")
+
+
 class SFTJobStatus(CamelModel):
     """Written by the operator only."""
 
@@ -655,6 +677,9 @@ class SFTJobStatus(CamelModel):
     )
     last_failure: TrainFailure | None = Field(None, description="The last trainer pod that exited non-zero.")
     blocked: Blocked | None = Field(None, description="Since when the SFTJob is blocked, and why.")
+    memory_plan: MemoryPlanStatus | None = Field(
+        None, description="The GPU memory plan made before the training job was created."
+    )
 
 
 class SFTJob(CamelModel):

@@ -105,8 +105,9 @@ def _post_transition(kind: str, body: Mapping[str, Any], status: Mapping[str, An
     """Event on the custom resource when its phase or reason changed, the phase gauge, stage durations."""
     prev = body.get("status") or {}
     event = st.transition_event(prev.get("phase"), st.event_reason(prev), status)
-    if event is not None:
-        kopf.event(kopf.Body(cast(kopf.RawBody, body)), type=event[0], reason=event[1], message=event[2])
+    for said in (event, st.memory_plan_event(prev, status)):
+        if said is not None:
+            kopf.event(kopf.Body(cast(kopf.RawBody, body)), type=said[0], reason=said[1], message=said[2])
     meta = body["metadata"]
     metrics.PHASES.record(kind, f"{meta['namespace']}/{meta['name']}", status.get("phase"))
     # One observation per stage per pack: only the write that first records a stage observes it,
@@ -395,13 +396,14 @@ def reconcile_sftjob(
         return st.blocked_status(body, blocker, now())
     packjob = _packjob(kube, namespace, spec.data.pack_job_ref)
     data_path = prev.get("dataPath")
+    created_plan = None
     if child is None:
         evaljob = _packjob(kube, namespace, spec.data.eval_pack_job_ref)
         decision = st.decide_start(body, spec, defaults, packjob, evaljob, now())
         if (data := decision.create) is None:
             assert decision.status is not None  # a decision either creates or says why not
             return decision.status
-        data_path = data.path
+        data_path, created_plan = data.path, decision.memory_plan
         child = builders.training_job(name, namespace, spec, data, defaults)
         configmap = builders.train_config_map(name, namespace, spec, data)
         if (refused := _create_training_job(kube, body, kind, configmap, child)) is not None:
@@ -412,7 +414,7 @@ def reconcile_sftjob(
     stall = (
         _training_stall(body, pods, f"{kind.kind} {child['metadata']['name']}", defaults) if running else None
     )
-    return st.mirror(
+    status = st.mirror(
         body,
         spec,
         kind,
@@ -424,6 +426,9 @@ def reconcile_sftjob(
         defaults=defaults,
         now=now(),
     )
+    if created_plan is not None:
+        status["memoryPlan"] = created_plan
+    return status
 
 
 def _packjob(kube: Any, namespace: str, ref: str | None) -> dict[str, Any] | None:

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from pydantic import Field
 
-from packtrain.operator.api import PackJobSpec, Runtime, SFTJobSpec
+from packtrain.operator.api import QUANTITY_PATTERN, PackJobSpec, Runtime, SFTJobSpec
 from packtrain.packer.core.config import CamelModel
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -69,6 +69,14 @@ class Policy(CamelModel):
     max_training_nodes: int = Field(8, ge=1, description="Most nodes (pods) of an SFTJob.")
     max_gpus_per_node: int = Field(8, ge=0, description="Most GPUs one pod may request.")
     max_gpus_per_job: int = Field(64, ge=0, description="Most GPUs all pods of one job may request.")
+    gpu_memory: str = Field(
+        "80Gi",
+        pattern=QUANTITY_PATTERN,
+        max_length=64,
+        description="Memory of one GPU of the GPU pool (80Gi: H100; 141Gi: H200), what an SFTJob's memory "
+        "plan is checked against unless its resources.gpuMemory says otherwise. The default is the "
+        "smaller common size, so a plan that fits it fits either.",
+    )
     admission_policy: bool = Field(
         True, description="The chart ships a ValidatingAdmissionPolicy (the operator checks regardless)."
     )

@@ -49,6 +49,10 @@ class ConditionReason(StrEnum):
     PACKJOB_FAILED = "PackJobFailed"
     PACKJOB_DELETED = "PackJobDeleted"
     DATA_AVAILABLE = "DataAvailable"
+    # SFTJob memory plan (before the training job exists).
+    INSUFFICIENT_GPU_MEMORY = "InsufficientGPUMemory"
+    MEMORY_PLANNED = "MemoryPlanned"
+    MEMORY_NOT_PLANNED = "MemoryNotPlanned"
     # SFTJob training (the training job's own reasons pass through when it gives one).
     TRAINER_FAILED = "TrainerFailed"
     TRAINING_STALLED = "TrainingStalled"

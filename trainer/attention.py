@@ -12,10 +12,11 @@ always runs with `use_cache=False` and every backend gets explicit boundaries:
 * flex: `flex_attention` with a BlockMask built from document ids (fully masked tiles skipped);
 * sdpa (and eager): a dense block-diagonal causal boolean mask: O(L^2) memory, the CPU reference.
 
-The vision tower is isolated per image / frame (and per window) by `transformers`
-itself from `grid_thw` (Qwen3-VL's learned position grid is also resampled per item): for
-backends other than flash it calls the attention function once per segment, which varlen and
-flex then treat as one sequence.
+The vision tower is isolated per image / frame (and per window) from `grid_thw` by
+`transformers` itself (Qwen3-VL's learned position grid is also resampled per item), which hands
+the segments over in one call only to backends it takes for flash; `vision_attention` makes every
+backend here one such call per vision block (bidirectional, over the tower's cu_seqlens) instead
+of one call per segment. The language model's packed path is this module's alone.
 """
 
 from __future__ import annotations
@@ -116,24 +117,33 @@ def resolve_attention(
 class VarlenKernel:
     """A `varlen_attn`-like function and the keywords its torch version takes.
 
-    torch 2.10 has `is_causal: bool` and neither `scale` nor GQA; 2.11 replaced `is_causal` with
-    `window_size=(left, right)` ((-1, 0) is causal) and added `scale`; 2.12 added `enable_gqa`.
+    torch 2.10 has `is_causal: bool` and neither `scale` nor `enable_gqa`; 2.11 replaced
+    `is_causal` with `window_size=(left, right)` ((-1, 0) is causal) and added `scale`; 2.12 added
+    `enable_gqa` and from then on refuses K/V with fewer heads than Q without it.
+
+    Grouped-query K/V (`grouped_kv`): 2.10 and 2.11 have no keyword for it but need none. Their
+    `varlen_attn` checks no head counts and hands K/V as they are to `aten._flash_attention_forward`
+    (their cuDNN branch is switched off), whose FlashAttention-2 varlen kernel takes H_kv dividing
+    H_q, and its backward sums dK/dV over each group back to H_kv heads. Repeating K/V there would
+    only store 8x copies for the backward (Qwen2.5-VL-3B: ~2 GB at 8192 tokens). `grouped_kv=False`
+    is for a kernel that needs equal heads: K/V are then repeated.
     """
 
     fn: Callable[..., Any]
     window_size: bool  # causality as window_size=(-1, 0) rather than is_causal=True
     scale: bool
-    gqa: bool
+    gqa: bool  # takes enable_gqa
+    grouped_kv: bool = True  # takes K/V with fewer heads than Q (with enable_gqa where it has it)
 
     @classmethod
-    def of(cls, fn: Callable[..., Any]) -> VarlenKernel:
+    def of(cls, fn: Callable[..., Any], grouped_kv: bool = True) -> VarlenKernel:
         params = inspect.signature(fn).parameters
         if "window_size" not in params and "is_causal" not in params:
             raise RuntimeError(
                 "torch.nn.attention.varlen.varlen_attn takes neither window_size nor is_causal in this "
                 "torch version; set training.attention to flash, flex or sdpa"
             )
-        return cls(fn, "window_size" in params, "scale" in params, "enable_gqa" in params)
+        return cls(fn, "window_size" in params, "scale" in params, "enable_gqa" in params, grouped_kv)
 
 
 @functools.cache
@@ -162,11 +172,11 @@ def varlen_call(
     elif scale is not None and abs(scale * head_dim**0.5 - 1.0) > 1e-6:
         query = query * (scale * head_dim**0.5)  # the kernel scales by 1/sqrt(D): fold the rest into q
     if key.shape[1] != query.shape[1]:
-        if kernel.gqa:
-            kwargs["enable_gqa"] = True
-        else:
+        if not kernel.grouped_kv:
             groups = query.shape[1] // key.shape[1]
             key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        elif kernel.gqa:
+            kwargs["enable_gqa"] = True
     if kernel.window_size:
         kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
     else:
@@ -248,14 +258,16 @@ def _flex_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """flex_attention with our BlockMask for the language model; SDPA for everything else: the
-    vision tower's per-image chunks (no mask, `is_causal=False`: bidirectional) and the padded
+    vision tower's per-segment calls where it makes them (`vision_attention.per_segment`, the
+    reference; no mask, `is_causal=False`: bidirectional) and the padded
     baseline's language model, which transformers calls without a mask for a custom backend, so
     it must be causal there (right padding: no real token sees a pad)."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     if isinstance(attention_mask, BlockMask):
         # Eager flex is a slow reference; compiled it becomes a fused kernel (CUDA).
-        fn = _compiled_flex() if query.is_cuda else flex_attention
+        fn = compiled_flex() if query.is_cuda else flex_attention
+        query, key, value = one_dtype(query, key, value)
         out = fn(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=True)
     else:
         is_causal = kwargs.get("is_causal")
@@ -274,8 +286,19 @@ def _flex_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+def one_dtype(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v in one dtype, as flex_attention requires: the autocast dtype when autocast is on
+    (rotary embeddings in fp32 promote q and k while v stays in the autocast dtype), else v's."""
+    device_type = query.device.type
+    enabled = torch.is_autocast_enabled(device_type)
+    dtype = torch.get_autocast_dtype(device_type) if enabled else value.dtype
+    return query.to(dtype), key.to(dtype), value.to(dtype)
+
+
 @functools.cache
-def _compiled_flex() -> Any:
+def compiled_flex() -> Any:
     """Compiled once per shape at first, then with a dynamic length: packed rows differ in length
     from step to step, and a static compile per length would soon hit the recompile limit."""
     from torch.nn.attention.flex_attention import flex_attention

@@ -1,15 +1,18 @@
-"""Resumable checkpoints and the final Hugging Face export.
+"""Resumable checkpoints: sharded, written by every rank, resumable at any world size.
 
-A checkpoint folder `checkpoints/step-NNNNNNNN/` holds the full (unsharded) trainable
-parameters (frozen ones, LoRA's base weights included, are rebuilt from the model folder
-and seed as the first run built them) and optimizer state, the scheduler, the step, the
-data position and each rank's RNG state. It is written under a temporary name and renamed once
-complete, so a crash never leaves a folder that looks resumable but is not.
-Full state dicts (gathered with `torch.distributed.checkpoint.state_dict`) work
-the same for a plain module, DDP and FSDP2, and keep the on-disk format
-independent of the world size. The final model is saved with `save_pretrained`,
-so packing never changes what `from_pretrained` loads; with LoRA, the final model is a
-PEFT adapter (`PeftModel.from_pretrained(base, folder)`) and optionally the merged model.
+A checkpoint folder `checkpoints/step-NNNNNNNN/` is a `torch.distributed.checkpoint` (DCP) folder:
+each rank writes its own part of the trainable parameters and their AdamW state (`__R_0.distcp`,
+FSDP2 shards as they are, replicated tensors spread over the ranks once each) and rank 0 the
+`.metadata` that says where every piece of every tensor lies. No rank ever holds the whole model
+or optimizer, so a 72B model checkpoints in what each rank already holds; and DCP reads the pieces
+back into any layout, so a checkpoint written by 2 FSDP ranks resumes on 1 process, on DDP or on 4
+FSDP ranks. Beside it: `trainer.pt` (step, scheduler, data position, the run's settings; written
+last), and `rng-RRRRR.pt` per rank. Frozen parameters (LoRA's base weights included) are not
+saved: they are rebuilt from the model folder and seed as the first run built them.
+
+The folder is written as `.step-N.tmp` and renamed once complete, so a crash never leaves a folder
+that looks resumable but is not. Folders of the former format (the full state gathered on rank 0:
+`model.pt`, `optimizer.pt`) still load. The final Hugging Face export is `export`'s.
 """
 
 from __future__ import annotations
@@ -19,12 +22,18 @@ import json
 import random
 import re
 import shutil
-from collections.abc import Callable
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -32,42 +41,26 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from packtrain.packer.core.errors import ConfigError
-from packtrain.trainer import lora
-from packtrain.trainer.config import TrainModelSpec
 from packtrain.trainer.distributed import DistEnv, barrier
+from packtrain.trainer.sampler import Layout, plan_epoch
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 DONE = "trainer.pt"
-HF_SIDE_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "special_tokens_map.json",
-    "chat_template.json",
-    "chat_template.jinja",
-    "preprocessor_config.json",
-    "video_preprocessor_config.json",
-    "generation_config.json",
-)
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-TRAINABLE = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-MERGED_DIR = "final-merged"
+LEGACY_FILES = ("model.pt", "optimizer.pt")  # the former format: the full state, gathered on rank 0
+MODEL, OPTIM = "model", "optim"  # the two parts of a checkpoint's DCP state dict
+SHARDED = StateDictOptions(ignore_frozen_params=True)  # each rank's own part (FSDP2: DTensor shards)
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full state dict without frozen parameters (every name of a tied one: the torch option
-    alone keeps a frozen tied LM head), on CPU; buffers stay."""
+    """This rank's part of the model's state without frozen parameters (every name of a tied one: the
+    torch option alone keeps a frozen tied LM head); buffers stay. No copy: FSDP2 gives its DTensor
+    shards, DDP and one process the tensors themselves."""
     frozen = set(_names(model, lambda p: not p.requires_grad))
-    return {k: v for k, v in _model_state(model, TRAINABLE).items() if k not in frozen}
-
-
-def _model_state(model: torch.nn.Module, options: StateDictOptions) -> dict[str, torch.Tensor]:
-    """A module's full state dict: tensors only (the union torch annotates covers optimizer state)."""
-    return cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
+    state = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=SHARDED))
+    return {k: v for k, v in state.items() if k not in frozen}
 
 
 def _names(model: torch.nn.Module, keep: Any) -> dict[str, torch.nn.Parameter]:
@@ -77,6 +70,19 @@ def _names(model: torch.nn.Module, keep: Any) -> dict[str, torch.nn.Parameter]:
         for name, p in model.named_parameters(remove_duplicate=False)
         if keep(p)
     }
+
+
+def _sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What a checkpoint holds of the model and the optimizer, as this rank holds it."""
+    return {MODEL: trainable_state(model), OPTIM: get_optimizer_state_dict(model, optimizer)}
+
+
+@contextmanager
+def _one_process_quietly() -> Iterator[bool]:
+    """Whether DCP runs without a process group (one process), without its warning that it does."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield not dist.is_initialized()
 
 
 def rng_state() -> dict[str, Any]:
@@ -94,6 +100,25 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def fresh_rng_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of a rank that has no saved RNG state (the run grew): distinct per rank, the same
+    for every rerun of that resume."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()[:8], "little")
+
+
+def _restore_rng(folder: Path, env: DistEnv, state: dict[str, Any]) -> None:
+    """This rank's saved RNG state; a rank the saved run did not have gets a fresh seeded one (the
+    states of ranks beyond a smaller world size are not used)."""
+    saved = folder / f"rng-{env.rank:05d}.pt"
+    if saved.is_file():
+        set_rng_state(torch.load(saved, map_location="cpu", weights_only=False))
+        return
+    seed = fresh_rng_seed(int(state.get("data", {}).get("seed", 0)), int(state.get("step", 0)), env.rank)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 # Settings that change nothing a step computes (where things go, how fast they load, what is reported,
 # when checkpoints are written), or that a run may change to be continued (its length): a checkpoint
 # resumes under any value of these. Every other setting, a future one included, must match.
@@ -109,6 +134,7 @@ RESUME_NEUTRAL = frozenset(
         "model.gradientCheckpointing",
         "model.lora.saveMerged",
         "training.maxSteps",
+        "training.planCheck",  # the start-up memory check only
         "training.epochs",
         "training.evalEvery",
         "training.attention",
@@ -116,6 +142,11 @@ RESUME_NEUTRAL = frozenset(
         "training.visionCheckpointing",
         "training.compile",
         "training.strategy",
+        # The layout of a step (with the world size): a resume maps the data position onto the new
+        # layout, or refuses where it cannot (resharded_data_state).
+        "training.gradAccum",
+        "training.microBatchSequences",
+        "training.paddedBatchSize",
         "training.lossChunkTokens",
         "training.checkpointEvery",
         "training.checkpointAtEnd",
@@ -192,22 +223,22 @@ def save(
     env: DistEnv,
     keep: int,
 ) -> Path:
-    """Write checkpoint `step` (all ranks call this; rank 0 writes the shared files)."""
+    """Write checkpoint `step`: all ranks call this and write their own parts; rank 0 also writes
+    the shared files, then publishes the folder and prunes to the newest `keep`."""
     final = root / "checkpoints" / f"step-{step:08d}"
     tmp = root / "checkpoints" / f".step-{step:08d}.tmp"
-    model_sd = trainable_state(model)
-    optim_sd = get_optimizer_state_dict(model, optimizer, options=FULL)
+    state = _sharded(model, optimizer)
     if env.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
+    # Returns on every rank once rank 0 has written `.metadata` (the checkpoint's table of contents).
+    with _one_process_quietly() as no_dist:
+        dcp.save(state, checkpoint_id=tmp, no_dist=no_dist)
     torch.save(rng_state(), tmp / f"rng-{env.rank:05d}.pt")
-    if env.is_main:
-        torch.save(model_sd, tmp / "model.pt")
-        torch.save(optim_sd, tmp / "optimizer.pt")
-        torch.save({**trainer_state, "step": step, "scheduler": scheduler.state_dict()}, tmp / DONE)
     barrier()
     if env.is_main:
+        torch.save({**trainer_state, "step": step, "scheduler": scheduler.state_dict()}, tmp / DONE)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         older = sorted(
@@ -223,130 +254,145 @@ def save(
 def load(
     folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, env: DistEnv
 ) -> dict[str, Any]:
-    """Restore everything saved by `save`; returns the trainer state (step, data position, ...)."""
-    model_sd = torch.load(folder / "model.pt", map_location="cpu", weights_only=False)
-    keys = set_model_state_dict(model, model_sd, options=StateDictOptions(full_state_dict=True, strict=False))
-    trainable = _names(model, lambda p: p.requires_grad)
-    absent = sorted(trainable.keys() & set(keys.missing_keys)) + sorted(keys.unexpected_keys)
+    """Restore everything saved by `save` (or by the former full-state format) into this rank's
+    model, optimizer, schedule and RNG, whatever the world size that wrote it; returns the trainer
+    state (step, data position, ...)."""
+    if all((folder / name).is_file() for name in LEGACY_FILES):
+        _load_full(folder, model, optimizer)
+    else:
+        _load_sharded(folder, model, optimizer)
+    state = torch.load(folder / DONE, map_location="cpu", weights_only=False)
+    scheduler.load_state_dict(state["scheduler"])
+    _restore_rng(folder, env, state)
+    return cast(dict[str, Any], state)
+
+
+def _load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Each rank reads the pieces of its own part (DCP reshards: any world size, any strategy)."""
+    if not (folder / ".metadata").is_file():
+        raise ConfigError(
+            f"{folder} is neither a sharded checkpoint (no .metadata) nor one of the former format "
+            f"({' + '.join(LEGACY_FILES)}): delete it so that the run resumes from an older one"
+        )
+    # A fresh optimizer gets state for every parameter here (a zero-lr step) to load into.
+    state = _sharded(model, optimizer)
+    saved = set(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
+    saved_model = {k.removeprefix(f"{MODEL}.") for k in saved if k.startswith(f"{MODEL}.")}
+    trainable = _names(model, lambda p: p.requires_grad).keys()
+    _check_fits(folder, sorted(trainable - saved_model) + sorted(saved_model - state[MODEL].keys()))
+    state[MODEL] = {k: v for k, v in state[MODEL].items() if k in saved_model}
+    # Parameters that never had a gradient yet in the saved run (e.g. the vision tower after only
+    # text batches) had no AdamW state: they get none, or their step count would run one ahead.
+    had = {
+        fqn
+        for fqn, entry in state[OPTIM]["state"].items()
+        if all(f"{OPTIM}.state.{fqn}.{key}" in saved for key in entry)
+    }
+    state[OPTIM]["state"] = {fqn: s for fqn, s in state[OPTIM]["state"].items() if fqn in had}
+    with _one_process_quietly() as no_dist:
+        dcp.load(state, checkpoint_id=folder, no_dist=no_dist)
+    partial = StateDictOptions(strict=False)
+    set_model_state_dict(model, state[MODEL], options=partial)
+    set_optimizer_state_dict(model, optimizer, state[OPTIM], options=partial)
+    _drop_state_not_saved(model, optimizer, had)
+
+
+def _check_fits(folder: Path, absent: list[str]) -> None:
+    """ValueError when some trainable parameters are missing from the checkpoint or it holds others."""
     if absent:
         raise ValueError(
             f"{folder} does not fit this model (missing or unexpected: {absent[:5]}); resume with the "
             "model and model.lora / model.freeze settings that wrote it, or use a new training.outputDir"
         )
-    optim_sd = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=False)
-    # strict=False: parameters that never had a gradient yet (e.g. the vision tower after only
-    # text batches) have no optimizer state, exactly as in the run that saved it.
-    set_optimizer_state_dict(
-        model, optimizer, optim_sd, options=StateDictOptions(full_state_dict=True, strict=False)
-    )
-    # Loading first creates state for every parameter (a zero-lr step); drop it where the saved run
-    # had none, or AdamW's step count for those parameters runs one ahead of a straight run's.
-    saved = {id(p) for name, p in trainable.items() if name in optim_sd["state"]}
-    for p in [p for p in optimizer.state if id(p) not in saved]:
+
+
+def _drop_state_not_saved(model: torch.nn.Module, optimizer: torch.optim.Optimizer, had: set[str]) -> None:
+    """No AdamW state for the parameters the saved run had none for (loading first makes some)."""
+    keep = {id(p) for name, p in _names(model, lambda p: p.requires_grad).items() if name in had}
+    for p in [p for p in optimizer.state if id(p) not in keep]:
         del optimizer.state[p]
-    state = torch.load(folder / DONE, map_location="cpu", weights_only=False)
-    scheduler.load_state_dict(state["scheduler"])
-    rng = folder / f"rng-{env.rank:05d}.pt"
-    if rng.is_file():
-        set_rng_state(torch.load(rng, map_location="cpu", weights_only=False))
-    return state
 
 
-def _export(
-    out: Path,
-    gathered: dict[str, torch.Tensor],
-    convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
-    saver: Any,
-    source_folder: str | Path,
-    env: DistEnv,
-) -> Path | None:
-    """Write one Hugging Face folder from a state dict every rank gathered: the main rank converts
-    the names and dtypes, saves with `saver.save_pretrained` and copies the tokenizer and processor
-    files; all ranks wait for it, so no rank reads a half-written export."""
-    if env.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        saver.save_pretrained(out, state_dict=convert(gathered))
-        for name in HF_SIDE_FILES:
-            src = Path(source_folder) / name
-            if src.is_file():
-                shutil.copy2(src, out / name)
-    barrier()
-    return out if env.is_main else None
+def _load_full(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A checkpoint of the former format: the full trainable state, read by every rank."""
+    model_sd = torch.load(folder / "model.pt", map_location="cpu", weights_only=False)
+    full = StateDictOptions(full_state_dict=True, strict=False)
+    keys = set_model_state_dict(model, model_sd, options=full)
+    trainable = _names(model, lambda p: p.requires_grad)
+    _check_fits(folder, sorted(trainable.keys() & set(keys.missing_keys)) + sorted(keys.unexpected_keys))
+    optim_sd = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=False)
+    set_optimizer_state_dict(model, optimizer, optim_sd, options=full)
+    _drop_state_not_saved(model, optimizer, {name for name in trainable if name in optim_sd["state"]})
 
 
-def save_hf(
-    out: Path,
-    model: torch.nn.Module,
-    hf_model: Any,
-    source_folder: str | Path,
-    env: DistEnv,
-    dtype: torch.dtype,
-) -> Path | None:
-    """The final model as a Hugging Face folder (weights, config, tokenizer and processor files)."""
-    return _export(
-        out,
-        _model_state(model, FULL),
-        lambda state: {k.removeprefix("hf."): v.to(dtype) for k, v in state.items()},
-        hf_model,
-        source_folder,
-        env,
+def saved_state(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A checkpoint's whole model and optimizer state in this process, as `get_model_state_dict` /
+    `get_optimizer_state_dict` name them with full tensors: to inspect or convert a checkpoint (it
+    needs the memory of the whole trainable state; training never calls it)."""
+    if all((folder / name).is_file() for name in LEGACY_FILES):
+        model_sd, optim_sd = (
+            torch.load(folder / n, map_location="cpu", weights_only=False) for n in LEGACY_FILES
+        )
+        return model_sd, optim_sd
+    state: dict[str, Any] = {}
+    with _one_process_quietly():
+        _load_state_dict(
+            state,
+            storage_reader=dcp.FileSystemReader(folder),
+            planner=_EmptyStateDictLoadPlanner(),
+            no_dist=True,
+        )
+    return state[MODEL], state[OPTIM]
+
+
+# -- the data position under another layout (world size, gradAccum, micro-batch size) ---------------
+
+
+def resharded_data_state(saved: dict[str, Any], layout: Layout, costs: Sequence[int]) -> dict[str, Any]:
+    """The saved data position (`sampler.position_state`) mapped onto `layout`: the same global
+    position, so every unit of the interrupted epoch is still trained once.
+
+    The units trained so far in the epoch are the saved layout's first steps; the position maps when
+    they are exactly the new layout's first steps: always at an epoch boundary and whenever a step
+    keeps its global size (world size x gradAccum x micro-batch), elsewhere only where the epoch's
+    balancing windows line up. Otherwise ConfigError, naming the settings that would map. A state of
+    another seed, mode or pack is returned as is, for `sampler.resume_position` to refuse."""
+    fields = asdict(layout)
+    if all(saved.get(k) == v for k, v in fields.items()) or any(
+        saved.get(k) != fields[k] for k in ("seed", "mode", "num_units")
+    ):
+        return saved
+    old = replace(
+        layout,
+        world_size=int(saved["world_size"]),
+        units_per_micro_batch=int(saved["units_per_micro_batch"]),
+        grad_accum=int(saved["grad_accum"]),
+    )
+    epoch, index = int(saved["epoch"]), int(saved["next"])
+    steps = index // old.grad_accum
+    done = _units(plan_epoch(costs, old.world_size, old.units_per_rank, old.seed, epoch)[:steps])
+    per_step = layout.world_size * layout.units_per_rank
+    plan = plan_epoch(costs, layout.world_size, layout.units_per_rank, layout.seed, epoch)
+    new_steps = len(done) // per_step
+    if index % old.grad_accum == 0 and len(done) % per_step == 0 and _units(plan[:new_steps]) == done:
+        position = (epoch + 1, 0) if new_steps >= len(plan) else (epoch, new_steps * layout.grad_accum)
+        return {**saved, **fields, "epoch": position[0], "next": position[1]}
+    global_batch = old.world_size * old.units_per_rank
+    keep = global_batch % (layout.world_size * layout.units_per_micro_batch) == 0
+    hint = (
+        f"training.gradAccum {global_batch // (layout.world_size * layout.units_per_micro_batch)} keeps "
+        f"the global batch of {global_batch} units at {layout.world_size} ranks; "
+        if keep
+        else ""
+    )
+    raise ConfigError(
+        f"the checkpoint was written {steps} steps into epoch {epoch} with {old.world_size} ranks x "
+        f"{old.units_per_rank} units per step; those units are not the first steps of that epoch with "
+        f"{layout.world_size} ranks x {layout.units_per_rank}, so resuming would train some twice and skip "
+        f"others. {hint}or resume with the former layout until a checkpoint at an epoch boundary "
+        f"(every {old.steps_per_epoch} steps)"
     )
 
 
-def save_final(
-    root: Path,
-    model: torch.nn.Module,
-    hf_model: Any,
-    adapter: Any,
-    spec: TrainModelSpec,
-    env: DistEnv,
-    dtype: torch.dtype,
-) -> Path | None:
-    """The final export under `root`: `final/` (the model, or with LoRA the adapter) and, with
-    `lora.saveMerged`, `final-merged/`."""
-    if adapter is None:
-        return save_hf(root / "final", model, hf_model, spec.path, env, dtype)
-    final = save_adapter(root / "final", model, adapter, spec.path, env, dtype)
-    if spec.lora is not None and spec.lora.save_merged:
-        save_merged(root / MERGED_DIR, model, hf_model, spec.path, env, dtype)
-    return final
-
-
-def save_adapter(
-    out: Path,
-    model: torch.nn.Module,
-    adapter: Any,
-    source_folder: str | Path,
-    env: DistEnv,
-    dtype: torch.dtype,
-) -> Path | None:
-    """The LoRA adapters in PEFT's format (adapter_config.json, adapter_model.safetensors) plus the
-    tokenizer and processor files, gathered from every rank (DDP or FSDP2)."""
-    # VLMForTraining names the HF model `hf`; PeftModel names it `base_model.model`.
-    return _export(
-        out,
-        trainable_state(model),
-        lambda state: {"base_model.model." + k.removeprefix("hf."): v.to(dtype) for k, v in state.items()},
-        adapter,
-        source_folder,
-        env,
-    )
-
-
-def save_merged(
-    out: Path,
-    model: torch.nn.Module,
-    hf_model: Any,
-    source_folder: str | Path,
-    env: DistEnv,
-    dtype: torch.dtype,
-) -> Path | None:
-    """The adapters merged into the base weights (W + alpha/r x B·A), saved as the plain Hugging
-    Face model: merged from the gathered state dict, so sharded (FSDP2) weights merge the same."""
-
-    def convert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        plain = {k.removeprefix("hf."): v for k, v in state.items()}
-        merged = lora.merged_state_dict(plain, lora.scalings(hf_model))
-        return {k: v.to(dtype) for k, v in merged.items()}
-
-    return _export(out, _model_state(model, FULL), convert, hf_model, source_folder, env)
+def _units(steps: Sequence[Sequence[Sequence[int]]]) -> set[int]:
+    return {unit for step in steps for group in step for unit in group}

@@ -48,7 +48,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="progress as a bar (rich) or JSON lines (json); auto: a bar when stdout is a terminal "
         "(default: %(default)s)",
     )
+    add_plan_arguments(p)
     return p
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    """`--plan`: print the job's memory plan and exit (2 when it does not fit) without training."""
+    g = p.add_argument_group("memory plan (--plan: print it and exit; nothing is built or trained)")
+    g.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the per-GPU and per-host memory plan and exit (default: train)",
+    )
+    g.add_argument(
+        "--json", action="store_true", help="with --plan: the plan as one JSON object (default: a table)"
+    )
+    g.add_argument(
+        "--world-size",
+        type=int,
+        help="GPUs of the run (default: WORLD_SIZE, else nodes x gpus per node of the SFTJob, else 1)",
+    )
+    g.add_argument(
+        "--gpus-per-host",
+        type=int,
+        help="GPUs of one host (default: LOCAL_WORLD_SIZE, else the SFTJob's gpusPerNode, else 8)",
+    )
+    g.add_argument(
+        "--gpu-memory",
+        metavar="QUANTITY",
+        help="memory of one GPU, e.g. 80GiB or 141Gi (default: the SFTJob's resources.gpuMemory, else no "
+        "check)",
+    )
+    g.add_argument("--max-length", type=int, help="tokens per packed sequence (default: the pack's manifest)")
 
 
 def worker_message(exc: BaseException) -> str:
@@ -76,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = type(cfg).model_validate(cfg.model_dump())
     except (ConfigError, ValidationError, FileNotFoundError) as exc:
         return _fail(f"configuration error: {exc}")
+    if opts.plan:
+        return _plan(opts, cfg)
     if cfg.data.path is None:
         return _fail(
             f"data.packJobRef {cfg.data.pack_job_ref!r} names a PackJob, which only the operator and "
@@ -85,6 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     from packtrain.trainer import distributed
     from packtrain.trainer.loop import train
 
+    env = distributed.environ()
+    try:
+        refused = _startup_plan(cfg, env.world_size)
+    except ConfigError as exc:
+        return _fail(f"configuration error: {exc}")
+    if refused is not None:
+        return _fail(refused)
     try:
         summary = train(cfg, reporter=reporter_for(opts.log_format, sys.stdout, cfg.training.log_every))
     except ShardFormatError as exc:  # data.path is not a finished pack, or one that was damaged or edited
@@ -106,6 +146,44 @@ def main(argv: list[str] | None = None) -> int:
         if summary.get("resumed_from") and not summary.get("steps_this_run"):
             print(f"packtrain train: {already_complete(cfg.training.output_dir, summary)}", file=sys.stderr)
     return EXIT_OK
+
+
+def _startup_plan(cfg: Any, world_size: int) -> str | None:
+    """The start-up memory check (every rank, before the model is built): why it cannot fit, or None."""
+    import os
+
+    from packtrain.trainer.plan import startup_refusal
+
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("PET_NPROC_PER_NODE") or 1)
+    return startup_refusal(cfg, world_size, per_host)
+
+
+def _plan(opts: argparse.Namespace, cfg: Any) -> int:
+    """`--plan`: the table (or JSON); exit 2 when the job does not fit the GPUs given."""
+    import os
+
+    from packtrain.packer.core.memory_plan import parse_bytes, plan_memory
+    from packtrain.trainer.plan import dims_of, inputs_for, plan_json, print_table, spec_sizes
+
+    sizes = spec_sizes(opts.config)
+    world = opts.world_size or int(os.environ.get("WORLD_SIZE") or 0) or sizes.get("world") or 1
+    per_host = (
+        opts.gpus_per_host or int(os.environ.get("LOCAL_WORLD_SIZE") or 0) or sizes.get("per_host") or 8
+    )
+    try:
+        memory = parse_bytes(opts.gpu_memory) if opts.gpu_memory else sizes.get("gpu_memory")
+        dims = dims_of(cfg)
+        x = inputs_for(
+            cfg, world_size=world, gpus_per_host=per_host, gpu_memory=memory, max_length=opts.max_length
+        )
+    except ConfigError as exc:
+        return _fail(f"configuration error: {exc}")
+    plan = plan_memory(dims, x)
+    if opts.json:
+        print(json.dumps(plan_json(dims, plan)), flush=True)
+    else:
+        print_table(dims, plan)
+    return EXIT_OK if plan.fits else EXIT_CONFIG
 
 
 def already_complete(output_dir: str, summary: Mapping[str, Any]) -> str:

@@ -20,6 +20,7 @@ Attention = Literal["auto", "varlen", "flash", "flex", "sdpa"]
 Mode = Literal["packed", "padded"]
 Strategy = Literal["ddp", "fsdp"]
 DType = Literal["auto", "bf16", "fp32"]
+FrozenDType = Literal["fp32", "bf16"]
 # The parts of a VLM that freezing and per-module learning rates address (trainer.param_groups maps them).
 Module = Literal["vision", "merger", "llm", "embeddings"]
 # Each dataloader worker is a process holding decoded media: more than this per rank only exhausts a node.
@@ -157,6 +158,13 @@ class TrainModelSpec(CamelModel):
     lora: LoraSpec | None = Field(
         None, description="Train LoRA adapters instead of the full model (saved as a PEFT adapter)."
     )
+    frozen_dtype: FrozenDType = Field(
+        "fp32",
+        description="Storage of the weights that do not train (model.freeze parts, LoRA's base weights): "
+        "bf16 halves their memory, losslessly for a bf16 checkpoint; with FSDP, which gathers weights in "
+        "the compute dtype, a step computes the same. Trainable weights always keep fp32 masters. bf16 "
+        "needs bf16 compute (training.dtype).",
+    )
 
 
 class TrainingSpec(CamelModel):
@@ -252,6 +260,11 @@ class TrainingSpec(CamelModel):
     log_every: int = Field(1, ge=1, description="Print a JSON line every N steps (rank 0).")
     output_dir: str = Field("runs/sft", description="Checkpoints, final model and summary go here.")
     save_final: bool = Field(True, description="Save the final model in Hugging Face format.")
+    plan_check: bool = Field(
+        True,
+        description="Before building the model, plan the job's GPU memory (weights, gradients, AdamW state, "
+        "activations) and exit 2 naming what to change when it cannot fit; false: start regardless.",
+    )
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> TrainingSpec:

@@ -11,6 +11,7 @@ already carry decoded pixels.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypedDict
@@ -24,6 +25,7 @@ from packtrain.packer.core.model_spec import ModelSpec
 from packtrain.packer.core.pack.integrity import ref_problem, row_problem
 from packtrain.packer.core.pack.schema import IGNORE_INDEX
 from packtrain.packer.core.pack.shards import ShardReader
+from packtrain.packer.core.pixels import pack_alpha
 from packtrain.trainer.batch import Batch, BatchInfo, ModelInputs
 from packtrain.trainer.config import DataSpec
 from packtrain.trainer.media import PixelSpec, media_pixels
@@ -239,13 +241,16 @@ class PackedDataset(torch.utils.data.Dataset):
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.path = Path(path)
         self.spec = spec
-        self.pixel_spec = pixel_spec or PixelSpec.from_vision(spec.vision)
         self.rank = rank
         self.mode, self.vocab_size = mode, vocab_size
         self.pad_token_id = spec.token_ids.pad if pad_token_id is None else pad_token_id
         self.verify_checksums = verify_checksums
         self._reader: ShardReader | None = ShardReader(self.path, verify_checksums=verify_checksums)
         self.manifest = self._reader.manifest
+        # Transparency is the pack's choice (its resized media were made with it), never the caller's.
+        self.pixel_spec = dataclasses.replace(
+            pixel_spec or PixelSpec.from_vision(spec.vision), alpha=pack_alpha(self.manifest)
+        )
         self.seq_lens = self._reader.seq_lens()
         # Sequences held out as the evaluation set are never units of training.
         train, self.eval_sequences = carve_eval(len(self.seq_lens), eval_fraction, seed)

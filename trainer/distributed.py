@@ -10,7 +10,7 @@ torchrun. `resolve_env` is the pure part: it accepts either.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -122,15 +122,22 @@ def parallelize(
     env: DistEnv,
     device: torch.device,
     compute_dtype: torch.dtype = torch.float32,
+    fill: Callable[[torch.nn.Module], object] = lambda module: None,
 ) -> torch.nn.Module:
     """DDP (replicated weights) or FSDP2 (`fully_shard` per decoder layer / vision block, then the
     root); a single process trains the module as is. FSDP2 gathers parameters in `compute_dtype`
-    and reduces gradients in fp32, so its shards keep fp32 master weights."""
+    and reduces gradients in fp32, so its shards keep fp32 master weights.
+
+    `fill` gives a module built on the meta device its weights: FSDP2 shards the empty module
+    first, so each rank then allocates and reads only its own shards; DDP needs the whole module
+    before it wraps it (it broadcasts rank 0's weights)."""
     if not env.distributed:
+        fill(module)
         return module
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
+        fill(module)
         return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
     if strategy == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -142,6 +149,7 @@ def parallelize(
         for layer in hf.model.language_model.layers:
             fully_shard(layer, mp_policy=policy)
         fully_shard(module, mp_policy=policy)
+        fill(module)
         return module
     raise ValueError(f"unknown strategy {strategy!r}")
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from packtrain.packer.core.contract import TrainSummary
-from packtrain.trainer import checkpoint, distributed, param_groups
+from packtrain.trainer import checkpoint, distributed, export, param_groups
 from packtrain.trainer.accounting import RunAccounting
 from packtrain.trainer.batch import Batch
 from packtrain.trainer.config import SFTSpecCore, TrainingSpec
@@ -164,7 +164,7 @@ def _finish(
     if t.checkpoint_at_end and run.step > accounting.start_step:
         _save(out, run, env, t.keep_checkpoints)
     final = (
-        checkpoint.save_final(out, run.model, run.hf, run.adapter, cfg.model, env, run.dtype)
+        export.save_final(out, run.model, run.hf, run.adapter, cfg.model, env, run.dtype)
         if t.save_final
         else None
     )

@@ -5,8 +5,9 @@ sampled frame indices; both are stored in each media ref. Here the trainer
 decodes to *that* size and *those* frames, so the token count always matches,
 then repeats the steps of the `transformers` Qwen2-VL / Qwen3-VL image and video
 processors. Decoding and resizing are `packtrain.packer.core.pixels`, the one pixel
-pipeline the packer's `mediaStorage: resized` also uses (upright RGB with alpha
-dropped, torchvision's antialiased bicubic resize of uint8 pixels); then fused
+pipeline the packer's `mediaStorage: resized` also uses (upright RGB, transparency
+handled by the pack's `model.alpha`, torchvision's antialiased bicubic resize of
+uint8 pixels); then fused
 rescale+normalize in float32 and patchify grouped by the merge windows. Runs in
 dataloader workers.
 """
@@ -19,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import av
 import numpy as np
 import torch
 from torchvision.transforms.v2 import functional as tvF
 
+from packtrain.packer.core.config import Alpha
 from packtrain.packer.core.families import CLIP_MEAN, CLIP_STD
 from packtrain.packer.core.model_spec import model_spec
 from packtrain.packer.core.mp4_index import check_mp4_index
@@ -33,7 +34,12 @@ from packtrain.packer.core.vision import VisionSpec
 
 @dataclass(frozen=True)
 class PixelSpec:
-    """Normalization and patch geometry (defaults: Qwen2-VL's); see `from_vision`."""
+    """Normalization and patch geometry (defaults: Qwen2-VL's; see `from_vision`), and the
+    transparency rule of the pack being decoded.
+
+    `alpha` is the pack's, not the model's: `PackedDataset` replaces it with its manifest's value
+    (`pixels.pack_alpha`), so the default here never decides how a pack's originals decode.
+    """
 
     image_mean: tuple[float, ...] = CLIP_MEAN
     image_std: tuple[float, ...] = CLIP_STD
@@ -41,6 +47,7 @@ class PixelSpec:
     patch_size: int = 14
     temporal_patch_size: int = 2
     merge_size: int = 2
+    alpha: Alpha = "white"
 
     @classmethod
     def from_vision(cls, vision: VisionSpec) -> PixelSpec:
@@ -94,9 +101,8 @@ def patchify_video(video: torch.Tensor, spec: PixelSpec) -> torch.Tensor:
 
 def image_pixels(data: bytes, height: int, width: int, spec: PixelSpec) -> torch.Tensor:
     """Encoded image bytes → patches at exactly height x width."""
-    frame = torch.from_numpy(np.require(image_rgb(data, height, width), requirements=["C", "W"])).permute(
-        2, 0, 1
-    )
+    rgb = image_rgb(data, height, width, spec.alpha)
+    frame = torch.from_numpy(np.require(rgb, requirements=["C", "W"])).permute(2, 0, 1)
     return patchify_image(_normalize(frame, spec), spec)
 
 
@@ -119,6 +125,8 @@ def decode_video_frames(
         )
     if demuxer == "mp4":  # FFmpeg builds the whole sample index on open: bound it first
         check_mp4_index(data)
+    import av  # PyAV only where a video is decoded: importing the trainer does not need it
+
     want = set(wanted)
     got: dict[int, np.ndarray] = {}
     with av.open(io.BytesIO(data), mode="r", format=demuxer) as container:
@@ -148,7 +156,7 @@ def media_pixels(blob: dict[str, Any], ref: dict[str, Any], spec: PixelSpec) -> 
         pixels = image_pixels(blob["data"], height, width, spec)
     elif ref["kind"] == "video":
         if blob["encoding"] == "resized":
-            frames = [decode_rgb(png) for png in blob["frames"]]
+            frames = [decode_rgb(png, spec.alpha) for png in blob["frames"]]  # RGB PNGs: no alpha
             pixels = video_pixels_from_frames(np.stack(frames), height, width, spec)
         else:
             pixels = video_pixels_from_frames(

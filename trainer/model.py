@@ -1,8 +1,8 @@
 """Building Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 with `transformers`, and the packed forward.
 
-`build_model` reads the folder's config.json (merged with overrides), loads real
-weights when present (or when `init: pretrained`), else initialises randomly
-from the config. `VLMForTraining` wraps the Hugging Face model so DDP/FSDP see a
+`build_model` reads the folder's config.json (merged with overrides) and builds the model
+empty; `materialize` then loads the real weights when present (or when `init: pretrained`),
+else initialises randomly from the config. `VLMForTraining` wraps the Hugging Face model so DDP/FSDP see a
 single forward: vision features are computed first (each image/frame isolated
 by `grid_thw`), then the language model runs on the packed row with the
 backend's isolation arguments, and the loss is computed on label tokens only.
@@ -35,6 +35,8 @@ from packtrain.trainer.linear_attention import (
     resolve_linear,
 )
 from packtrain.trainer.loss import token_losses
+from packtrain.trainer.materialize import materialize, parameters_on_meta
+from packtrain.trainer.vision_attention import one_call_vision
 
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 
@@ -91,6 +93,18 @@ def checked_spec(folder: str | Path, config: PretrainedConfig, family: str | Non
     return spec
 
 
+def pretrained_weights(folder: str | Path, init: str) -> Path | None:
+    """The folder whose weights `init` asks for (pretrained, or auto with weights there), else None
+    (random init)."""
+    if init == "random" or (init == "auto" and not has_weights(folder)):
+        return None
+    if not has_weights(folder):
+        raise FileNotFoundError(
+            f"model.init is pretrained but {folder} holds no *.safetensors / *.bin weights"
+        )
+    return Path(folder)
+
+
 def build_model(
     folder: str | Path,
     *,
@@ -100,34 +114,32 @@ def build_model(
     attention: str = "sdpa",
     seed: int = 0,
     device: torch.device | str = "cpu",
+    empty: bool = False,
 ) -> PreTrainedModel:
-    """The family's Hugging Face class (`Family.model_class`) on `device`: pretrained weights, or random
-    init seeded by `seed` (initialised directly on the device: a 3B model inits in seconds on a GPU,
-    minutes on CPU)."""
+    """The family's Hugging Face class (`Family.model_class`), its parameters created on the meta
+    device, then (unless `empty`, or `device` is meta) materialised on `device` with the pretrained
+    weights or a random init seeded by `seed` (see `materialize`).
+
+    Training builds it `empty`, adds adapters, freezes and shards it, and only then materialises
+    it, so each rank allocates and reads only its own shards."""
     config = load_config(folder, overrides)
     model_class: type[PreTrainedModel] = getattr(
         transformers, family_for_model_type(config.model_type).model_class
     )
     impl = HF_IMPLEMENTATION[attention]
     register_backend(attention)
-    pretrained = init == "pretrained" or (init == "auto" and has_weights(folder))
-    if pretrained:
-        if not has_weights(folder):
-            raise FileNotFoundError(
-                f"model.init is pretrained but {folder} holds no *.safetensors / *.bin weights"
-            )
-        model = model_class.from_pretrained(folder, config=config, dtype=dtype, attn_implementation=impl)
-    else:
-        torch.manual_seed(seed)
-        with torch.device(device):
-            # What AutoModel's `from_config` calls once it has picked the class.
-            model = model_class._from_config(config, attn_implementation=impl, dtype=dtype)
+    weights = pretrained_weights(folder, init)
+    with parameters_on_meta():  # rotary buffers are computed for real, in fp32, as transformers keeps them
+        # What AutoModel's `from_config` calls once it has picked the class.
+        model = model_class._from_config(config, attn_implementation=impl, dtype=dtype)
+    if weights is not None:
+        model.config.name_or_path = str(folder)  # as from_pretrained records it
     # Hybrid decoders (Qwen3.5): each linear-attention layer restarts its conv and recurrent state
     # at every packed sample's first token; fla kernels on CUDA when installed, else per sample.
     isolate_linear_attention(model, resolve_linear(device))
-    # Parameters are already in `dtype`; `.to(dtype=...)` would also cast the rotary `inv_freq`
-    # buffers that transformers deliberately keeps in fp32 (bf16 ones skew long-range positions).
-    return model.to(device=device)  # type: ignore[call-arg]  # transformers' wrapped `to` stub drops self
+    if not empty and torch.device(device).type != "meta":
+        materialize(model, device, weights=weights, seed=seed)
+    return model
 
 
 def _checkpointed(forward: Callable[..., Any], module: nn.Module) -> Callable[..., Any]:
@@ -180,6 +192,8 @@ class VLMForTraining(nn.Module):
         # Linear-attention layers get the packed row's sample boundaries too (see linear_attention).
         self.linear_attention = has_linear_attention(model)
         self.router = Router.of(model)
+        # One attention call per vision block over all images, frames and windows (vision_attention).
+        one_call_vision(model, backend)
 
     def _encode_media(self, inputs: ModelInputs) -> tuple[dict[str, Any], torch.Tensor | None]:
         """Images and videos through the vision tower in *one* call (each grid stays isolated:

@@ -16,11 +16,13 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from packtrain.packer.core.errors import ConfigError
 from packtrain.packer.core.model_spec import ModelSpec
 from packtrain.trainer import checkpoint, distributed, lora, param_groups
 from packtrain.trainer.attention import resolve_attention
 from packtrain.trainer.config import DEFAULT_MAX_STEPS, SFTSpecCore
 from packtrain.trainer.data import EvalDataset, PackedDataset, eval_dataset
+from packtrain.trainer.materialize import LoadReport, cast_frozen, materialize
 from packtrain.trainer.media import PixelSpec
 from packtrain.trainer.metrics import ModelShape
 from packtrain.trainer.model import (
@@ -30,8 +32,10 @@ from packtrain.trainer.model import (
     checked_spec,
     load_config,
     parameter_groups,
+    pretrained_weights,
 )
 from packtrain.trainer.sampler import Plan, imbalance, plan_epoch, total_steps
+from packtrain.trainer.vision_check import require_vision_features
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -72,6 +76,7 @@ class Model:
     model: torch.nn.Module  # what trains: VLMForTraining, wrapped by DDP/FSDP when distributed
     shape: ModelShape
     adapter: Any  # the PeftModel around `hf` with model.lora (for the adapter export), else None
+    load: LoadReport | None = None  # what materialising the weights read and held on this rank
 
 
 @dataclass
@@ -106,12 +111,13 @@ def setup(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> R
     dtype = resolve_dtype(t.dtype, device)
     backend = resolve_attention(t.attention, device, dtype=dtype)
     config = load_config(cfg.model.path, cfg.model.config_overrides)
+    require_vision_features(config)  # before the model is built: vision features must reach it
     data = _setup_data(
         cfg.data.path, cfg, env, config, checked_spec(cfg.model.path, config, cfg.model.family)
     )
     built = _setup_model(cfg, env, device, dtype, backend)
     optimizer, scheduler = _setup_optimizer(cfg, built.model, data.max_steps)
-    step, resumed_from = _resume(cfg, env, built.model, optimizer, scheduler, data.dataset)
+    step, resumed_from = _resume(cfg, env, built.model, optimizer, scheduler, data)
     return Run(
         dataset=data.dataset,
         hf=built.hf,
@@ -165,10 +171,12 @@ def _setup_data(
 def _setup_model(
     cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device, dtype: torch.dtype, backend: str
 ) -> Model:
-    """The model with adapters, layer options and frozen parts applied, then parallelized.
+    """The model built empty (on the meta device), with adapters, layer options and frozen parts
+    applied, then parallelized and only then given its weights: each rank allocates and reads
+    only what it holds (see `materialize`).
 
-    Mixed precision: weights and AdamW state stay fp32 (bf16 weights would round most small updates
-    away); matmuls run in `dtype` under autocast."""
+    Mixed precision: trainable weights and AdamW state stay fp32 (bf16 weights would round most
+    small updates away); matmuls run in `dtype` under autocast. Frozen weights may be bf16."""
     t = cfg.training
     hf = build_model(
         cfg.model.path,
@@ -178,17 +186,38 @@ def _setup_model(
         attention=backend,
         seed=t.seed,
         device=device,
+        empty=True,
     )
     # LoRA first: it sets requires_grad (only adapters train) before freezing, DDP/FSDP and the optimizer.
     adapter = lora.apply(hf, cfg.model.lora, cfg.model.path) if cfg.model.lora else None
     apply_layer_options(hf, t.activation_checkpointing, t.vision_checkpointing, t.compile)
     param_groups.freeze(hf, cfg.model.freeze)  # after anything setting requires_grad, before DDP/FSDP
+    if _frozen_dtype(cfg, dtype) == torch.bfloat16:
+        cast_frozen(hf, torch.bfloat16)
     core = VLMForTraining(
         hf, backend, always_run_vision=env.distributed, loss_chunk_tokens=t.loss_chunk_tokens
-    ).to(device)
+    )
     shape = ModelShape.from_model(hf, parameter_groups(core))
-    model = distributed.parallelize(core, t.strategy, env, device, compute_dtype=dtype)
-    return Model(hf=hf, model=model, shape=shape, adapter=adapter)
+    weights = pretrained_weights(cfg.model.path, cfg.model.init)
+    loads: list[LoadReport] = []
+    model = distributed.parallelize(
+        core, t.strategy, env, device, compute_dtype=dtype,
+        fill=lambda m: loads.append(materialize(m, device, weights=weights, seed=t.seed)),
+    )  # fmt: skip
+    return Model(hf=hf, model=model, shape=shape, adapter=adapter, load=loads[0])
+
+
+def _frozen_dtype(cfg: SFTSpecCore, dtype: torch.dtype) -> torch.dtype:
+    """model.frozenDtype, checked: bf16 frozen weights need bf16 compute (fp32 activations would
+    meet bf16 weights outside autocast, e.g. pixels cast to a frozen tower's dtype)."""
+    if cfg.model.frozen_dtype == "fp32":
+        return torch.float32
+    if dtype != torch.bfloat16:
+        raise ConfigError(
+            "model.frozenDtype bf16 needs bf16 compute (training.dtype: bf16, or auto on a GPU); "
+            "set training.dtype: bf16 or model.frozenDtype: fp32"
+        )
+    return torch.bfloat16
 
 
 def _setup_optimizer(
@@ -208,18 +237,35 @@ def _resume(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LambdaLR,
-    dataset: PackedDataset,
+    data: Data,
 ) -> tuple[int, Path | None]:
     """The newest checkpoint's state loaded into the model, optimizer, schedule and data position
-    (with training.resume and a checkpoint there): the step to start at, and the folder."""
-    t = cfg.training
+    (with training.resume and a checkpoint there): the step to start at, and the folder.
+
+    The checkpoint may come from another world size, gradAccum or micro-batch size: the model and
+    optimizer reshard (checkpoint.load), the data position moves to the same global position
+    (checkpoint.resharded_data_state, which refuses where there is none), and a run sized by
+    training.epochs gets the length (and cosine) that ends after its epochs with the new step size."""
+    t, dataset = cfg.training, data.dataset
     resumed_from = checkpoint.latest(Path(t.output_dir)) if t.resume else None
     if resumed_from is None:
         return 0, None
     checkpoint.check_resumable(resumed_from, _resume_config(cfg, dataset))
     state = checkpoint.load(resumed_from, model, optimizer, scheduler, env)
-    dataset.load_state_dict(state["data"])
-    return int(state["step"]), resumed_from
+    saved = state["data"]
+    dataset.load_state_dict(checkpoint.resharded_data_state(saved, dataset.layout, dataset.costs))
+    step, lay = int(state["step"]), dataset.layout
+    layout_keys = ("world_size", "units_per_micro_batch", "grad_accum")
+    saved_step_units = math.prod(int(saved.get(k, 1)) for k in layout_keys)
+    if (
+        t.max_steps is None
+        and t.epochs is not None
+        and saved_step_units != lay.world_size * lay.units_per_rank
+    ):
+        pos = dataset.position
+        data.max_steps = step + (t.epochs - pos.epoch) * lay.steps_per_epoch - pos.next // lay.grad_accum
+        scheduler.lr_lambdas = [lr_lambda(t.warmup, data.max_steps) for _ in scheduler.lr_lambdas]
+    return step, resumed_from
 
 
 def _resume_config(cfg: SFTSpecCore, dataset: PackedDataset) -> dict[str, Any]:

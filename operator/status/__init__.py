@@ -20,7 +20,12 @@ from packtrain.operator.status.conditions import (
     lifecycle_conditions,
     set_condition,
 )
-from packtrain.operator.status.events import WARNING_REASONS, event_reason, transition_event
+from packtrain.operator.status.events import (
+    WARNING_REASONS,
+    event_reason,
+    memory_plan_event,
+    transition_event,
+)
 from packtrain.operator.status.jobs import JobState, failure, job_state, stage_durations
 from packtrain.operator.status.pack import STAGE_PHASE, PackDecision, pack_stats, pack_status, percent_done
 from packtrain.operator.status.pods import Terminated, pod_failure, terminated, unschedulable
@@ -86,6 +91,7 @@ __all__ = [
     "terminated",
     "train_progress",
     "transition_event",
+    "memory_plan_event",
     "unschedulable",
     "waiting_status",
 ]

@@ -59,3 +59,15 @@ def transition_event(
             break
     kind = "Warning" if phase == "Failed" or reason in WARNING_REASONS else "Normal"
     return kind, reason, str(said.get("message") or phase)
+
+
+def memory_plan_event(
+    previous: Mapping[str, Any] | None, status: Mapping[str, Any]
+) -> tuple[str, str, str] | None:
+    """(type, reason, message) of the Event for the GPU memory plan an SFTJob's training job was
+    created on, once: when `status.memoryPlan` first appears (a refused job's Event is its failure)."""
+    plan = status.get("memoryPlan")
+    if not isinstance(plan, Mapping) or (previous or {}).get("memoryPlan"):
+        return None
+    reason = R.MEMORY_PLANNED if plan.get("planned") else R.MEMORY_NOT_PLANNED
+    return "Normal", str(reason), str(plan.get("message") or reason)

@@ -237,6 +237,9 @@ def _base_status(
     }
     if digest := manifest_digest(summaries["materialize"]) or prev.get("manifestDigest"):
         status["manifestDigest"] = digest
+    sizes = next((s["model_sizes"] for s in summaries["convert"] if s.get("model_sizes")), None)
+    if sizes := sizes or prev.get("modelSizes"):  # kept once the convert pods are cleaned up
+        status["modelSizes"] = sizes
     return status
 
 

@@ -16,9 +16,11 @@ from packtrain.operator.api import PackJobSpec, SFTJobSpec
 from packtrain.operator.builders import DataSource, OperatorDefaults
 from packtrain.operator.children import ChildKind
 from packtrain.operator.deadlines import Stall
+from packtrain.operator.reasons import ConditionReason as R
 from packtrain.operator.status.conditions import TERMINAL
+from packtrain.operator.status.memory import memory_verdict
 from packtrain.operator.status.pods import pod_failure, terminated
-from packtrain.operator.status.refused import policy_status
+from packtrain.operator.status.refused import failed_status, policy_status
 from packtrain.operator.status.sft import (
     child_phase,
     data_readiness,
@@ -35,6 +37,7 @@ class SFTDecision:
 
     status: dict[str, Any] | None = None
     create: DataSource | None = None
+    memory_plan: dict[str, Any] | None = None  # status.memoryPlan of the job about to be created
 
 
 def decide_start(
@@ -62,7 +65,11 @@ def decide_start(
             return SFTDecision(status=waiting_status(generation, readiness, prev, now, defaults.deadlines))
         evals = builders.eval_source(data, eval_ref, PackJobSpec.model_validate(evaljob["spec"]))
         data = dataclasses.replace(data, eval=evals)
-    return SFTDecision(create=data)
+    verdict = memory_verdict(spec, defaults.policy, pack_spec, pack_status)
+    if verdict.refusal is not None:
+        message = f"{verdict.refusal}. Fix it, then delete and re-create the SFTJob."
+        return SFTDecision(status=failed_status(body, R.INSUFFICIENT_GPU_MEMORY, message, now))
+    return SFTDecision(create=data, memory_plan=verdict.status)
 
 
 def _new_failure(
@@ -129,6 +136,8 @@ def mirror(
         queued=spec.queue_name if phase == "Suspended" and not spec.suspend else None,
         stall=stall,
     )
+    if prev.get("memoryPlan"):  # the plan the training job was created on
+        status["memoryPlan"] = prev["memoryPlan"]
     if prev.get("scrapeError"):  # kept while it says something about a running trainer
         status["scrapeError"] = prev["scrapeError"] if status["phase"] == "Running" else None
     return status

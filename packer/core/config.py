@@ -36,6 +36,7 @@ Algorithm = Literal["bfd", "next_fit", "swift", "knapsack"]
 OverlongPolicy = Literal["drop", "truncate", "error"]
 LabelMode = Literal["all_assistant", "last_assistant", "all"]
 MediaStorage = Literal["original", "resized"]
+Alpha = Literal["white", "drop"]
 
 
 class FieldMap(CamelModel):
@@ -267,6 +268,15 @@ class ModelConfig(CamelModel):
         "(qwen-vl-utils) "
         "does, transformers' cap_pixels_per_frame=True; false spends videoMaxPixels on however few frames "
         "are sampled. Other families bound pixels per frame already.",
+    )
+    alpha: Alpha = Field(
+        "white",
+        description="Transparent images (an alpha band, or a palette or colour-key transparency entry): "
+        "white composites them onto white, as transformers' in-memory convert_to_rgb does (qwen-vl-utils "
+        "and vLLM composite RGBA images onto white too); drop discards the transparency, as PIL's "
+        "convert('RGB') and transformers' decode of a file path do. Recorded in the pack's manifest, whose "
+        "value the trainer decodes with (packs made before this field: drop). Token counts do not depend "
+        "on it.",
     )
 
     @model_validator(mode="after")

@@ -47,6 +47,9 @@ class ConvertSummary(TypedDict):
     converted: int
     rejected: int
     tokens: int
+    # Worker 0 only: the model's config.json as the memory planner reads it (`model_size.planning_config`),
+    # None when model.path holds no readable config.json.
+    model_sizes: NotRequired[dict[str, Any] | None]
 
 
 class SourceCounts(TypedDict):

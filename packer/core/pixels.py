@@ -2,17 +2,20 @@
 
 Both the packer (`packing.mediaStorage: resized`) and the trainer's own decode
 call these functions, so a pack gives the same pixels in either storage mode,
-and they are the Hugging Face processor's pixels. The processor (transformers
-5.x, torchvision backend) decodes a file with `torchvision.io.decode_image(...,
-mode=RGB, apply_exif_orientation=True)`: transparency is dropped, not
-composited (a transparent (10,20,30) pixel stays (10,20,30)), which is what
-PIL's `convert("RGB")` gives. It resizes uint8 pixels with torchvision's
-antialiased bicubic kernel. `resize_uint8` is that kernel: where torch is
-already loaded (the trainer) it calls torchvision itself; elsewhere (the packer,
-which never imports torch) a numpy port of it, equal bit for bit (the same
-Pillow-SIMD-derived int16 fixed-point arithmetic as torch's AVX2 path;
-`tests/packer/test_pixels.py` holds the two equal). 16-bit images are reduced to
-8 bits by PIL, where torchvision would hand the processor 16-bit values.
+and they are the Hugging Face processor's pixels. Transparency follows the
+pack's `model.alpha` (`flatten`): `white` composites onto white, as transformers'
+in-memory `convert_to_rgb` does and as qwen-vl-utils and vLLM do for RGBA images
+at inference, so training sees what the deployed model sees; `drop` discards it,
+as PIL's `convert("RGB")` and the processor's decode of a file path
+(`torchvision.io.decode_image(..., mode=RGB)`) do. Packs made before the setting
+existed dropped it (`pack_alpha`). Resizing is torchvision's antialiased bicubic
+kernel on uint8 pixels: `resize_uint8` calls torchvision itself where torch is
+already loaded (the trainer); elsewhere (the packer, which never imports torch) a
+numpy port of it, equal bit for bit (the same Pillow-SIMD-derived int16
+fixed-point arithmetic as torch's AVX2 path; `tests/packer/test_pixels.py` holds
+the two equal). 16-bit images are reduced to 8 bits by PIL, where torchvision
+would hand the processor 16-bit values. Vision-token counts depend only on sizes,
+never on these choices.
 """
 
 from __future__ import annotations
@@ -20,32 +23,82 @@ from __future__ import annotations
 import io
 import math
 import sys
+from collections.abc import Mapping
+from typing import Any, cast, get_args
 
 import numpy as np
 from PIL import Image
 
+from packtrain.packer.core.config import Alpha
+from packtrain.packer.core.errors import PackIntegrityError
 from packtrain.packer.core.vision import upright
 
+ALPHA_BEFORE_THE_SETTING: Alpha = "drop"
+"""How packs made before `model.alpha` existed treated transparency: `convert("RGB")` dropped it."""
 
-def rgb_of(img: Image.Image) -> np.ndarray:
-    """(H, W, 3) uint8 of a PIL image: EXIF orientation applied, alpha dropped, as the processor decodes."""
-    return np.asarray(upright(img).convert("RGB"))
+_WHITE = (255, 255, 255, 255)
+
+
+def pack_alpha(manifest: Mapping[str, Any]) -> Alpha:
+    """The transparency rule a pack's pixels were made with: its manifest's `config.model.alpha`.
+
+    The trainer decodes original bytes with this value, never a default of its own, so a pack's
+    `original` and `resized` storage give the same pixels. A manifest without the key is a pack made
+    before the setting existed: those dropped alpha, so it reads as `drop`.
+    """
+    config = manifest.get("config")
+    model = (config.get("model") if isinstance(config, Mapping) else None) or {}
+    value = model.get("alpha", ALPHA_BEFORE_THE_SETTING) if isinstance(model, Mapping) else None
+    if value not in get_args(Alpha):
+        raise PackIntegrityError(
+            f"the manifest's config.model.alpha is {value!r}, not one of {list(get_args(Alpha))}: the pack "
+            "was edited; run `packtrain pack verify` on it, and re-pack the data"
+        )
+    return cast(Alpha, value)
+
+
+def has_transparency(img: Image.Image) -> bool:
+    """Transparency as transformers' `convert_to_rgb` finds it: an alpha band (RGBA, LA, PA) or a
+    transparency entry (a palette index or alpha table, a PNG tRNS colour key, GIF's transparent index)."""
+    return "A" in img.getbands() or img.info.get("transparency") is not None
+
+
+def flatten(img: Image.Image, alpha: Alpha) -> Image.Image:
+    """An RGB PIL image with transparency handled by `alpha` (see the module docstring).
+
+    `white` is transformers' `convert_to_rgb` rule (RGBA, then `Image.alpha_composite` onto opaque
+    white; PIL's `paste` with the alpha mask, the qwen-vl-utils and vLLM rule, gives the same
+    pixels). `drop` goes through RGBA too: the same pixels as `convert("RGB")`, without the
+    warning PIL gives for a palette with an alpha table.
+    """
+    if not has_transparency(img):
+        return img.convert("RGB")
+    rgba = img.convert("RGBA")
+    if alpha == "white":
+        rgba = Image.alpha_composite(Image.new("RGBA", rgba.size, _WHITE), rgba)
+    return rgba.convert("RGB")
+
+
+def rgb_of(img: Image.Image, alpha: Alpha) -> np.ndarray:
+    """(H, W, 3) uint8 of a PIL image: EXIF orientation applied first (the count's size), then
+    transparency handled by `alpha`."""
+    return np.asarray(flatten(upright(img), alpha))
 
 
 IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 """The only PIL plugins an image is ever decoded with, in the packer and the trainer (JPEG includes MPO)."""
 
 
-def decode_rgb(data: bytes) -> np.ndarray:
+def decode_rgb(data: bytes, alpha: Alpha) -> np.ndarray:
     """(H, W, 3) uint8 of encoded image bytes (see `rgb_of`), decoded only by an `IMAGE_FORMATS` plugin:
     a pack's blobs are bytes like any other, and PIL would otherwise try every decoder it has."""
     with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
-        return rgb_of(img)
+        return rgb_of(img, alpha)
 
 
-def image_rgb(data: bytes, height: int, width: int) -> np.ndarray:
+def image_rgb(data: bytes, height: int, width: int, alpha: Alpha) -> np.ndarray:
     """Encoded image bytes -> (height, width, 3) uint8: the pixels the processor normalizes."""
-    return resize_uint8(decode_rgb(data), height, width)
+    return resize_uint8(decode_rgb(data, alpha), height, width)
 
 
 def resize_uint8(pixels: np.ndarray, height: int, width: int) -> np.ndarray:

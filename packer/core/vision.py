@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-import av
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
@@ -416,6 +415,8 @@ def probe_video(
     numbers as `read_video_pyav`'s open, which decodes a few frames, at a quarter
     of the cost. A stream whose headers lack the size is probed again decoding.
     """
+    import av  # PyAV only where a video is opened: model code and benchmarks import this module without it
+
     target = str(source) if isinstance(source, Path) else source
     skip = headers_only and format in HEADER_SIZED_DEMUXERS
     if format == "mp4":  # FFmpeg builds the whole sample index on open: bound it first

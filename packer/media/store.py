@@ -3,7 +3,8 @@
 Original bytes keep shards small and exact (the trainer re-applies the same
 resize rule). `resized` moves decode and resize work off the GPU nodes: images
 become PNGs of exactly height x width, videos the sampled frames as PNGs, made by
-`pixels` (the Hugging Face processor's pixels, as the trainer decodes originals).
+`pixels` (the Hugging Face processor's pixels, as the trainer decodes originals), with
+transparency handled by the pack's `model.alpha`, the value the trainer reads back from the manifest.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, BinaryIO
 import numpy as np
 from PIL import Image
 
+from packtrain.packer.core.config import Alpha
 from packtrain.packer.core.contract import RejectReason
 from packtrain.packer.core.errors import ConfigError, MediaError
 from packtrain.packer.core.mp4_index import check_mp4_index
@@ -160,9 +162,16 @@ def _checked_open(
 
 
 def media_blob(
-    ref: dict[str, Any], storage: str, limits: MediaLimits, roots: frozenset[str] | None = None
+    ref: dict[str, Any],
+    storage: str,
+    limits: MediaLimits,
+    roots: frozenset[str] | None = None,
+    *,
+    alpha: Alpha,
 ) -> dict[str, Any]:
-    """The MEDIA_SCHEMA row for one media reference of a converted sample (re-opened inside `roots`).
+    """The MEDIA_SCHEMA row for one media reference of a converted sample (re-opened inside `roots`);
+    a resized image's transparency is handled by `alpha` (the pack's `model.alpha`: no default here,
+    so the pixels written always follow the configuration the manifest records).
 
     A video whose sampled frames do not decode raises MediaError (the dataset's fault: a reject); a
     file that changed or vanished since convert raises ConfigError (the pack's inputs moved: re-pack).
@@ -178,7 +187,7 @@ def media_blob(
             return {"key": ref["key"], "kind": kind, "encoding": "original", "data": data, "frames": []}
         h, w = ref["height"], ref["width"]
         if kind == "image":
-            pixels = resize_uint8(decode_rgb(data), h, w)
+            pixels = resize_uint8(decode_rgb(data, alpha), h, w)
             return {
                 "key": ref["key"],
                 "kind": "image",

@@ -17,6 +17,7 @@ import pyarrow as pa
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.contract import ConvertSummary, RejectReason
 from packtrain.packer.core.errors import ConfigError
+from packtrain.packer.core.model_size import planning_config, read_config
 from packtrain.packer.core.pack.shards import atomic_write_json, atomic_writer
 from packtrain.packer.media.access import EMBEDDED_DIR, MediaItem
 from packtrain.packer.sources.mixture import repeat, weigher
@@ -78,8 +79,18 @@ def convert(
         "rejected": rejected,
         "tokens": tokens,
     }
+    if index == 0:  # once per pack: what the operator plans an SFTJob's GPU memory with
+        summary["model_sizes"] = _planning_config(cfg.model.path)
     atomic_write_json(summary_path, summary)
     return summary
+
+
+def _planning_config(folder: str) -> dict[str, Any] | None:
+    """model.path's config.json, trimmed to what the memory planner reads; None without one."""
+    try:
+        return planning_config(read_config(folder))
+    except ConfigError:
+        return None
 
 
 def _convert_slice(

@@ -217,7 +217,8 @@ def _shard_media(
     for i, key in enumerate(flat_media.field("key").to_pylist()):
         if key not in blobs and key not in bad:
             try:
-                blobs[key] = media_blob(flat_media[i].as_py(), cfg.packing.media_storage, limits, roots)
+                ref = flat_media[i].as_py()
+                blobs[key] = media_blob(ref, cfg.packing.media_storage, limits, roots, alpha=cfg.model.alpha)
             except MediaError as exc:
                 bad[key] = exc
     return blobs, bad

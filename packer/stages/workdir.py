@@ -121,11 +121,29 @@ def check_output_config(cfg: PackConfig, out: Path, record: bool = False) -> Non
         _create_once(path, canonical_json(want))
     existing = json.loads(path.read_text())
     if existing.get("config_hash") != want["config_hash"]:
+        changed = ", ".join(changed_settings(existing.get("config"), want["config"])[:8]) or "?"
         raise ConfigError(
             f"{out} already holds a pack made with a different configuration "
-            f"(hash {existing.get('config_hash', '?')[:12]}… vs {want['config_hash'][:12]}…). "
-            "Use a new output folder, or delete this one to re-pack."
+            f"(hash {existing.get('config_hash', '?')[:12]}… vs {want['config_hash'][:12]}…; settings that "
+            f"differ: {changed}). Use a new output folder, or delete this one to re-pack."
         )
+
+
+_ABSENT = object()  # a setting one of two dumps lacks
+
+
+def changed_settings(old: Any, new: Any, name: str = "") -> list[str]:
+    """The dotted names of the settings two config dumps differ in, a key only one has included, so a
+    refusal says what changed: e.g. `model.alpha` for a folder claimed by a packer from before that
+    setting (its transparent images were made by another rule)."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return [] if old == new else [name or "the whole configuration"]
+    prefix = f"{name}." if name else ""
+    return [
+        changed
+        for key in sorted(set(old) | set(new))
+        for changed in changed_settings(old.get(key, _ABSENT), new.get(key, _ABSENT), prefix + key)
+    ]
 
 
 def _create_once(path: Path, data: bytes) -> None:

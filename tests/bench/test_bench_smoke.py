@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -74,18 +77,126 @@ def test_bench_loss_memory_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "labels / chunked" in capsys.readouterr().out
 
 
-def test_gpu_bench_dry_run(shared_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The device benchmark end to end on CPU (tiny model, sdpa; varlen and flash are skipped with
-    the reason): packed and padded runs, packed == each sample alone, the table and the JSON."""
-    out = tmp_path / "gpu_bench.json"
-    assert load("gpu_bench").main(["--tiny", "--out", str(out)]) == 0
-    report = json.loads(out.read_text())
-    packed, padded = report["results"]["tiny/packed/sdpa"], report["results"]["tiny/padded/sdpa"]
-    assert packed["padding_ratio"] == 0.0 and padded["padding_ratio"] > 0.1
-    assert packed["packed_vs_alone"]["equal"] and packed["packed_vs_alone"]["samples"] >= 2
-    assert report["verdict"]["tiny/sdpa"]["effective_speedup"] > 0
-    printed = capsys.readouterr().out
-    assert "skip varlen: attention: varlen runs on CUDA only" in printed and "packed=alone" in printed
+@pytest.mark.slow
+def test_device_run_dry_run(tmp_path: Path) -> None:
+    """The GPU machine's one command end to end on CPU (no install, tiny sizes, the reference kernel
+    for the CUDA-only ones): one JSON with every section, the kernel checks passed and marked as
+    not run on CUDA, packed == alone passed while the broken control was caught, one table."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        ["bash", str(HERE / "device_run.sh"), "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "device_run.json").read_text())
+    assert report["passed"]
+    assert {"phases", "kernel_check", "smoke", "bench", "summary"} <= set(report)
+    status = {p["phase"]: p["status"] for p in report["phases"]}
+    assert status == {
+        "install": "skipped",
+        "preflight": "ok",
+        "kernels": "ok",
+        "smoke": "ok",
+        "bench": "skipped",
+    }
+    kernels = report["kernel_check"]
+    assert kernels["passed"] and not kernels["cuda"]
+    assert {c["check"] for c in kernels["checks"]} >= {
+        "varlen fwd+bwd",
+        "native GQA vs K/V copies",
+        "flex vs reference",
+    }
+    assert all(
+        c["kernel"].startswith("reference") for c in kernels["checks"] if c["check"] == "varlen fwd+bwd"
+    )
+    assert len([c for c in kernels["checks"] if c["check"] == "varlen fwd+bwd"]) == 8
+    smoke = report["summary"]["smoke"]["tiny/sdpa"]
+    assert smoke["packed_equal_alone"] and smoke["packed_vs_alone_ratio"] <= smoke["ratio_max"]
+    assert smoke["broken_control_detected"] and smoke["control_ratio"] > smoke["ratio_max"]
+    assert smoke["effective_tokens_per_second_padded"] > 0 and smoke["effective_speedup"] > 0
+    assert report["bench"]["missing"].startswith("phase skipped: dry run")
+    table = (tmp_path / "device_run.txt").read_text()
+    assert "device run: PASSED" in table and "ok/caught" in table and "kernel check" in table
+    assert "skip varlen: attention: varlen runs on CUDA only" in (tmp_path / "smoke.log").read_text()
+
+
+def test_gpu_bench_imports_without_pyav() -> None:
+    """The GPU machine has no PyAV: the trainer's model code and the benchmarks must import
+    without it (PyAV is imported only where a video is opened or decoded)."""
+    script = f"""
+import importlib, importlib.util, sys
+sys.modules["av"] = None  # any `import av` now raises ImportError
+spec = importlib.util.spec_from_file_location("gpu_bench", {str(HERE / "gpu_bench.py")!r})
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+bench.import_packtrain()
+for name in ("model", "attention", "config", "loss", "rope", "metrics", "batch"):
+    importlib.import_module("packtrain.trainer." + name)
+importlib.import_module("packtrain.packer.core.families")
+sys.path.insert(0, {str(HERE)!r})
+importlib.import_module("kernel_check")
+assert "av" not in {{k for k, v in sys.modules.items() if v is not None}}
+print("imported")
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd="/"
+    )
+    assert proc.returncode == 0 and "imported" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_bench_model_folder_is_the_shared_3b(shared_dir: Path) -> None:
+    """The GPU run reads its model from the checkout (the shared folder does not travel): the same
+    config, and the same special-token ids and vision settings as the shared model folder gives."""
+    from packtrain.packer.core.model_spec import model_spec
+
+    ours, shared = HERE / "models" / "qwen2.5-vl-3b", shared_dir / "models" / "qwen2.5-vl"
+    for name in ("config.json", "preprocessor_config.json"):
+        assert json.loads((ours / name).read_text()) == json.loads((shared / name).read_text()), name
+    assert model_spec(ours) == dataclasses.replace(model_spec(shared), folder=ours)
+    assert sum(f.stat().st_size for f in ours.iterdir()) < 16_000  # small config files only
+
+
+def test_kernel_check_fails_a_kernel_that_crosses_sequences() -> None:
+    """The kernel check can fail: a varlen kernel that ignores the boundaries (the whole row as
+    one causal sequence) fails every layout, the per-sequence reference passes them."""
+    import torch
+
+    from packtrain.trainer.attention import VarlenKernel
+
+    check = load("kernel_check")
+
+    def crossing(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):  # type: ignore[no-untyped-def]
+        whole = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+        total = q.shape[0]
+        return check.reference_varlen(
+            q, k, v, whole, whole, total, total, scale=scale, window_size=window_size
+        )
+
+    cpu = torch.device("cpu")
+    good = check.check_varlen(VarlenKernel.of(check.reference_varlen), "reference", cpu, check.LENGTHS_CPU)
+    bad = check.check_varlen(VarlenKernel.of(crossing), "crossing", cpu, check.LENGTHS_CPU)
+    assert all(c["passed"] for c in good) and not any(c["passed"] for c in bad)
+
+
+def test_equivalence_flags_a_leak_and_passes_rounding() -> None:
+    """The packed == alone verdict on made-up losses: rounding-sized errors pass, an error that
+    rounding cannot make fails, whichever side it is on."""
+    import torch
+
+    bench = load("gpu_bench")
+    gen = torch.Generator().manual_seed(0)
+    ref = [12 + torch.randn(40, generator=gen) for _ in range(3)]
+    alone = [r + 1e-3 * torch.randn(40, generator=gen) for r in ref]
+    packed = [r + 1e-3 * torch.randn(40, generator=gen) for r in ref]
+    leaked = [r + (0.05 if i else 0.0) * torch.randn(40, generator=gen) for i, r in enumerate(ref)]
+    ok = bench.equivalence(ref, alone, packed, leaked)
+    assert ok["equal"] and ok["control_detected"] and ok["passed"]
+    assert ok["samples"][0]["control_ratio"] < bench.RATIO_MAX < ok["samples"][1]["control_ratio"]
+    wrong = bench.equivalence(ref, alone, leaked, packed)
+    assert not wrong["equal"] and not wrong["control_detected"] and not wrong["passed"]
 
 
 def test_gpu_bench_batches_are_the_trainers(shared_dir: Path) -> None:

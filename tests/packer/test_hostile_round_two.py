@@ -460,7 +460,7 @@ def test_the_trainer_never_parses_an_exif_bomb_in_a_pack(tmp_path: Path) -> None
 
     bomb = _png_with_exif(tmp_path / "bomb.png", exif_bomb(MAX_IMAGE_METADATA_BYTES // 8 + 1))
     with pytest.raises(MediaError, match="EXIF block of .* not parsed|metadata"):
-        decode_rgb(bomb.read_bytes())
+        decode_rgb(bomb.read_bytes(), "white")
 
 
 def _parquet(path: Path, rows: int, value_bytes: int, dictionary: bool) -> Path:

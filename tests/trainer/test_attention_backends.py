@@ -2,12 +2,13 @@
 
 torch's `varlen_attn` is FlashAttention and has no CPU kernel (it raises NotImplementedError
 here), so the varlen tests substitute a CPU reference implementation with the exact signature of
-each torch version (2.10: `is_causal`, no scale, no GQA; 2.11: `window_size` and `scale`; 2.12 and
-later: also `enable_gqa`) for the kernel. The reference refuses what the real kernel refuses
-(unknown keywords, mismatched heads without `enable_gqa`, mixed dtypes), so the wrapper's
-argument building (cu_seq, max lengths, causality, scale, GQA head repeat, autocast dtype) runs
-for real; it is compared with SDPA under the dense block mask. The kernel itself has never run in
-these tests: that is the device benchmark's job.
+each torch version (2.10: `is_causal`, no scale, no `enable_gqa`; 2.11: `window_size` and `scale`;
+2.12 and later: also `enable_gqa`) for the kernel. The reference refuses what the real kernel
+refuses (unknown keywords, K/V heads that do not divide Q's, fewer K/V heads without `enable_gqa`
+from 2.12 on, mixed dtypes) and, like FlashAttention-2 behind 2.10/2.11, takes grouped K/V as
+they are, so the wrapper's argument building (cu_seq, max lengths, causality, scale, grouped K/V
+passed through, autocast dtype) runs for real; it is compared with SDPA under the dense block
+mask. The kernel itself has never run in these tests: that is the device benchmark's job.
 """
 
 from __future__ import annotations
@@ -72,13 +73,15 @@ def test_explicit_backends_are_checked():
 # -- CPU references with each torch version's varlen_attn signature ----------------------------
 
 
-def _reference(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale=None, gqa=False):
+def _reference(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale=None, gqa=True):
+    """`gqa`: K/V with fewer heads are accepted (FlashAttention-2 takes them natively)."""
     if not (q.dtype == k.dtype == v.dtype):
         raise RuntimeError(f"mixed dtypes {q.dtype}, {k.dtype}, {v.dtype}")
     if cu_q.dtype != torch.int32 or cu_k.dtype != torch.int32 or not torch.equal(cu_q, cu_k):
         raise RuntimeError("cu_seq must be int32 and equal for q and k here")
-    if k.shape[1] != q.shape[1] and not gqa:
-        raise RuntimeError("number of heads in key/value must equal those of query")
+    if q.shape[1] % k.shape[1] or (k.shape[1] != q.shape[1] and not gqa):
+        raise RuntimeError("number of heads in key/value must divide (or equal) those of query")
+    gqa = k.shape[1] != q.shape[1]
     lengths = (cu_q[1:] - cu_q[:-1]).tolist()
     if max(lengths) != max_q or max_k != max_q:
         raise RuntimeError(f"max lengths {max_q}, {max_k} but longest sequence {max(lengths)}")
@@ -211,6 +214,112 @@ def test_varlen_casts_to_the_autocast_dtype():
     assert out.dtype == torch.bfloat16
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(cu, 8), enable_gqa=True)
     torch.testing.assert_close(out.float(), ref.transpose(1, 2), rtol=2e-2, atol=2e-2)
+
+
+def varlen_equal_heads(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+):
+    """A kernel that needs as many K/V heads as Q heads (declared with grouped_kv=False)."""
+    return _reference(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, _causal(window_size), scale, False)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "kv_heads_seen"),
+    [
+        (VarlenKernel.of(varlen_2_10), 2),
+        (VarlenKernel.of(varlen_2_11), 2),
+        (VarlenKernel.of(varlen_2_12), 2),
+        (VarlenKernel.of(varlen_equal_heads, grouped_kv=False), 4),
+    ],
+)
+def test_grouped_kv_reach_the_kernel_as_they_are(kernel, kv_heads_seen):
+    """2.10/2.11 (no enable_gqa, FlashAttention-2 takes grouped heads) and 2.12+ (enable_gqa) get
+    the 2 K/V heads unrepeated; only a kernel declared to need equal heads gets 4 copies."""
+    seen = []
+
+    def recording(query, key, value, *args, **kwargs):
+        seen.append(key.shape[1])
+        return kernel.fn(query, key, value, *args, **kwargs)
+
+    recorder = VarlenKernel(recording, kernel.window_size, kernel.scale, kernel.gqa, kernel.grouped_kv)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    q, k, v = _qkv(12)
+    out, _ = varlen_attention(_Module(True), q, k, v, None, cu_seq_lens_q=cu, max_length_q=7, kernel=recorder)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(cu, 12), enable_gqa=True)
+    assert seen == [kv_heads_seen]
+    torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-12, atol=1e-12)
+
+
+class _FlashLike(torch.autograd.Function):
+    """Saves for the backward what torch's varlen_attn saves: q, k, v, cu_seq, out, lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu):
+        out = torch.empty_like(q)
+        ctx.save_for_backward(q, k, v, cu, out, torch.empty(q.shape[1], q.shape[0]))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, *_ = ctx.saved_tensors
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
+
+
+def _flash_like_2_11(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+):
+    return _FlashLike.apply(query, key, value, cu_seq_q)
+
+
+def _saved_bytes(kernel, total, heads, kv_heads, dim):
+    q, k, v = (
+        torch.randn(1, h, total, dim, dtype=torch.bfloat16, requires_grad=True)
+        for h in (heads, kv_heads, kv_heads)
+    )
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        varlen_attention(
+            _Module(True),
+            q,
+            k,
+            v,
+            None,
+            cu_seq_lens_q=torch.tensor([0, total], dtype=torch.int32),
+            max_length_q=total,
+            kernel=kernel,
+        )
+    return sum(storages.values())
+
+
+def test_grouped_kv_are_not_saved_as_copies():
+    """The backward's saved tensors: with K/V passed as they are, 2 x (H - H_kv) x T x D elements
+    fewer than with the copies (Qwen2.5-VL-3B, 16 over 2 heads of 128, 8192 tokens, 36 layers:
+    56 MiB a layer, 1.97 GiB in all)."""
+    total, heads, kv_heads, dim = 64, 16, 2, 32
+    native = _saved_bytes(VarlenKernel.of(_flash_like_2_11), total, heads, kv_heads, dim)
+    copied = _saved_bytes(VarlenKernel.of(_flash_like_2_11, grouped_kv=False), total, heads, kv_heads, dim)
+    assert copied - native == 2 * (heads - kv_heads) * total * dim * 2  # bf16
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
+def test_flex_casts_to_the_autocast_dtype():
+    """Under autocast, rotary embeddings leave q and k in fp32 while v is bf16; flex_attention
+    takes one dtype (torch 2.10 raises otherwise): all three go to the autocast dtype."""
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    q, k, v = _qkv(8, dtype=torch.float32)
+    mask = attn.flex_block_mask(cu, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = attn._flex_attention(_Module(True), q, k, v.bfloat16(), mask)
+    assert out.dtype == torch.bfloat16
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(cu, 8), enable_gqa=True)
+    torch.testing.assert_close(out.float(), ref.transpose(1, 2), rtol=2e-2, atol=2e-2)
+    q2, k2, v2 = attn.one_dtype(q, k, v.bfloat16())  # without autocast: v's dtype
+    assert q2.dtype == k2.dtype == v2.dtype == torch.bfloat16
 
 
 def test_varlen_refuses_a_mask():

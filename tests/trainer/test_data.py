@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -148,7 +149,7 @@ from packtrain.packer.media.store import media_blob
 refs, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
 limits = MediaLimits.of(SourceConfig(paths=["unused"]))
 for i, ref in enumerate(refs):
-    (out / f"{i}.png").write_bytes(media_blob(ref, "resized", limits)["data"])
+    (out / f"{i}.png").write_bytes(media_blob(ref, "resized", limits, alpha="drop")["data"])
 assert "torch" not in sys.modules, "the packer loaded torch"
 """
 
@@ -157,7 +158,8 @@ assert "torch" not in sys.modules, "the packer loaded torch"
 def test_pixels_equal_the_processor_in_both_storage_modes(tmp_path, family):
     """Alpha, palettes, odd sizes and EXIF rotation: the trainer's pixels from the original bytes,
     and from the PNG that `mediaStorage: resized` writes (made in a torch-free packer process, as in
-    production), equal the HF processor's `pixel_values` exactly."""
+    production), equal the HF processor's `pixel_values` exactly. The processor decodes a file path
+    dropping transparency, so this is `model.alpha: drop` (`white`: tests/packer/test_transparency.py)."""
     from transformers import AutoProcessor
 
     from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
@@ -198,7 +200,7 @@ def test_pixels_equal_the_processor_in_both_storage_modes(tmp_path, family):
         [sys.executable, "-c", _RESIZED_BLOBS, str(tmp_path / "refs.json"), str(tmp_path / "blobs")],
         check=True,
     )
-    spec = PixelSpec.from_folder(FOLDER[family])
+    spec = dataclasses.replace(PixelSpec.from_folder(FOLDER[family]), alpha="drop")
     processor = AutoProcessor.from_pretrained(str(FOLDER[family])).image_processor
     for i, (name, ref) in enumerate(zip(names, refs, strict=True)):
         want = processor(images=[str(tmp_path / "img" / name)], return_tensors="pt")
@@ -276,7 +278,7 @@ def test_video_pixels_equal_the_processor_in_both_storage_modes(tmp_path, family
     limits = MediaLimits.of(source)
     pixel_spec = PixelSpec.from_folder(FOLDER[family])
     for storage in ("original", "resized"):
-        got = media_pixels(media_blob(ref, storage, limits), ref, pixel_spec)
+        got = media_pixels(media_blob(ref, storage, limits, alpha="white"), ref, pixel_spec)
         assert torch.equal(got, want["pixel_values_videos"]), (
             f"{storage}: max diff {(got - want['pixel_values_videos']).abs().max():.3g}"
         )

@@ -20,6 +20,7 @@ from transformers import AutoModelForImageTextToText
 
 from packtrain.operator.api import SFTJobSpec
 from packtrain.trainer import lora
+from packtrain.trainer.checkpoint import saved_state
 from packtrain.trainer.config import LoraSpec, load_train_config
 from packtrain.trainer.data import collate_packed
 from packtrain.trainer.loop import train
@@ -124,10 +125,9 @@ def test_lora_resume_is_bit_for_bit_and_checkpoints_hold_only_adapters(lora_runs
     a = load_file(a_dir / "final" / "adapter_model.safetensors")
     b = load_file(b_dir / "final" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    saved = torch.load(a_dir / "checkpoints" / "step-00000004" / "model.pt", weights_only=True)
+    saved, opt_a = saved_state(a_dir / "checkpoints" / "step-00000004")
     assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)  # the base is rebuilt, not saved
-    opt_a = torch.load(a_dir / "checkpoints" / "step-00000004" / "optimizer.pt", weights_only=False)
-    opt_b = torch.load(b_dir / "checkpoints" / "step-00000004" / "optimizer.pt", weights_only=False)
+    _, opt_b = saved_state(b_dir / "checkpoints" / "step-00000004")
     # Optimizer state for exactly the adapters (those that saw an image so far: text-only steps
     # leave the vision adapters without a gradient, as full fine-tuning does).
     assert opt_a["state"].keys() == opt_b["state"].keys() <= saved.keys()
@@ -141,9 +141,9 @@ def test_resume_restores_no_optimizer_state_the_saved_run_did_not_have(pack_dir,
     correction by the step count) is the straight run's."""
     spec = job_spec(pack_dir, tmp_path / "straight", maxSteps=4, checkpointEvery=2, saveFinal=False)
     straight_and_resumed(spec, tmp_path)
-    step4 = Path("checkpoints") / "step-00000004" / "optimizer.pt"
-    a = torch.load(tmp_path / "straight" / step4, weights_only=False)["state"]
-    b = torch.load(tmp_path / "resumed" / step4, weights_only=False)["state"]
+    step4 = Path("checkpoints") / "step-00000004"
+    a = saved_state(tmp_path / "straight" / step4)[1]["state"]
+    b = saved_state(tmp_path / "resumed" / step4)[1]["state"]
     assert any("visual" in k for k in a) is False  # this data: no image in the first 4 steps
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k]["step"], b[k]["step"]) for k in a)
@@ -155,7 +155,7 @@ def test_adapter_loads_with_peft_and_matches_the_trained_and_merged_model(lora_r
     config = json.loads((final / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(fx.FOLDER["qwen2-vl"]) and config["r"] == LORA["rank"]
     assert (final / "preprocessor_config.json").is_file()
-    trained = torch.load(run_dir / "checkpoints" / "step-00000004" / "model.pt", weights_only=True)
+    trained, _ = saved_state(run_dir / "checkpoints" / "step-00000004")
     adapter = load_file(final / "adapter_model.safetensors")
     # The adapter file is the trained adapters (PEFT's names: no adapter name, base_model.model. prefix).
     assert len(adapter) == len(trained)

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from torchrun_job import free_port, torchrun_two_processes
 from transformers import AutoModelForImageTextToText
 
+from packtrain.trainer.checkpoint import saved_state
 from packtrain.trainer.cli import main
 from packtrain.trainer.config import load_train_config
 from packtrain.trainer.loop import train
@@ -36,7 +37,7 @@ def test_cli_trains_and_exports_a_loadable_hf_model(pack_dir, tmp_path, capsys):
     assert 0 < summary["final_loss"] < 20
     assert summary["mfu"] is None  # CPU: no known peak
     model = AutoModelForImageTextToText.from_pretrained(out / "final")
-    saved = torch.load(out / "checkpoints" / "step-00000002" / "model.pt", weights_only=True)
+    saved, _ = saved_state(out / "checkpoints" / "step-00000002")
     for name, param in model.state_dict().items():
         assert torch.equal(param, saved["hf." + name]), name
     assert (out / "final" / "preprocessor_config.json").is_file()
@@ -69,10 +70,8 @@ def test_2n_steps_equal_n_steps_resume_n_steps_bit_for_bit(pack_dir, tmp_path, c
     b = load_file(resumed_dir / "final" / "model.safetensors")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    opt_a = torch.load(
-        tmp_path / "straight" / "checkpoints" / "step-00000004" / "optimizer.pt", weights_only=False
-    )
-    opt_b = torch.load(resumed_dir / "checkpoints" / "step-00000004" / "optimizer.pt", weights_only=False)
+    _, opt_a = saved_state(tmp_path / "straight" / "checkpoints" / "step-00000004")
+    _, opt_b = saved_state(resumed_dir / "checkpoints" / "step-00000004")
     for key, state in opt_a["state"].items():
         assert torch.equal(state["exp_avg"], opt_b["state"][key]["exp_avg"])
     data_a = torch.load(

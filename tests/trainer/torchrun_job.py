@@ -21,3 +21,16 @@ def torchrun_two_processes(job: Path) -> subprocess.CompletedProcess[str]:
          "-m", "packtrain.trainer", "-c", str(job), "--log-format", "json"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO,
     )  # fmt: skip
+
+
+def torchrun_script(
+    script: Path, nproc: int, *args: str, timeout: int = 600
+) -> subprocess.CompletedProcess[str]:
+    """`torchrun --nproc-per-node NPROC SCRIPT ARGS...` on gloo, one thread per rank (a test's own
+    worker script, for what a job file cannot ask)."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    return subprocess.run(
+        [str(torchrun), "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+         str(script), *args],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO,
+    )  # fmt: skip

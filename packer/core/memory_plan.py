@@ -1,0 +1,367 @@
+"""How much GPU memory a training job needs, per GPU and per host, before any GPU is spent.
+
+Pure arithmetic over `model_size` (torch-free: the operator runs it before it creates the
+PyTorchJob, the trainer at start-up before it builds the model, `packtrain train --plan` on a
+laptop). The trainer keeps fp32 weights (the AdamW master weights) and fp32 AdamW m and v, and
+computes in bf16 under autocast on GPUs; FSDP2 (`trainer/distributed.py`) shards weights,
+gradients and optimizer state over all ranks and gathers each decoder layer / vision block in
+bf16 (`MixedPrecisionPolicy(param_dtype)`) for its forward and backward. Per GPU, in bytes
+(P: parameters, T: trainable, F = P - T frozen, N: world size, w: frozen bytes per element):
+
+    parameters      DDP 4T + wF                  FSDP (4T + wF) / N
+    gradients       DDP 4T (+ 4T bucket copies)  FSDP 4T / N
+    optimizer       DDP 8T (AdamW m, v)          FSDP 8T / N
+    compute copies  DDP 2T (autocast's bf16 weight cache) + 2 x frozen weights on the autograd path
+                        (cast per op and kept by backward; none with activation checkpointing)
+                    FSDP 2 x 2 x largest block (this one and the prefetched next, bf16)
+                         + 2 x root (embeddings, LM head, merger: gathered for the whole step)
+                         + 2 x largest trainable unit (its unsharded bf16 gradient before the
+                           reduce-scatter: the root's LM head gradient lives through backward)
+    activations     decoder: `layer_activation_bytes` x tokens x layers (+ 2 x 4h x tokens: the
+                        embedding output and the final norm's); vision: `vision_block_bytes` x
+                        patches x blocks, patches = vision_share x tokens x merge_size² (a pack
+                        does not record its vision share: VISION_SHARE by default)
+    logits          1.25 x chunk x vocab x (4 + 2 under bf16): one chunk's fp32 logits (and their bf16
+                    matmul output) at a time, `training.lossChunkTokens` rows
+    reserve         RESERVE_BYTES + RESERVE_FRACTION of the rest (CUDA context, NCCL, fragmentation)
+
+Activation checkpointing keeps each decoder layer's fp32 input (4h bytes a token) and recomputes
+one layer at a time in backward: L x 4h + one layer's activations. A frozen vision tower runs
+without autograd and keeps nothing. It is an estimate (a band, checked against measured CPU runs
+by `tests/trainer/test_memory_plan.py`), not an allocator trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from packtrain.packer.core.errors import ConfigError
+from packtrain.packer.core.model_size import LoraShape, ModelDims, ParamCounts, param_counts
+
+GIB = 1 << 30
+RESERVE_BYTES = 2 * GIB  # CUDA context, cuBLAS workspaces, NCCL buffers
+RESERVE_FRACTION = 0.05  # allocator fragmentation
+# The share of a packed sequence's tokens assumed to be vision tokens (each one merge_size² patches
+# through the vision tower) when the pack does not say: an image-heavy SFT mix.
+VISION_SHARE = 0.5
+# One loss chunk's logits live at a time (the chunked loss recomputes them in backward): fp32 rows,
+# plus the bf16 matmul output under autocast; x1.25 for the softmax gradient's temporaries (a CPU
+# run of the loss alone peaks at ~1.2x one fp32 chunk over the LM head's weight gradient).
+LOGITS_OVERHEAD = 1.25
+Strategy = Literal["ddp", "fsdp"]
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything the estimate reads besides the model: the job's choices and the hardware."""
+
+    world_size: int = 1
+    gpus_per_host: int = 1
+    strategy: Strategy = "ddp"
+    bf16: bool = True  # autocast compute (GPU default); False: fp32 compute (CPU)
+    activation_checkpointing: bool = False
+    vision_checkpointing: bool = False
+    max_length: int = 4096  # tokens per packed sequence (the pack's maxLength)
+    sequences: int = 1  # sequences per micro-batch (training.microBatchSequences)
+    loss_chunk_tokens: int = 1024  # 0: every label token at once
+    vision_share: float = VISION_SHARE
+    frozen_bytes: int = 4  # bytes per frozen parameter (fp32)
+    gpu_memory: int | None = None  # bytes per GPU; None: no fit check
+    freeze: tuple[str, ...] = ()
+    lora: LoraShape | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.max_length * self.sequences
+
+
+def layer_activation_bytes(d: ModelDims, linear: bool, bf16: bool) -> float:
+    """Bytes autograd keeps per token for one decoder layer (cf. Korthikanti et al. 2022, "Reducing
+    Activation Recomputation", whose 34h assumes GELU MLPs and dropout; here SwiGLU, GQA, RMSNorm,
+    no dropout, flash-style attention that keeps no scores). With b the compute bytes (2 bf16, 4
+    fp32) and a residual stream in fp32 (the fp32 embedding output):
+      2 RMSNorms: 2 x (4h input + 4h normalised)                              = 16h
+      linear inputs: autocast casts per op, so q, k, v, gate, up each keep
+        their own b·h copy (fp32: one shared per block)                       = b·h x (5 | 2)
+      attention: rotary q, k and their rotate_half copies 2b(q + kv), kernel
+        inputs and output b(2q + 2kv), o_proj input counted in the output     = b(4q + 4kv)
+      SwiGLU MLP: gate out, silu out, up out, down input                      = 4b·i
+    Qwen3's q/k norms add (b + 4)(q + kv); Qwen3.5's output gate 3b·q. A Gated DeltaNet layer
+    keeps its projections' outputs, the conv in and out, the gated norm's fp32 input and gate:
+    b(3·conv + 2v) + 12v (+ linear inputs b·h x (4 | 1)). A MoE MLP keeps, for each of the k experts
+    a token goes to, its input and gate/up/act/down tensors: b·k(h + 5·i_e), plus the shared expert."""
+    b, h = (2 if bf16 else 4), d.hidden
+    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    total = 16.0 * h
+    if linear:
+        key, value = d.linear_k_heads * d.linear_k_dim, d.linear_v_heads * d.linear_v_dim
+        conv = 2 * key + value
+        total += b * h * (4 if bf16 else 1) + b * (3 * conv + 2 * value) + 12 * value
+    else:
+        total += b * h * (3 if bf16 else 1) + b * (4 * q + 4 * kv)
+        if d.text_kind != "qwen2":
+            total += (b + 4) * (q + kv)
+        if d.text_kind == "qwen3.5":
+            total += 3 * b * q
+    total += b * h * (2 if bf16 else 1)
+    if d.experts:
+        total += b * d.experts_per_token * (h + 5 * d.expert_intermediate) + 4 * d.experts
+        if d.shared_expert_intermediate:
+            total += 4 * b * d.shared_expert_intermediate
+    else:
+        total += 4 * b * d.intermediate
+    return total
+
+
+def vision_block_bytes(d: ModelDims, bf16: bool) -> float:
+    """Bytes kept per patch for one vision block: two norms with their fp32 input (16e), linear
+    inputs (qkv, proj, fc1 or gate/up, fc2 or down: b·e x (4 | 3) + b·i), the qkv output and rotary q,
+    k copies (b·5e), attention inputs and output (b·4e), the MLP's hidden tensors (b·i x 2, SwiGLU 3)."""
+    b, e, i = (2 if bf16 else 4), d.vision_hidden, d.vision_intermediate
+    swiglu = d.vision_kind == "qwen2.5"
+    inputs = b * e * ((4 if swiglu else 3) if bf16 else 3) + b * i
+    return 16.0 * e + inputs + b * 9 * e + b * i * (3 if swiglu else 2)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-GPU bytes by row (the table `--plan` prints), and whether they fit."""
+
+    rows: dict[str, float]
+    counts: ParamCounts
+    inputs: PlanInputs
+
+    @property
+    def total(self) -> float:
+        return sum(self.rows.values())
+
+    @property
+    def per_host(self) -> float:
+        return self.total * min(self.inputs.gpus_per_host, self.inputs.world_size)
+
+    @property
+    def fits(self) -> bool:
+        return self.inputs.gpu_memory is None or self.total <= self.inputs.gpu_memory
+
+
+def _state_rows(c: ParamCounts, x: PlanInputs) -> dict[str, float]:
+    """Weights, gradients, AdamW state and the bf16 compute copies (see the module docstring)."""
+    t, f = c.trainable, c.frozen
+    fsdp = x.strategy == "fsdp" and x.world_size > 1
+    n = x.world_size if fsdp else 1
+    rows = {
+        "parameters (fp32 master)": (4.0 * t + x.frozen_bytes * f) / n,
+        "gradients (fp32)": 4.0 * t / n,
+        "AdamW m, v (fp32)": 8.0 * t / n,
+    }
+    if x.strategy == "ddp" and x.world_size > 1:
+        rows["DDP gradient buckets"] = 4.0 * t
+    cb = 2 if x.bf16 else 4
+    if fsdp:
+        gathered = 2 * cb * c.largest_block + cb * c.root
+        # unsharded bf16 gradients of a unit until its reduce-scatter (the root's LM head's from the first
+        # backward step on); the fp32 reduce copy comes once the activations are freed
+        unsharded = cb * max(c.largest_block_trainable, c.root_trainable)
+        rows["FSDP gathered + unsharded grads"] = gathered + unsharded
+    elif x.bf16:
+        # autocast's cache keeps a bf16 copy of each trainable weight for the step; frozen weights on
+        # the autograd path are cast per op and kept by backward unless their layer is recomputed
+        frozen_on_path = 0 if x.activation_checkpointing else f - _silent_vision(c)
+        rows["bf16 compute copies"] = 2.0 * (t + max(frozen_on_path, 0))
+    return rows
+
+
+def _silent_vision(c: ParamCounts) -> int:
+    """Frozen elements that run without autograd: a vision tower with nothing to train (and its
+    merger too when that trains nothing either)."""
+    tower = c.by_part["vision"] if c.trainable_by_part["vision"] == 0 else 0
+    merger = c.by_part["merger"] if tower and c.trainable_by_part["merger"] == 0 else 0
+    return tower + merger
+
+
+def _activation_rows(d: ModelDims, c: ParamCounts, x: PlanInputs) -> dict[str, float]:
+    """Decoder, vision tower and loss activations of one micro-batch."""
+    tokens = x.tokens
+    full = layer_activation_bytes(d, linear=False, bf16=x.bf16)
+    lin = layer_activation_bytes(d, linear=True, bf16=x.bf16) if d.linear_layers else 0.0
+    if x.activation_checkpointing:
+        decoder = d.layers * 4.0 * d.hidden * tokens + max(full, lin) * tokens
+    else:
+        decoder = ((d.layers - d.linear_layers) * full + d.linear_layers * lin) * tokens
+    decoder += 2 * 4.0 * d.hidden * tokens  # the embedding output and the final norm's
+    patches = x.vision_share * tokens * d.merge_size**2
+    block = vision_block_bytes(d, x.bf16)
+    if c.trainable_by_part["vision"] == 0:  # under no_grad: one block's tensors at a time
+        vision = block * patches
+    elif x.vision_checkpointing:
+        vision = (d.vision_depth * 4.0 * d.vision_hidden + block) * patches
+    else:
+        vision = d.vision_depth * block * patches
+    chunk = min(x.loss_chunk_tokens or tokens, tokens)
+    return {
+        "activations: decoder": decoder,
+        "activations: vision": vision,
+        "logits (loss chunk)": LOGITS_OVERHEAD * chunk * d.vocab * (4 + (2 if x.bf16 else 0)),
+    }
+
+
+def plan_memory(d: ModelDims, x: PlanInputs) -> MemoryPlan:
+    """The per-GPU estimate of a job: states, activations, and the runtime reserve."""
+    counts = param_counts(d, x.freeze, x.lora)
+    rows = {**_state_rows(counts, x), **_activation_rows(d, counts, x)}
+    rows["reserve (CUDA, NCCL, fragmentation)"] = RESERVE_BYTES + RESERVE_FRACTION * sum(rows.values())
+    return MemoryPlan(rows=rows, counts=counts, inputs=x)
+
+
+DEFAULT_LORA = LoraShape(
+    16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), False
+)
+
+
+def _min_nodes(d: ModelDims, x: PlanInputs, most: int = 128) -> int | None:
+    """The fewest nodes (of gpus_per_host GPUs) that fit the job under FSDP, else None."""
+    per = max(x.gpus_per_host, 1)
+    for nodes in range(max(x.world_size // per, 1), most + 1):
+        if plan_memory(d, replace(x, world_size=nodes * per, strategy="fsdp")).fits:
+            return nodes
+    return None
+
+
+def _max_length_that_fits(d: ModelDims, x: PlanInputs) -> int | None:
+    length = x.max_length // 2
+    while length >= 256:
+        if plan_memory(d, replace(x, max_length=length)).fits:
+            return length
+        length //= 2
+    return None
+
+
+Change = tuple[str, Callable[[PlanInputs], PlanInputs]]
+
+
+def _fsdp(x: PlanInputs) -> PlanInputs:
+    return replace(x, strategy="fsdp")
+
+
+def _checkpointing(x: PlanInputs) -> PlanInputs:
+    return replace(x, activation_checkpointing=True, vision_checkpointing=True)
+
+
+def _lora(x: PlanInputs) -> PlanInputs:
+    return replace(x, lora=DEFAULT_LORA)
+
+
+def _changes(x: PlanInputs) -> list[Change]:
+    """The changes to the job a user can make that apply to it, cheapest in throughput first."""
+    changes: list[Change] = []
+    if x.strategy == "ddp" and x.world_size > 1:
+        changes.append(("training.strategy: fsdp", _fsdp))
+    if not (x.activation_checkpointing and x.vision_checkpointing):
+        changes.append(("training.activationCheckpointing and visionCheckpointing: true", _checkpointing))
+    if x.lora is None:
+        changes.append(("model.lora: {} (rank-16 adapters, the base frozen)", _lora))
+    return changes
+
+
+def suggestions(d: ModelDims, x: PlanInputs) -> list[str]:
+    """What would make a job that does not fit fit, with its per-GPU total: each change alone, more
+    GPUs, a shorter maxLength; when no single change does, the changes together, in order."""
+    changes = _changes(x)
+    out = [
+        f"{what} ({gib(plan_memory(d, f(x)).total)} per GPU)"
+        for what, f in changes
+        if plan_memory(d, f(x)).fits
+    ]
+    nodes = _min_nodes(d, x)
+    if nodes is not None:
+        y = replace(x, world_size=nodes * max(x.gpus_per_host, 1), strategy="fsdp")
+        out.append(
+            f"resources.nodes: {nodes} with fsdp ({y.world_size} GPUs, {gib(plan_memory(d, y).total)})"
+        )
+    length = _max_length_that_fits(d, x)
+    if length is not None:
+        shorter = plan_memory(d, replace(x, max_length=length)).total
+        out.append(f"a pack with packing.maxLength {length} ({gib(shorter)})")
+    if out:
+        return out
+    names: list[str] = []
+    y = x
+    for what, f in changes:  # the same changes applied one after another
+        y, names = f(y), [*names, what]
+        if plan_memory(d, y).fits:
+            return [f"all of {'; '.join(names)} ({gib(plan_memory(d, y).total)} per GPU)"]
+    nodes = _min_nodes(d, y)
+    return [f"all of {'; '.join(names)}; and resources.nodes: {nodes}"] if nodes is not None else []
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def refusal(d: ModelDims, plan: MemoryPlan) -> str | None:
+    """Why the job cannot fit its GPUs and what to change; None when it fits (or nothing to check)."""
+    x = plan.inputs
+    if plan.fits or x.gpu_memory is None:
+        return None
+    fixes = suggestions(d, x)
+    fix = "; or ".join(fixes) if fixes else "a smaller model, or GPUs with more memory"
+    return (
+        f"the job needs about {gib(plan.total)} per GPU but its GPUs have {gib(x.gpu_memory)} "
+        f"({x.world_size} GPUs, {x.strategy}, maxLength {x.max_length}): it would run out of memory. "
+        f"Change one of: {fix}"
+    )
+
+
+_UNITS = {
+    "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+    "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
+    "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+}  # fmt: skip
+
+
+def parse_bytes(quantity: str) -> int:
+    """Bytes of a Kubernetes quantity (`141Gi`, `80G`) or a size like `80GiB`; ConfigError otherwise."""
+    text = str(quantity).strip()
+    number = text.rstrip("kKMGTiB")
+    unit = text[len(number) :]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value <= 0:
+        raise ConfigError(f"GPU memory {quantity!r} is not a size: write it like 80Gi, 141Gi or 80GiB")
+    return int(value * _UNITS[unit])
+
+
+def job_inputs(
+    training: Any,
+    model: Any,
+    *,
+    world_size: int,
+    gpus_per_host: int,
+    gpu_memory: int | None,
+    max_length: int,
+    bf16: bool = True,
+) -> PlanInputs:
+    """PlanInputs of a job's `training` and `model` sections (the trainer's TrainingSpec and
+    TrainModelSpec, read by attribute: the core imports neither): options, freeze and LoRA."""
+    lora = model.lora
+    frozen_dtype = getattr(model, "frozen_dtype", None)  # model.frozenDtype, where the trainer has it
+    return PlanInputs(
+        world_size=world_size,
+        gpus_per_host=gpus_per_host,
+        strategy=training.strategy,
+        bf16=bf16 if training.dtype == "auto" else training.dtype == "bf16",
+        activation_checkpointing=training.activation_checkpointing,
+        vision_checkpointing=training.vision_checkpointing,
+        max_length=max_length,
+        sequences=training.micro_batch_sequences if training.mode == "packed" else training.padded_batch_size,
+        loss_chunk_tokens=training.loss_chunk_tokens,
+        frozen_bytes=2 if frozen_dtype == "bf16" else 4,
+        gpu_memory=gpu_memory,
+        freeze=tuple(model.freeze),
+        lora=LoraShape(lora.rank, tuple(lora.target_modules), lora.vision) if lora else None,
+    )

@@ -1,0 +1,500 @@
+"""A model's parameters from its config.json alone: every tensor, its part, and what LoRA adds.
+
+The memory planner (`memory_plan.py`) runs before any model exists: on the operator, which cannot
+read the model folder and has no torch, and at the trainer's start-up, before a possibly
+hundred-GB model is built. So the shapes of every family's modules are written down here, from
+transformers' modeling code, and `ModelDims` holds the config numbers they depend on: a small
+JSON-able record a PackJob can carry to the operator. The tests check the counts against
+`sum(p.numel())` of the real transformers models built on the meta device, freeze and LoRA included.
+
+Missing config keys take the transformers config classes' defaults (`_TEXT_DEFAULTS`,
+`_VISION_DEFAULTS`; a test checks them against the classes).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from packtrain.packer.core.errors import ConfigError
+from packtrain.packer.core.families import FAMILIES, ModuleLayout
+
+# Module kinds of the vision tower (`VisionDims.kind`) and the decoder (`ModelDims.text_kind`).
+VISION_KINDS = ("qwen2", "qwen2.5", "qwen3")
+TEXT_KINDS = ("qwen2", "qwen3", "qwen3.5")
+_FAMILY_KINDS = {  # family -> (text kind, vision kind)
+    "qwen2-vl": ("qwen2", "qwen2"),
+    "qwen2.5-vl": ("qwen2", "qwen2.5"),
+    "qwen3-vl": ("qwen3", "qwen3"),
+    "qwen3-vl-moe": ("qwen3", "qwen3"),
+    "qwen3.5": ("qwen3.5", "qwen3"),
+    "qwen3.5-moe": ("qwen3.5", "qwen3"),
+}
+_TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen2-vl": {"vocab_size": 152064, "hidden_size": 8192, "intermediate_size": 29568,
+                 "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8},
+    "qwen3-vl": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+                 "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                 "head_dim": 128, "attention_bias": False},
+    "qwen3.5": {"vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288,
+                "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4,
+                "head_dim": 256, "attention_bias": False, "linear_conv_kernel_dim": 4,
+                "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+                "linear_num_value_heads": 32, "full_attention_interval": 4},
+    "qwen3.5-moe": {"vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+                    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+                    "attention_bias": False, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+                    "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                    "full_attention_interval": 4, "moe_intermediate_size": 512,
+                    "shared_expert_intermediate_size": 512, "num_experts_per_tok": 8, "num_experts": 256},
+    "qwen3-vl-moe": {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632,
+                     "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+                     "head_dim": 128, "attention_bias": False, "decoder_sparse_step": 1,
+                     "moe_intermediate_size": 1408, "num_experts_per_tok": 4, "num_experts": 60},
+}  # fmt: skip
+_TEXT_DEFAULTS["qwen2.5-vl"] = _TEXT_DEFAULTS["qwen2-vl"]
+_QWEN3_VISION = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                 "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                 "out_hidden_size": 3584, "num_position_embeddings": 2304}  # fmt: skip
+_VISION_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen2-vl": {"depth": 32, "embed_dim": 1280, "hidden_size": 3584, "mlp_ratio": 4, "num_heads": 16,
+                 "in_channels": 3, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+    "qwen2.5-vl": {"depth": 32, "hidden_size": 3584, "intermediate_size": 3420, "num_heads": 16,
+                   "in_channels": 3, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                   "out_hidden_size": 3584},
+    "qwen3-vl": {**_QWEN3_VISION, "deepstack_visual_indexes": [8, 16, 24]},
+    "qwen3.5": {**_QWEN3_VISION, "deepstack_visual_indexes": []},
+}  # fmt: skip
+_VISION_DEFAULTS["qwen3-vl-moe"] = _VISION_DEFAULTS["qwen3-vl"]
+_VISION_DEFAULTS["qwen3.5-moe"] = _VISION_DEFAULTS["qwen3.5"]
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The config numbers a model's parameter shapes and activations depend on (JSON-able, flat)."""
+
+    family: str
+    vocab: int
+    hidden: int
+    intermediate: int  # dense MLP width (0 when every layer is a mixture of experts)
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool  # the LM head is the token embedding
+    attention_bias: bool  # q/k/v (and o in Qwen3) biases; Qwen2's q/k/v always have one
+    linear_layer_indexes: tuple[int, ...]  # Qwen3.5's Gated DeltaNet layers (the others: full attention)
+    linear_k_heads: int
+    linear_v_heads: int
+    linear_k_dim: int
+    linear_v_dim: int
+    conv_kernel: int
+    experts: int  # mixture of experts: experts per MoE layer (0: dense)
+    experts_per_token: int
+    expert_intermediate: int
+    shared_expert_intermediate: int  # Qwen3.5-MoE's always-on shared expert (0: none)
+    moe_layer_indexes: tuple[int, ...]  # decoder layers whose MLP is the expert block
+    vision_depth: int
+    vision_hidden: int
+    vision_intermediate: int
+    vision_heads: int
+    vision_out: int  # the merger's output width (the decoder's hidden size)
+    patch_size: int
+    temporal_patch_size: int
+    in_channels: int
+    merge_size: int
+    vision_positions: int  # Qwen3-VL / Qwen3.5 learned position embeddings (0: none)
+    deepstack: int  # Qwen3-VL DeepStack mergers
+
+    @property
+    def linear_layers(self) -> int:
+        return len(self.linear_layer_indexes)
+
+    @property
+    def moe_layers(self) -> int:
+        return len(self.moe_layer_indexes)
+
+    @property
+    def text_kind(self) -> str:
+        return _FAMILY_KINDS[self.family][0]
+
+    @property
+    def vision_kind(self) -> str:
+        return _FAMILY_KINDS[self.family][1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> ModelDims:
+        """The record `to_dict` wrote (a PackJob's status carries it); ConfigError if incomplete."""
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names if n not in doc]
+        if missing or doc.get("family") not in _FAMILY_KINDS:
+            raise ConfigError(f"model dimensions lack {missing or ['a known family']}: re-run the pack")
+        values: dict[str, Any] = {n: tuple(doc[n]) if isinstance(doc[n], list) else doc[n] for n in names}
+        return cls(**values)
+
+
+def _section(config: Mapping[str, Any], key: str, family: str, flat_text: bool) -> dict[str, Any]:
+    """text_config or vision_config over the class defaults (Qwen2-VL's text keys may sit at the top)."""
+    defaults = (_TEXT_DEFAULTS if key == "text_config" else _VISION_DEFAULTS)[family]
+    top = {k: v for k, v in config.items() if k not in ("text_config", "vision_config")} if flat_text else {}
+    return {**defaults, **top, **dict(config.get(key) or {})}
+
+
+def _layer_types(text: Mapping[str, Any], layers: int) -> list[str]:
+    kinds = text.get("layer_types")
+    if kinds:
+        return list(kinds)[:layers]
+    interval = int(text.get("full_attention_interval", 4))
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+
+
+def _moe_layers(family: str, text: Mapping[str, Any], layers: int) -> tuple[int, ...]:
+    """Qwen3.5-MoE: every layer; Qwen3-VL-MoE: every `decoder_sparse_step`-th not in `mlp_only_layers`."""
+    if family == "qwen3.5-moe":
+        return tuple(range(layers))
+    if family != "qwen3-vl-moe":
+        return ()
+    only, step = set(text.get("mlp_only_layers") or []), int(text.get("decoder_sparse_step", 1))
+    return tuple(i for i in range(layers) if i not in only and (i + 1) % step == 0)
+
+
+def model_dims(config: Mapping[str, Any], family: str | None = None) -> ModelDims:
+    """`ModelDims` of a config.json dict (configOverrides already merged); family from `model_type`."""
+    name = family or next(
+        (f.name for f in FAMILIES.values() if f.model_type == config.get("model_type")), None
+    )
+    if name not in _FAMILY_KINDS:
+        raise ConfigError(f"config.json model_type {config.get('model_type')!r} is no family packtrain plans")
+    text = _section(config, "text_config", name, flat_text=name in ("qwen2-vl", "qwen2.5-vl"))
+    vision = _section(config, "vision_config", name, flat_text=False)
+    layers, heads = int(text["num_hidden_layers"]), int(text["num_attention_heads"])
+    hidden = int(text["hidden_size"])
+    is_35 = name.startswith("qwen3.5")
+    kinds = _layer_types(text, layers) if is_35 else []
+    linear = tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention")
+    moe = _moe_layers(name, text, layers)
+    tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    v_hidden = (
+        int(vision.get("embed_dim") or vision["hidden_size"])
+        if name == "qwen2-vl"
+        else int(vision["hidden_size"])
+    )
+    v_inter = int(v_hidden * vision["mlp_ratio"]) if name == "qwen2-vl" else int(vision["intermediate_size"])
+    v_out = int(vision["hidden_size"]) if name == "qwen2-vl" else int(vision["out_hidden_size"])
+    return ModelDims(
+        family=name,
+        vocab=int(text["vocab_size"]),
+        hidden=hidden,
+        intermediate=int(text.get("intermediate_size") or 0) if len(moe) < layers else 0,
+        layers=layers,
+        heads=heads,
+        kv_heads=int(text["num_key_value_heads"]),
+        head_dim=int(text.get("head_dim") or hidden // heads),
+        tied=bool(tied),
+        attention_bias=bool(text.get("attention_bias", name in ("qwen2-vl", "qwen2.5-vl"))),
+        linear_layer_indexes=linear,
+        linear_k_heads=int(text.get("linear_num_key_heads", 0)) if linear else 0,
+        linear_v_heads=int(text.get("linear_num_value_heads", 0)) if linear else 0,
+        linear_k_dim=int(text.get("linear_key_head_dim", 0)) if linear else 0,
+        linear_v_dim=int(text.get("linear_value_head_dim", 0)) if linear else 0,
+        conv_kernel=int(text.get("linear_conv_kernel_dim", 0)) if linear else 0,
+        experts=int(text.get("num_experts") or text.get("num_local_experts") or 0) if moe else 0,
+        experts_per_token=int(text.get("num_experts_per_tok", 0)) if moe else 0,
+        expert_intermediate=int(text.get("moe_intermediate_size", 0)) if moe else 0,
+        shared_expert_intermediate=int(text.get("shared_expert_intermediate_size", 0)) if moe else 0,
+        moe_layer_indexes=moe,
+        vision_depth=int(vision["depth"]),
+        vision_hidden=v_hidden,
+        vision_intermediate=v_inter,
+        vision_heads=int(vision["num_heads"]),
+        vision_out=v_out,
+        patch_size=int(vision["patch_size"]),
+        temporal_patch_size=int(vision["temporal_patch_size"]),
+        in_channels=int(vision.get("in_channels") or vision.get("in_chans") or 3),
+        merge_size=int(vision["spatial_merge_size"]),
+        vision_positions=int(vision.get("num_position_embeddings", 0)) if name.startswith("qwen3") else 0,
+        deepstack=len(vision.get("deepstack_visual_indexes") or []) if name.startswith("qwen3-vl") else 0,
+    )
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter: its name in the Hugging Face model, element count, part, and (for an
+    nn.Linear's weight) the layer's (in, out) features, which is what a LoRA adapter adds to."""
+
+    name: str
+    numel: int
+    part: str  # vision, merger, llm or embeddings (Family.modules)
+    linear: tuple[int, int] | None = None
+
+
+def _linear(prefix: str, part: str, n_in: int, n_out: int, bias: bool) -> Iterator[Tensor]:
+    yield Tensor(f"{prefix}.weight", n_in * n_out, part, (n_in, n_out))
+    if bias:
+        yield Tensor(f"{prefix}.bias", n_out, part)
+
+
+def _norm(prefix: str, part: str, width: int, bias: bool) -> Iterator[Tensor]:
+    yield Tensor(f"{prefix}.weight", width, part)
+    if bias:
+        yield Tensor(f"{prefix}.bias", width, part)
+
+
+def _vision_block(d: ModelDims, i: int) -> Iterator[Tensor]:
+    p, e, inner = f"model.visual.blocks.{i}", d.vision_hidden, d.vision_intermediate
+    layer_norm = d.vision_kind != "qwen2.5"  # Qwen2.5-VL's blocks use RMSNorm (no bias)
+    yield from _norm(f"{p}.norm1", "vision", e, layer_norm)
+    yield from _norm(f"{p}.norm2", "vision", e, layer_norm)
+    yield from _linear(f"{p}.attn.qkv", "vision", e, 3 * e, True)
+    yield from _linear(f"{p}.attn.proj", "vision", e, e, True)
+    if d.vision_kind == "qwen2":
+        yield from _linear(f"{p}.mlp.fc1", "vision", e, inner, True)
+        yield from _linear(f"{p}.mlp.fc2", "vision", inner, e, True)
+    elif d.vision_kind == "qwen2.5":
+        yield from _linear(f"{p}.mlp.gate_proj", "vision", e, inner, True)
+        yield from _linear(f"{p}.mlp.up_proj", "vision", e, inner, True)
+        yield from _linear(f"{p}.mlp.down_proj", "vision", inner, e, True)
+    else:
+        yield from _linear(f"{p}.mlp.linear_fc1", "vision", e, inner, True)
+        yield from _linear(f"{p}.mlp.linear_fc2", "vision", inner, e, True)
+
+
+def _merger(d: ModelDims, prefix: str, postshuffle: bool) -> Iterator[Tensor]:
+    e, merged = d.vision_hidden, d.vision_hidden * d.merge_size**2
+    if d.vision_kind in ("qwen2", "qwen2.5"):
+        yield from _norm(f"{prefix}.ln_q", "merger", e, d.vision_kind == "qwen2")
+        yield from _linear(f"{prefix}.mlp.0", "merger", merged, merged, True)
+        yield from _linear(f"{prefix}.mlp.2", "merger", merged, d.vision_out, True)
+        return
+    yield from _norm(f"{prefix}.norm", "merger", merged if postshuffle else e, True)
+    yield from _linear(f"{prefix}.linear_fc1", "merger", merged, merged, True)
+    yield from _linear(f"{prefix}.linear_fc2", "merger", merged, d.vision_out, True)
+
+
+def vision_tensors(d: ModelDims) -> Iterator[Tensor]:
+    """The vision tower: patch embedding (a Conv3d), position embedding, blocks and mergers."""
+    e = d.vision_hidden
+    conv = e * d.in_channels * d.temporal_patch_size * d.patch_size**2
+    yield Tensor("model.visual.patch_embed.proj.weight", conv, "vision")
+    if d.vision_kind == "qwen3":
+        yield Tensor("model.visual.patch_embed.proj.bias", e, "vision")
+        yield Tensor("model.visual.pos_embed.weight", d.vision_positions * e, "vision")
+    for i in range(d.vision_depth):
+        yield from _vision_block(d, i)
+    yield from _merger(d, "model.visual.merger", postshuffle=False)
+    for j in range(d.deepstack):
+        yield from _merger(d, f"model.visual.deepstack_merger_list.{j}", postshuffle=True)
+
+
+def _attention(d: ModelDims, p: str) -> Iterator[Tensor]:
+    h, q, kv = d.hidden, d.heads * d.head_dim, d.kv_heads * d.head_dim
+    qkv_bias = d.attention_bias or d.text_kind == "qwen2"
+    gate = 2 if d.text_kind == "qwen3.5" else 1  # Qwen3.5's q_proj also writes the output gate
+    yield from _linear(f"{p}.q_proj", "llm", h, gate * q, qkv_bias)
+    yield from _linear(f"{p}.k_proj", "llm", h, kv, qkv_bias)
+    yield from _linear(f"{p}.v_proj", "llm", h, kv, qkv_bias)
+    yield from _linear(f"{p}.o_proj", "llm", q, h, d.attention_bias and d.text_kind != "qwen2")
+    if d.text_kind != "qwen2":
+        yield Tensor(f"{p}.q_norm.weight", d.head_dim, "llm")
+        yield Tensor(f"{p}.k_norm.weight", d.head_dim, "llm")
+
+
+def _linear_attention(d: ModelDims, p: str) -> Iterator[Tensor]:
+    """Qwen3.5's Gated DeltaNet (transformers' Qwen3_5GatedDeltaNet)."""
+    h, nv = d.hidden, d.linear_v_heads
+    key, value = d.linear_k_heads * d.linear_k_dim, nv * d.linear_v_dim
+    conv = 2 * key + value
+    yield Tensor(f"{p}.dt_bias", nv, "llm")
+    yield Tensor(f"{p}.A_log", nv, "llm")
+    yield Tensor(f"{p}.conv1d.weight", conv * d.conv_kernel, "llm")
+    yield Tensor(f"{p}.norm.weight", d.linear_v_dim, "llm")
+    yield from _linear(f"{p}.out_proj", "llm", value, h, False)
+    yield from _linear(f"{p}.in_proj_qkv", "llm", h, conv, False)
+    yield from _linear(f"{p}.in_proj_z", "llm", h, value, False)
+    yield from _linear(f"{p}.in_proj_b", "llm", h, nv, False)
+    yield from _linear(f"{p}.in_proj_a", "llm", h, nv, False)
+
+
+def _mlp(p: str, h: int, inner: int) -> Iterator[Tensor]:
+    yield from _linear(f"{p}.gate_proj", "llm", h, inner, False)
+    yield from _linear(f"{p}.up_proj", "llm", h, inner, False)
+    yield from _linear(f"{p}.down_proj", "llm", inner, h, False)
+
+
+def _experts(d: ModelDims, p: str) -> Iterator[Tensor]:
+    """The expert block: a router (a plain parameter, not an nn.Linear) and fused expert weights."""
+    h, e, inner = d.hidden, d.experts, d.expert_intermediate
+    yield Tensor(f"{p}.gate.weight", e * h, "llm")
+    yield Tensor(f"{p}.experts.gate_up_proj", e * 2 * inner * h, "llm")
+    yield Tensor(f"{p}.experts.down_proj", e * h * inner, "llm")
+    if d.shared_expert_intermediate:
+        yield from _mlp(f"{p}.shared_expert", h, d.shared_expert_intermediate)
+        yield from _linear(f"{p}.shared_expert_gate", "llm", h, 1, False)
+
+
+def decoder_layer(d: ModelDims, i: int) -> Iterator[Tensor]:
+    """One decoder layer's tensors, in transformers' names."""
+    p = f"model.language_model.layers.{i}"
+    if i in d.linear_layer_indexes:
+        yield from _linear_attention(d, f"{p}.linear_attn")
+    else:
+        yield from _attention(d, f"{p}.self_attn")
+    if i in d.moe_layer_indexes:
+        yield from _experts(d, f"{p}.mlp")
+    else:
+        yield from _mlp(f"{p}.mlp", d.hidden, d.intermediate)
+    yield Tensor(f"{p}.input_layernorm.weight", d.hidden, "llm")
+    yield Tensor(f"{p}.post_attention_layernorm.weight", d.hidden, "llm")
+
+
+def tensors(d: ModelDims) -> Iterator[Tensor]:
+    """Every parameter of the model (a tied LM head once: it is the token embedding)."""
+    yield from vision_tensors(d)
+    yield Tensor("model.language_model.embed_tokens.weight", d.vocab * d.hidden, "embeddings")
+    for i in range(d.layers):
+        yield from decoder_layer(d, i)
+    yield Tensor("model.language_model.norm.weight", d.hidden, "llm")
+    if not d.tied:
+        yield Tensor("lm_head.weight", d.vocab * d.hidden, "embeddings")
+
+
+def lora_target_regex(target_modules: Iterable[str], vision: bool, modules: ModuleLayout) -> str:
+    """PEFT `target_modules` as one regex (PEFT full-matches it against each module's name): a
+    module in the language model (and, with `vision`, the vision tower) whose last name part
+    matches one of `target_modules`; where those parts sit is the family's `modules`."""
+    scopes = [modules.lora_llm] + ([modules.lora_vision] if vision else [])
+    names = "|".join(f"(?:{p})" for p in target_modules)
+    return f"(?:{'|'.join(scopes)})(?:.*\\.)?(?:{names})"
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """What the parameter count needs from `model.lora`."""
+
+    rank: int
+    target_modules: tuple[str, ...]
+    vision: bool
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Element counts of a model as it trains: total, trainable, and the pieces FSDP handles apart."""
+
+    total: int  # every parameter, LoRA adapters included
+    trainable: int
+    by_part: dict[str, int]  # base parameters per part (vision, merger, llm, embeddings)
+    trainable_by_part: dict[str, int]  # trainable ones (adapters count in their module's part)
+    adapters: int  # LoRA A and B matrices (0 without LoRA)
+    largest_block: int  # the biggest decoder layer or vision block (adapters included): FSDP gathers one
+    largest_block_trainable: int
+    root: int  # outside every decoder layer and vision block: FSDP's root unit (embeddings, head, merger)
+    root_trainable: int
+
+    @property
+    def frozen(self) -> int:
+        return self.total - self.trainable
+
+
+def _unit(name: str) -> str:
+    """The FSDP unit a parameter falls in: its decoder layer or vision block, else the root."""
+    m = re.match(r"(model\.(?:language_model\.layers|visual\.blocks)\.\d+)\.", name)
+    return m.group(1) if m else "root"
+
+
+def frozen_parts(freeze: Iterable[str]) -> set[str]:
+    """`llm` takes the embeddings and LM head with it (as the trainer's `param_groups.frozen_parts`)."""
+    parts = set(freeze)
+    return parts | {"embeddings"} if "llm" in parts else parts
+
+
+def param_counts(d: ModelDims, freeze: Iterable[str] = (), lora: LoraShape | None = None) -> ParamCounts:
+    """Counts as `param_groups.freeze` and `lora.apply` leave the model: with LoRA only adapters train
+    (each targeted nn.Linear(in, out) gets rank x (in + out)); a frozen part's adapters do not."""
+    frozen = frozen_parts(freeze)
+    target = (
+        re.compile(lora_target_regex(lora.target_modules, lora.vision, FAMILIES[d.family].modules))
+        if lora
+        else None
+    )
+    units: dict[str, list[int]] = {}  # unit -> [elements, trainable]
+    by_part = {p: 0 for p in ("vision", "merger", "llm", "embeddings")}
+    trains_by_part = dict(by_part)
+    total = trainable = adapters = 0
+    for t in tensors(d):
+        by_part[t.part] += t.numel
+        extra = 0
+        adapted = target is not None and t.linear and target.fullmatch(t.name.removesuffix(".weight"))
+        if adapted and lora is not None and t.linear is not None:
+            extra = lora.rank * (t.linear[0] + t.linear[1])
+        trains = extra if target is not None else t.numel
+        trains = 0 if t.part in frozen else trains
+        trains_by_part[t.part] += trains
+        unit = units.setdefault(_unit(t.name), [0, 0])
+        unit[0] += t.numel + extra
+        unit[1] += trains
+        total, trainable, adapters = total + t.numel + extra, trainable + trains, adapters + extra
+    root = units.pop("root", [0, 0])
+    biggest = max(units.values(), default=[0, 0])
+    return ParamCounts(
+        total, trainable, by_part, trains_by_part, adapters, biggest[0], biggest[1], root[0], root[1]
+    )
+
+
+def deep_merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """`overrides` merged into `base`, nested dicts key by key (how model.configOverrides apply)."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def read_config(folder: str | Path, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A model folder's config.json with `overrides` merged; ConfigError naming what is missing."""
+    path = Path(folder) / "config.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"cannot read {path} ({exc}): point model.path at a Hugging Face model folder"
+        ) from exc
+    return deep_merge(raw, overrides or {})
+
+
+_TEXT_KEYS = frozenset(
+    {
+        *("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"),
+        *("num_key_value_heads", "head_dim", "tie_word_embeddings", "attention_bias", "layer_types"),
+        *("full_attention_interval", "linear_num_key_heads", "linear_num_value_heads"),
+        *("linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts"),
+        *("num_local_experts", "num_experts_per_tok", "moe_intermediate_size"),
+        *("shared_expert_intermediate_size", "mlp_only_layers", "decoder_sparse_step"),
+    }
+)
+_VISION_KEYS = frozenset(
+    {
+        *("depth", "embed_dim", "hidden_size", "mlp_ratio", "intermediate_size", "num_heads"),
+        *("out_hidden_size", "patch_size", "temporal_patch_size", "in_channels", "in_chans"),
+        *("spatial_merge_size", "num_position_embeddings", "deepstack_visual_indexes"),
+    }
+)
+
+
+def planning_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys of a config.json `model_dims` reads, and only those: what a PackJob reports to the
+    operator (a termination message holds 4 KiB), which merges an SFTJob's configOverrides into it
+    as the trainer merges them into config.json."""
+    out: dict[str, Any] = {k: v for k, v in config.items() if k in _TEXT_KEYS or k == "model_type"}
+    for key, keep in (("text_config", _TEXT_KEYS), ("vision_config", _VISION_KEYS)):
+        if isinstance(config.get(key), Mapping):
+            out[key] = {k: v for k, v in config[key].items() if k in keep}
+    return out

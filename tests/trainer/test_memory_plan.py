@@ -1,0 +1,133 @@
+"""The memory planner: `packtrain train --plan` (table, JSON, exit 2 naming the fix), the start-up
+refusal before any model is built, the planner's arithmetic moving the right way with each
+option, and its figure against a measured CPU training step (tests/bench/bench_memory_plan.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from support.paths import MODELS
+
+from packtrain.packer.core.errors import EXIT_CONFIG, ConfigError
+from packtrain.packer.core.memory_plan import GIB, PlanInputs, parse_bytes, plan_memory, refusal
+from packtrain.packer.core.model_size import LoraShape, model_dims, planning_config, read_config
+from packtrain.trainer import cli
+from packtrain.trainer import plan as trainer_plan
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_memory_plan.py"
+SEVEN_B = {
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+    "vision_config": {"out_hidden_size": 3584},
+}
+
+
+def _job(tmp_path: Path, training: dict[str, Any] | None = None, **resources: Any) -> Path:
+    doc = {
+        "kind": "SFTJob",
+        "spec": {
+            "data": {"path": str(tmp_path / "pack")},
+            "model": {"path": str(MODELS / "qwen2.5-vl"), "configOverrides": SEVEN_B},
+            "training": training or {},
+            "resources": {"nodes": 1, "gpusPerNode": 8, **resources},
+        },
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_plan_refuses_a_7b_ddp_job_on_80gib_and_names_the_fix(tmp_path, capsys):
+    job = _job(tmp_path, gpuMemory="80Gi")
+    assert cli.main(["--plan", "--json", "-c", str(job), "--max-length", "8192"]) == EXIT_CONFIG
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"]["parameters"] == 8_292_166_656  # Qwen2.5-VL-7B as released
+    assert not out["fits"] and out["inputs"]["world_size"] == 8
+    assert "training.strategy: fsdp" in out["refusal"] and "activationCheckpointing" in out["refusal"]
+    per_gpu = out["checkpointing_per_gpu_bytes"]
+    assert per_gpu["decoder + vision"] < per_gpu["decoder"] < per_gpu["none"]
+
+
+def test_plan_fits_with_fsdp_and_checkpointing_and_prints_a_table(tmp_path, capsys):
+    ckpt = {"strategy": "fsdp", "activationCheckpointing": True, "visionCheckpointing": True}
+    job = _job(tmp_path, ckpt)
+    assert cli.main(["--plan", "-c", str(job), "--max-length", "8192", "--gpu-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "AdamW m, v (fp32)" in out and "per host" in out and "fits:" in out
+
+
+def test_plan_reads_the_packs_max_length_and_asks_for_one_without(tmp_path, capsys):
+    job = _job(tmp_path)
+    assert cli.main(["--plan", "--json", "-c", str(job)]) == EXIT_CONFIG
+    assert "--max-length" in capsys.readouterr().err
+    (tmp_path / "pack").mkdir()
+    (tmp_path / "pack" / "manifest.json").write_text(json.dumps({"max_length": 2048}))
+    assert cli.main(["--plan", "--json", "-c", str(job)]) == 0  # no gpuMemory: nothing to refuse
+    assert json.loads(capsys.readouterr().out)["inputs"]["max_length"] == 2048
+
+
+def test_the_trainer_refuses_at_start_up_before_building_the_model(tmp_path, monkeypatch, capsys):
+    (tmp_path / "pack").mkdir()
+    (tmp_path / "pack" / "manifest.json").write_text(json.dumps({"max_length": 8192}))
+    monkeypatch.setattr(trainer_plan, "device_memory", lambda: 80 * GIB)
+    monkeypatch.setattr("packtrain.trainer.loop.train", lambda *a, **k: pytest.fail("the model was built"))
+    assert cli.main(["-c", str(_job(tmp_path))]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "per GPU" in err and "training.planCheck: false" in err
+    skip = _job(tmp_path, {"planCheck": False})
+    assert trainer_plan.startup_refusal(cli.load_train_config(skip), 8, 8) is None
+
+
+def test_options_move_the_plan_the_right_way():
+    d = model_dims(read_config(MODELS / "qwen2.5-vl", SEVEN_B))
+    base = PlanInputs(world_size=8, gpus_per_host=8, strategy="fsdp", max_length=8192)
+    total = plan_memory(d, base).total
+    assert plan_memory(d, replace(base, world_size=16)).total < total
+    assert plan_memory(d, replace(base, activation_checkpointing=True)).total < total
+    assert plan_memory(d, replace(base, freeze=("vision",))).total < total
+    assert plan_memory(d, replace(base, max_length=4096)).total < total
+    assert plan_memory(d, replace(base, strategy="ddp")).total > total
+    lora = plan_memory(d, replace(base, strategy="ddp", lora=LoraShape(16, ("q_proj",), False)))
+    assert lora.counts.trainable < 10**7 and lora.total < plan_memory(d, replace(base, strategy="ddp")).total
+    fits = plan_memory(d, replace(base, gpu_memory=141 * GIB, activation_checkpointing=True))
+    assert fits.fits and refusal(d, fits) is None
+
+
+def test_planning_config_keeps_exactly_what_the_sizes_need():
+    for family in ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5"):
+        raw = read_config(MODELS / family)
+        small = planning_config(raw)
+        assert model_dims(small) == model_dims(raw)
+        assert len(json.dumps(small)) < 2500  # it travels in a 4 KiB termination message
+
+
+def test_gpu_memory_quantities():
+    assert parse_bytes("141Gi") == 141 * GIB == parse_bytes("141GiB")
+    assert parse_bytes("80G") == 80 * 10**9
+    with pytest.raises(ConfigError, match="80Gi"):
+        parse_bytes("lots")
+
+
+MEASURED_BAND = (0.6, 1.5)
+
+
+@pytest.mark.timeout(900)
+def test_the_plan_is_within_its_band_of_a_measured_cpu_step(tmp_path):
+    """measured / planned (gradients + activations + logits) of one CPU step, tiny widths."""
+    cmd = [sys.executable, str(BENCH), "--quick", "--results-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=880)
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "bench_memory_plan.quick.json").read_text())["rows"]
+    assert rows and all(MEASURED_BAND[0] <= r["ratio"] <= MEASURED_BAND[1] for r in rows), rows

@@ -1,0 +1,290 @@
+"""The final Hugging Face export, streamed: no rank ever holds the whole model.
+
+`final/` is a folder `from_pretrained` loads: config.json, generation_config.json, the model
+folder's tokenizer and processor files, and the weights as safetensors shards of at most
+`shard_bytes` (5 GB unless told): `model-00001-of-0000N.safetensors`, … and
+`model.safetensors.index.json`, or one `model.safetensors` when the model fits in one shard (as
+`save_pretrained` writes them). The weights are gathered one unit at a time (a decoder layer, a
+vision block, the embedding): every rank joins the gather of that unit's FSDP2 shards
+(`DTensor.full_tensor`); rank 0 renames them (VLMForTraining's `hf.` dropped, then transformers'
+original checkpoint names, as `save_pretrained` restores them), casts them to the export dtype and
+adds them to the shard it is filling, written once full. So rank 0 holds about one shard and one
+layer, not the model, and the files do not depend on the world size or strategy that trained it.
+
+With LoRA, `final/` is the PEFT adapter (`PeftModel.from_pretrained(base, folder)`: the adapters
+only, small enough to gather whole) and `lora.saveMerged` adds `final-merged/`, the plain model
+with each targeted W replaced by W + scale·B·A, merged unit by unit as it streams.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+from transformers.core_model_loading import revert_weight_conversion
+
+from packtrain.trainer import lora
+from packtrain.trainer.config import TrainModelSpec
+from packtrain.trainer.distributed import DistEnv, barrier
+
+SHARD_BYTES = 5 * 10**9  # the largest safetensors file of an export (one bigger tensor gets its own)
+MERGED_DIR = "final-merged"
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+HF_SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "special_tokens_map.json",
+    "chat_template.json",
+    "chat_template.jinja",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "generation_config.json",
+)
+_NUMBERED = re.compile(r"^(.*?\.\d+)\.")  # a numbered module: a decoder layer, a vision block, …
+_LORA_PART = re.compile(r"\.(?:base_layer|lora_[A-Za-z_]+\.[^.]+)(?=\.|$)")
+
+Convert = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def unit_of(name: str) -> str:
+    """The unit a state-dict entry is gathered with: its first numbered ancestor (a decoder layer,
+    a vision block), else its own module; a LoRA layer's base and adapters stay together."""
+    numbered = _NUMBERED.match(name)
+    return numbered.group(1) if numbered else _LORA_PART.sub("", name).rpartition(".")[0]
+
+
+def _aliases(model: torch.nn.Module) -> set[str]:
+    """Every name of a tied parameter but its first (the LM head tied to the embedding): written once."""
+    seen: set[int] = set()
+    aliases = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            aliases.add(name.removeprefix("module."))
+        seen.add(id(p))
+    return aliases
+
+
+def gathered(
+    model: torch.nn.Module, main: bool, keep: Callable[[str], bool] = lambda _: True
+) -> Iterator[dict[str, torch.Tensor]]:
+    """The model's full state dict (names as `get_model_state_dict`'s), one unit at a time, for the
+    entries `keep` accepts. Every rank must consume it in step: each DTensor is gathered from all
+    ranks. Only the main rank gets the tensors (on CPU); the others get empty units."""
+    # This rank's part, no copy (the union torch annotates covers optimizer state: tensors here).
+    state = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=StateDictOptions()))
+    skip = _aliases(model)
+    names = [name for name in state if keep(name) and name not in skip]
+    start = 0
+    while start < len(names):
+        end = start + 1
+        while end < len(names) and unit_of(names[end]) == unit_of(names[start]):
+            end += 1
+        unit: dict[str, torch.Tensor] = {}
+        for name in names[start:end]:
+            value = state[name]
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            if main:
+                unit[name] = full.detach().cpu()
+            del full
+        yield unit
+        start = end
+
+
+class ShardWriter:
+    """Safetensors files of at most `limit` bytes, filled in the order tensors come and written as
+    soon as the next tensor would not fit; `close` names them as `save_pretrained` does."""
+
+    def __init__(self, out: Path, limit: int) -> None:
+        self.out, self.limit = out, limit
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.written: list[tuple[Path, list[str]]] = []
+        self.total_bytes = 0
+        self.parameters = 0
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            size = tensor.numel() * tensor.element_size()
+            if self.pending and self.pending_bytes + size > self.limit:
+                self._flush()
+            tensor = tensor.contiguous()
+            # safetensors refuses views of one storage (e.g. experts split back out of a fused tensor).
+            self.pending[name] = tensor.clone() if tensor._base is not None else tensor
+            self.pending_bytes += size
+            self.total_bytes += size
+            self.parameters += tensor.numel()
+
+    def _flush(self) -> None:
+        path = self.out / f".shard-{len(self.written):05d}.tmp"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.written.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> list[str]:
+        """The files' final names: `model.safetensors` alone, or the numbered shards and their index."""
+        if self.pending or not self.written:
+            self._flush()
+        if len(self.written) == 1:
+            self.written[0][0].rename(self.out / WEIGHTS)
+            return [WEIGHTS]
+        weight_map: dict[str, str] = {}
+        for i, (path, names) in enumerate(self.written, start=1):
+            name = f"model-{i:05d}-of-{len(self.written):05d}.safetensors"
+            path.rename(self.out / name)
+            weight_map.update(dict.fromkeys(names, name))
+        metadata = {"total_parameters": self.parameters, "total_size": self.total_bytes}
+        index = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
+        (self.out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        return sorted(set(weight_map.values()))
+
+
+def _cast(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return value.to(dtype) if value.is_floating_point() else value
+
+
+def _prepare(out: Path) -> None:
+    """An empty-of-weights `out`: the weights of an earlier export there would mix with these."""
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("model*.safetensors"), *out.glob(".shard-*.tmp"), out / INDEX]:
+        stale.unlink(missing_ok=True)
+
+
+def _finish_folder(out: Path, hf_model: Any, source_folder: str | Path, dtype: torch.dtype) -> None:
+    """config.json and generation_config.json as `save_pretrained` writes them (the dtype the weights
+    have), then the model folder's tokenizer and processor files."""
+    config = copy.deepcopy(hf_model.config)
+    config.architectures = [type(hf_model).__name__.removeprefix("FSDP")]
+    config.dtype = str(dtype).removeprefix("torch.")
+    config.save_pretrained(out)
+    if hf_model.can_generate():
+        hf_model.generation_config.save_pretrained(out)
+    for name in HF_SIDE_FILES:
+        src = Path(source_folder) / name
+        if src.is_file():
+            shutil.copy2(src, out / name)
+
+
+def _write_model(
+    out: Path,
+    model: torch.nn.Module,
+    hf_model: Any,
+    convert: Convert,
+    source_folder: str | Path,
+    env: DistEnv,
+    dtype: torch.dtype,
+    shard_bytes: int,
+) -> Path | None:
+    """Stream the model into the Hugging Face folder `out` (all ranks call this; rank 0 writes);
+    all ranks wait for it, so no rank reads a half-written export."""
+    writer = ShardWriter(out, shard_bytes) if env.is_main else None
+    if env.is_main:
+        _prepare(out)
+    with torch.no_grad():
+        for unit in gathered(model, env.is_main):
+            if writer is not None and unit:
+                writer.add(convert(unit))
+    if writer is not None:
+        writer.close()
+        _finish_folder(out, hf_model, source_folder, dtype)
+    barrier()
+    return out if env.is_main else None
+
+
+def save_hf(
+    out: Path,
+    model: torch.nn.Module,
+    hf_model: Any,
+    source_folder: str | Path,
+    env: DistEnv,
+    dtype: torch.dtype,
+    shard_bytes: int = SHARD_BYTES,
+) -> Path | None:
+    """The final model as a Hugging Face folder (weights, config, tokenizer and processor files)."""
+
+    def convert(unit: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        plain = {k.removeprefix("hf."): _cast(v, dtype) for k, v in unit.items()}
+        return dict(revert_weight_conversion(hf_model, plain))
+
+    return _write_model(out, model, hf_model, convert, source_folder, env, dtype, shard_bytes)
+
+
+def save_merged(
+    out: Path,
+    model: torch.nn.Module,
+    hf_model: Any,
+    source_folder: str | Path,
+    env: DistEnv,
+    dtype: torch.dtype,
+    shard_bytes: int = SHARD_BYTES,
+) -> Path | None:
+    """The adapters merged into the base weights (W + alpha/r x B·A), saved as the plain Hugging
+    Face model: each unit merged as it is gathered (a LoRA layer's base and adapters come together)."""
+    scale = lora.scalings(hf_model)
+
+    def convert(unit: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        plain = {k.removeprefix("hf."): v for k, v in unit.items()}
+        merged = {k: _cast(v, dtype) for k, v in lora.merged_state_dict(plain, scale).items()}
+        return dict(revert_weight_conversion(hf_model, merged))
+
+    return _write_model(out, model, hf_model, convert, source_folder, env, dtype, shard_bytes)
+
+
+def save_adapter(
+    out: Path,
+    model: torch.nn.Module,
+    adapter: Any,
+    source_folder: str | Path,
+    env: DistEnv,
+    dtype: torch.dtype,
+) -> Path | None:
+    """The LoRA adapters in PEFT's format (adapter_config.json, adapter_model.safetensors) plus the
+    tokenizer and processor files, gathered from every rank (DDP or FSDP2)."""
+    trainable = {n.removeprefix("module.") for n, p in model.named_parameters() if p.requires_grad}
+    state: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for unit in gathered(model, env.is_main, keep=trainable.__contains__):
+            # VLMForTraining names the HF model `hf`; PeftModel names it `base_model.model`.
+            state.update(
+                {"base_model.model." + k.removeprefix("hf."): _cast(v, dtype) for k, v in unit.items()}
+            )
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        adapter.save_pretrained(out, state_dict=state)
+        for name in HF_SIDE_FILES:
+            src = Path(source_folder) / name
+            if src.is_file():
+                shutil.copy2(src, out / name)
+    barrier()
+    return out if env.is_main else None
+
+
+def save_final(
+    root: Path,
+    model: torch.nn.Module,
+    hf_model: Any,
+    adapter: Any,
+    spec: TrainModelSpec,
+    env: DistEnv,
+    dtype: torch.dtype,
+    shard_bytes: int = SHARD_BYTES,
+) -> Path | None:
+    """The final export under `root`: `final/` (the model, or with LoRA the adapter) and, with
+    `lora.saveMerged`, `final-merged/`."""
+    if adapter is None:
+        return save_hf(root / "final", model, hf_model, spec.path, env, dtype, shard_bytes)
+    final = save_adapter(root / "final", model, adapter, spec.path, env, dtype)
+    if spec.lora is not None and spec.lora.save_merged:
+        save_merged(root / MERGED_DIR, model, hf_model, spec.path, env, dtype, shard_bytes)
+    return final
