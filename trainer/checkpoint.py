@@ -386,10 +386,11 @@ def resharded_data_state(saved: dict[str, Any], layout: Layout, costs: Sequence[
         else ""
     )
     raise ConfigError(
-        f"the checkpoint was written {steps} steps into epoch {epoch} with {old.world_size} ranks x "
-        f"{old.units_per_rank} units per step; those units are not the first steps of that epoch with "
-        f"{layout.world_size} ranks x {layout.units_per_rank}, so resuming would train some twice and skip "
-        f"others. {hint}or resume with the former layout until a checkpoint at an epoch boundary "
+        f"cannot resume here: the checkpoint was written {steps} steps into epoch {epoch} with "
+        f"{old.world_size} ranks x {old.units_per_rank} units per step; those units are not the first "
+        f"steps of that epoch with {layout.world_size} ranks x {layout.units_per_rank}, so resuming would "
+        f"train some twice and skip others. {hint}or resume with the former layout until a checkpoint at "
+        "an epoch boundary "
         f"(every {old.steps_per_epoch} steps)"
     )
 

@@ -185,7 +185,7 @@ def _wanted(hf: nn.Module, skip: set[int]) -> tuple[dict[str, tuple[str, ...]], 
     return wanted, {names[0]: params[key] for key, names in aliases.items()}
 
 
-def plan_load(hf: nn.Module, checkpoint: Checkpoint, skip: set[int]) -> dict[str, str]:
+def plan_load(hf: PreTrainedModel, checkpoint: Checkpoint, skip: set[int]) -> dict[str, str]:
     """Model parameter name -> the checkpoint tensor holding it, for every parameter but those in
     `skip` (adapters), names and shapes checked (on the meta model: before anything is allocated)."""
     wanted, by_name = _wanted(hf, skip)

@@ -248,6 +248,14 @@ class VLMForTraining(nn.Module):
             extra = attention_kwargs(self.backend, inputs.cu_seq_lens, inputs.max_length, input_ids.shape[1])
             if self.linear_attention:
                 extra[SEGMENTS] = inputs.cu_seq_lens
+                if extra.get("attention_mask") is not None and not torch.is_tensor(extra["attention_mask"]):
+                    # A flex BlockMask is for the full-attention layers only: transformers' hybrid
+                    # decoder takes a mask per layer type, and its linear-attention layers (isolated by
+                    # SEGMENTS) would read a BlockMask as a padding mask and fail.
+                    extra["attention_mask"] = {
+                        "full_attention": extra["attention_mask"],
+                        "linear_attention": None,
+                    }
         else:
             raise ValueError(
                 "model inputs need an attention mask (padded) or cu_seq_lens and max_length (packed)"

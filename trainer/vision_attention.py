@@ -121,7 +121,8 @@ def vision_varlen(
 
     _segments(kwargs)
     fn: Any = ALL_ATTENTION_FUNCTIONS[VARLEN_NAME]
-    return fn(module, query, key, value, *args, **kwargs)  # type: ignore[no-any-return]
+    out: tuple[torch.Tensor, None] = fn(module, query, key, value, *args, **kwargs)
+    return out
 
 
 def vision_flex(

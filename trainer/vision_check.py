@@ -15,6 +15,7 @@ many-GB) model is built.
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import transformers
 from transformers import PretrainedConfig
@@ -30,7 +31,10 @@ def base_model_class(config: PretrainedConfig) -> type:
     config, and so on, as AutoModel maps it."""
     from transformers import MODEL_MAPPING
 
-    cls: type = MODEL_MAPPING[type(config)]
+    found: Any = MODEL_MAPPING[type(config)]
+    if isinstance(found, tuple):  # the mapping's declared value type; model classes come alone
+        found = next(c for c in found if c is not None)
+    cls: type = found
     return cls
 
 

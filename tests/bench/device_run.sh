@@ -39,7 +39,7 @@ PYTHON=$(command -v "$WANTED") || { echo "$WANTED: not found" >&2; exit 2; }
 RESULTS=${OUT:-$ROOT/tests/bench/results/device_run}
 DEADLINE_S=${DEADLINE_S:-$((DRY ? 900 : 530))}  # the dry run: CI's shared CPUs, generous limits
 START=$SECONDS
-mkdir -p "$RESULTS"
+mkdir -p "$RESULTS" && RESULTS=$(cd "$RESULTS" && pwd)
 rm -f "$RESULTS"/{phases.tsv,kernel_check.json,smoke.json,bench.json,device_run.json,device_run.txt}
 cd "$ROOT" || exit 2
 
@@ -133,5 +133,19 @@ else
 fi
 timeout 20 "$PYTHON" tests/bench/gpu_bench.py --merge "$RESULTS"
 rc=$?
+if [[ ! -s $RESULTS/device_run.json ]]; then  # the merge itself could not run: still one JSON
+  (cd /tmp && "$PYTHON" - "$RESULTS" "$rc") <<'PY'
+import json, sys
+from pathlib import Path
+
+folder = Path(sys.argv[1])
+lines = (folder / "phases.tsv").read_text().splitlines() if (folder / "phases.tsv").is_file() else []
+phases = [dict(zip(("phase", "status", "rc", "seconds", "note"), line.split("\t"))) for line in lines]
+report = {"passed": False, "merge_failed": f"gpu_bench.py --merge exited {sys.argv[2]}", "phases": phases}
+(folder / "device_run.json").write_text(json.dumps(report, indent=1))
+(folder / "device_run.txt").write_text("device run: FAILED (no merged report)\n" + "\n".join(lines) + "\n")
+PY
+  rc=1
+fi
 echo "total $((SECONDS - START)) s; results in $RESULTS/device_run.json and device_run.txt"
 exit $rc

@@ -21,7 +21,8 @@ set -euo pipefail
 
 DIR=${1:?usage: bash tests/bench/fetch_wheels.sh DIR}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-PYTHON=${PYTHON:-python3}
+PYTHON=$(command -v "${PYTHON:-python3}") || { echo "${PYTHON:-python3}: not found" >&2; exit 2; }
+[[ $PYTHON == /* ]] || PYTHON=$PWD/$PYTHON  # the downloads run from a scratch folder
 BUDGET_MIB=${BUDGET_MIB:-62}
 PYARROW=${PYARROW:-"pyarrow>=16,<18"}
 TARGET=(--only-binary :all: --python-version 3.12 --implementation cp --abi cp312

@@ -142,6 +142,16 @@ def check_imports() -> None:
             f"{'.'.join(map(str, floor))} (the trainer's model code): bring its wheel "
             "(tests/bench/fetch_wheels.sh) and install it first"
         )
+    import inspect
+
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen
+
+    # What the version stands for: an older forward drops the vision features into **kwargs.
+    if "mm_encoder_outputs" not in inspect.signature(qwen.Qwen2_5_VLModel.forward).parameters:
+        raise SystemExit(
+            f"transformers {transformers.__version__}: Qwen2_5_VLModel.forward takes no "
+            "mm_encoder_outputs (the trainer's model code passes the vision features so)"
+        )
 
 
 # -- data -----------------------------------------------------------------------------------------

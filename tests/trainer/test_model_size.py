@@ -72,6 +72,8 @@ def _check(model: Any, raw: dict[str, Any], family: str, freeze: list[str], lora
     params = list(model.parameters())
     assert counts.total == sum(p.numel() for p in params)
     assert counts.trainable == sum(p.numel() for p in params if p.requires_grad)
+    by_part = param_groups.trainable_counts(model)
+    assert counts.trainable_by_part == {p: by_part[f"{p}_trainable"] for p in counts.trainable_by_part}
     hf = param_groups.hf_model(model)
     blocks = [*hf.model.language_model.layers, *hf.model.visual.blocks]
     assert counts.largest_block == max(sum(p.numel() for p in b.parameters()) for b in blocks)

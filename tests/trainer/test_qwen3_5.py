@@ -97,6 +97,21 @@ def test_naive_packing_leaks_through_the_linear_attention_state(batch):
     assert min(grads.values()) > 1e-3
 
 
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
+def test_flex_gives_the_hybrid_decoder_the_block_mask_sdpa_gets(batch):
+    """flex's BlockMask goes to the full-attention layers only (the linear-attention ones are isolated
+    by their segments): the same per-token losses as sdpa's dense block-diagonal mask."""
+    losses = {}
+    for backend in ("sdpa", "flex"):
+        model = build_model(
+            fx.FOLDER[FAMILY], init="random", overrides=fx.TINY[FAMILY], dtype=torch.float64, seed=3,
+            attention=backend,
+        )  # fmt: skip
+        with torch.no_grad():
+            losses[backend] = VLMForTraining(model, backend)(batch.inputs)["token_losses"]
+    assert _rel(losses["flex"], losses["sdpa"]) < 1e-9
+
+
 @pytest.mark.slow
 def test_the_varlen_path_equals_the_per_sample_path(batch):
     """The fla path (one varlen call per layer over the row) with reference kernels in fla's

@@ -10,6 +10,7 @@ from transformers import AutoModelForImageTextToText
 from vlm_fixtures import FOLDER, TINY
 from vlm_fixtures import spec as family_spec
 
+from packtrain.trainer.checkpoint import saved_state
 from packtrain.trainer.config import load_train_config
 from packtrain.trainer.data import PackedDataset
 from packtrain.trainer.loop import batches, train
@@ -190,7 +191,7 @@ def test_bf16_is_mixed_precision_with_fp32_master_weights(pack_dir, tmp_path):
     )
     summary = train(load_train_config(write_job(tmp_path / "job.yaml", spec)), log=lambda _: None)
     assert summary["steps"] == 1 and summary["final_loss"] == summary["final_loss"]  # not NaN
-    trained = torch.load(tmp_path / "run" / "checkpoints" / "step-00000001" / "model.pt", weights_only=True)
+    trained, _ = saved_state(tmp_path / "run" / "checkpoints" / "step-00000001")
     initial = build_model(
         spec["spec"]["model"]["path"],
         init="random",

@@ -203,12 +203,13 @@ def test_a_run_moves_to_other_ranks_keeping_its_global_batch(pack_dir, tmp_path)
     """2 FSDP ranks x gradAccum 1 train 2 steps; one process with gradAccum 2 (the same global batch)
     resumes their checkpoint and finishes: the same steps, data position and loss as one process
     throughout (the checkpoint's settings may differ in gradAccum: the position is remapped)."""
-    straight = job_spec(pack_dir, tmp_path / "straight", maxSteps=4, gradAccum=2, checkpointEvery=2)
+    # Still warming up at step 4: the schedule does not depend on maxSteps, which differs below.
+    straight = job_spec(pack_dir, tmp_path / "straight", maxSteps=4, gradAccum=2, checkpointEvery=2, warmup=8)
     reference = train(load_train_config(write_job(tmp_path / "a.yaml", straight)), log=lambda _: None)
-    moved = job_spec(pack_dir, tmp_path / "moved", maxSteps=2, strategy="fsdp", saveFinal=False)
+    moved = job_spec(pack_dir, tmp_path / "moved", maxSteps=2, strategy="fsdp", saveFinal=False, warmup=8)
     proc = torchrun_two_processes(write_job(tmp_path / "b.yaml", moved))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    moved["spec"]["training"].update(maxSteps=4, gradAccum=2, checkpointEvery=2)
+    moved["spec"]["training"].update(maxSteps=4, gradAccum=2, checkpointEvery=2, saveFinal=True)
     resumed = train(load_train_config(write_job(tmp_path / "c.yaml", moved)), log=lambda _: None)
     assert resumed["resumed_from"].endswith("step-00000002") and resumed["steps_this_run"] == 2
     assert resumed["final_loss"] == pytest.approx(reference["final_loss"], rel=1e-5)

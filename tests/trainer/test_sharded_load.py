@@ -255,8 +255,13 @@ def test_missing_and_unexpected_tensors_are_refused_by_name(folders, tmp_path):
         ConfigError, match=r"1 unexpected \(e\.g\. \['model\.surplus\.weight'\]\).*model\.init: random"
     ):
         build_model(extra, init="pretrained")
-    with pytest.raises(ConfigError, match=r"has shape \(128, 64\) but the model's .* is \(96, 64\)"):
-        build_model(folders["qwen2-vl"], init="pretrained", overrides={"intermediate_size": 96})
+    with pytest.raises(
+        ConfigError,
+        match=r"has shape \(64, 128\) but the model's .* is \(64, 96\); remove model.configOverrides",
+    ):
+        build_model(
+            folders["qwen2-vl"], init="pretrained", overrides={"text_config": {"intermediate_size": 96}}
+        )
 
 
 def test_frozen_bf16_halves_frozen_weights_and_keeps_fp32_masters(shared_dir):

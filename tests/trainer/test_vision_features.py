@@ -49,8 +49,7 @@ def _zeroed(inputs):
 def test_loss_depends_on_the_pixels(family, shared_dir, reference_varlen):
     samples = fx.demo_samples(family)
     batch = collate_packed([fx.packed_row(samples[1:], family)], fx.spec(family))  # images and a video
-    # flex and Qwen3.5: transformers' mask for its linear-attention layers takes no BlockMask.
-    for backend in ("sdpa", "varlen") if family == "qwen3.5" else ("sdpa", "flex", "varlen"):
+    for backend in ("sdpa", "flex", "varlen"):
         model = build_model(fx.FOLDER[family], init="random", overrides=fx.TINY[family], attention=backend)
         if backend == "varlen":
             reference_varlen()
