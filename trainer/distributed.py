@@ -124,9 +124,10 @@ def parallelize(
     compute_dtype: torch.dtype = torch.float32,
     fill: Callable[[torch.nn.Module], object] = lambda module: None,
 ) -> torch.nn.Module:
-    """DDP (replicated weights) or FSDP2 (`fully_shard` per decoder layer / vision block, then the
-    root); a single process trains the module as is. FSDP2 gathers parameters in `compute_dtype`
-    and reduces gradients in fp32, so its shards keep fp32 master weights.
+    """DDP (replicated weights) or FSDP2 (`fully_shard` per decoder layer / vision block / untied
+    input embedding, then the root); a single process trains the module as is. FSDP2 gathers
+    parameters in `compute_dtype` and reduces gradients in fp32, so its shards keep fp32 master
+    weights.
 
     `fill` gives a module built on the meta device its weights: FSDP2 shards the empty module
     first, so each rank then allocates and reads only its own shards; DDP needs the whole module
@@ -148,6 +149,12 @@ def parallelize(
             fully_shard(block, mp_policy=policy)
         for layer in hf.model.language_model.layers:
             fully_shard(layer, mp_policy=policy)
+        # The input embedding is a vocabulary-sized unit of its own (gathered only around its
+        # lookup), unless tied to the LM head: the chunked loss reads the head's weight directly,
+        # so the head (and a weight tied to it) stays in the root unit.
+        embed = hf.model.language_model.embed_tokens
+        if embed.weight is not hf.lm_head.weight:
+            fully_shard(embed, mp_policy=policy)
         fully_shard(module, mp_policy=policy)
         fill(module)
         return module

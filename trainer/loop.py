@@ -163,6 +163,9 @@ def _finish(
     # rewrite the checkpoint it resumed from (the only one with keepCheckpoints: 1).
     if t.checkpoint_at_end and run.step > accounting.start_step:
         _save(out, run, env, t.keep_checkpoints)
+    # Nothing steps again: the AdamW moments (twice the trainable weights) are freed before the export
+    # gathers its first unit, so the export's peak is the model's shard plus one unit, not that too.
+    run.optimizer.state.clear()
     final = (
         export.save_final(out, run.model, run.hf, run.adapter, cfg.model, env, run.dtype)
         if t.save_final

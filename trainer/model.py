@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from packtrain.packer.core.errors import ConfigError
+from packtrain.packer.core.model_size import deep_merge
 from packtrain.packer.core.model_spec import ModelSpec, family_for_model_type, model_spec
 from packtrain.trainer.attention import HF_IMPLEMENTATION, attention_kwargs, register_backend
 from packtrain.trainer.batch import ModelInputs
@@ -43,16 +44,6 @@ WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 
 def has_weights(folder: str | Path) -> bool:
     return any(any(Path(folder).glob(g)) for g in WEIGHT_GLOBS)
-
-
-def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
 
 
 def load_config(folder: str | Path, overrides: dict[str, Any] | None = None) -> PretrainedConfig:

@@ -21,13 +21,14 @@ from packtrain.packer.core.model_size import (
     _TEXT_DEFAULTS,
     _VISION_DEFAULTS,
     LoraShape,
+    deep_merge,
     lora_target_regex,
     model_dims,
     param_counts,
 )
 from packtrain.trainer import lora, param_groups
 from packtrain.trainer.config import LORA_TARGET_MODULES, LoraSpec
-from packtrain.trainer.model import deep_merge, load_config
+from packtrain.trainer.model import load_config
 
 SHARED_CONFIGS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5")
 # Freeze / LoRA cases: (freeze, LoraSpec keyword arguments or None).
