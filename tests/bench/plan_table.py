@@ -21,41 +21,25 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling
 from support.paths import MODELS
+from support.qwen_sizes import RELEASED, released_overrides
 
 from packtrain.packer.core.memory_plan import GIB, PlanInputs, parse_bytes, plan_memory
-from packtrain.packer.core.model_size import ModelDims, model_dims, param_counts
+from packtrain.packer.core.model_size import ModelDims, model_dims, param_counts, read_config
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-SIZES = {  # hidden, intermediate, layers, heads, kv heads
-    "7B": (3584, 18944, 28, 28, 4),
-    "32B": (5120, 27648, 64, 40, 8),
-    "72B": (8192, 29568, 80, 64, 8),
-}
 WORLD_SIZES = (8, 16, 32, 64)
 GPUS_PER_NODE = 8
 
 
 def dims(size: str) -> ModelDims:
     """Qwen2.5-VL at a released size: the shared 3B config with the text sizes replaced."""
-    hidden, inter, layers, heads, kv = SIZES[size]
-    raw = json.loads((MODELS / "qwen2.5-vl" / "config.json").read_text())
-    raw.update(
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        vocab_size=152064,
-        tie_word_embeddings=False,
-    )
-    raw["vision_config"] = {**raw["vision_config"], "out_hidden_size": hidden}
-    return model_dims(raw)
+    return model_dims(read_config(MODELS / "qwen2.5-vl", released_overrides(size)))
 
 
 def rows(gpu_memory: int, lengths: list[int]) -> list[dict[str, Any]]:
     out = []
-    for size in SIZES:
+    for size in RELEASED:
         d = dims(size)
         for length in lengths:
             for world in WORLD_SIZES:
@@ -92,7 +76,7 @@ def print_table(table: list[dict[str, Any]], gpu_memory: int) -> None:
         f"{'model':5} {'params':>7} {'maxLength':>9} {'ckpt':>5} " + " ".join(f"{w:>8}" for w in WORLD_SIZES)
     )
     keys = sorted({(r["model"], r["max_length"], r["checkpointing"]) for r in table}, key=lambda k: (
-        list(SIZES).index(k[0]), k[1], k[2]))  # fmt: skip
+        list(RELEASED).index(k[0]), k[1], k[2]))  # fmt: skip
     for model, length, ckpt in keys:
         cells = [
             r for r in table if (r["model"], r["max_length"], r["checkpointing"]) == (model, length, ckpt)

@@ -9,22 +9,14 @@ import json
 from typing import Any
 
 from support.paths import MODELS
+from support.qwen_sizes import released_overrides
 from test_handlers import FakeKube, sft_step
 
 from packtrain.operator import status as st
 from packtrain.operator.status.pack import pack_status
 from packtrain.packer.core.model_size import planning_config, read_config
 
-SEVEN_B = {
-    "hidden_size": 3584,
-    "intermediate_size": 18944,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 28,
-    "num_key_value_heads": 4,
-    "vocab_size": 152064,
-    "tie_word_embeddings": False,
-    "vision_config": {"out_hidden_size": 3584},
-}
+SEVEN_B = released_overrides("7B")
 
 
 def _ready_pack(kube: FakeKube, packjob: dict[str, Any]) -> None:

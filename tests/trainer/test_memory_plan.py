@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 from support.paths import MODELS
+from support.qwen_sizes import released_overrides
 
 from packtrain.packer.core.errors import EXIT_CONFIG, ConfigError
 from packtrain.packer.core.memory_plan import GIB, PlanInputs, parse_bytes, plan_memory, refusal
@@ -22,16 +23,7 @@ from packtrain.trainer import cli
 from packtrain.trainer import plan as trainer_plan
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_memory_plan.py"
-SEVEN_B = {
-    "hidden_size": 3584,
-    "intermediate_size": 18944,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 28,
-    "num_key_value_heads": 4,
-    "vocab_size": 152064,
-    "tie_word_embeddings": False,
-    "vision_config": {"out_hidden_size": 3584},
-}
+SEVEN_B = released_overrides("7B")
 
 
 def _job(tmp_path: Path, training: dict[str, Any] | None = None, **resources: Any) -> Path:
