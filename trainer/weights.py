@@ -35,10 +35,6 @@ ALWAYS_UNEXPECTED = (r"rotary_emb\.inv_freq$", r"(^|\.)position_ids$")
 SHOWN = 5  # names an error message lists
 
 
-def has_safetensors(folder: str | Path) -> bool:
-    return (Path(folder) / INDEX).is_file() or (Path(folder) / SINGLE).is_file()
-
-
 @dataclass
 class ReadStats:
     """What a load read: tensors sliced and the bytes those slices copied (for tests and benchmarks)."""
