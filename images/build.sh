@@ -119,7 +119,8 @@ inputs_key() {
   {
     echo "$base_key $SOURCE_DATE_EPOCH $REVISION $VERSION"
     cat "$0" "$HERE/$image/Dockerfile" "$HERE/$image/Dockerfile.dockerignore" \
-        "$HERE/$image/requirements.txt" "$HERE/requirements-build.txt" "$REPO/pyproject.toml" "$REPO/README.md"
+        "$HERE/$image/requirements.txt" "$HERE/requirements-build.txt" "$HERE/lock_layers.py" \
+        "$REPO/pyproject.toml" "$REPO/README.md"
     (cd "$REPO" && find packer trainer operator -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 \
        | sort -z | xargs -0 sha256sum)
   } | sha
@@ -130,7 +131,7 @@ deps_key() {
   {
     echo "$base_key"
     git -C "$REPO" log -1 --format=%ct -- "images/$1/requirements.txt" 2>/dev/null || true
-    cat "$HERE/$1/Dockerfile" "$HERE/$1/requirements.txt" "$HERE/requirements-build.txt"
+    cat "$HERE/$1/Dockerfile" "$HERE/$1/requirements.txt" "$HERE/requirements-build.txt" "$HERE/lock_layers.py"
   } | sha
 }
 
@@ -153,14 +154,18 @@ for image in "${images[@]}"; do
     log "$image: up to date ($tag)"
     continue
   fi
-  # Committing a layer holds it three times over for a moment (the container's files, a tar, the
-  # layer): the trainer's CUDA layer needs ~25 GB free at its peak. Keep 8 GB for everyone else.
-  # When the dependency layer is cached (same base, Dockerfile and locks), only the small source
-  # layers are built again.
+  # When the dependency layers are cached (same base, Dockerfile and locks), only the small source
+  # layers are built again and no wheel is needed. Otherwise the trainer needs its ~4 GB of wheels,
+  # its ~7 GB of layers, and, while it commits one (the container's files, a tar, the layer), twice
+  # the largest (~1.1 GB, images/lock_layers.py): 14 GB. Keep 8 GB for everyone else.
   deps="$(deps_key "$image")"
+  fresh_deps=0
+  if [ "$(cat "$CACHE/stamps/$image.deps" 2>/dev/null)" != "$deps" ] || ! "${PODMAN[@]}" image exists "$tag"; then
+    fresh_deps=1
+  fi
   need_gb=12
-  if [ "$image" = trainer ] && [ "$(cat "$CACHE/stamps/$image.deps" 2>/dev/null)" != "$deps" ]; then
-    need_gb=33
+  if [ "$image" = trainer ] && [ "$fresh_deps" = 1 ]; then
+    need_gb=22
   fi
   free_gb=$(df --output=avail -BG "$CACHE" | tail -1 | tr -dc 0-9)
   [ "$free_gb" -ge "$need_gb" ] || impossible "building $image needs ${need_gb} GB free on $CACHE's disk, $free_gb GB are"
@@ -170,13 +175,13 @@ for image in "${images[@]}"; do
   # The dependency layer's epoch is its lock's commit time: a new commit alone does not rebuild it.
   lock_epoch="$(git -C "$REPO" log -1 --format=%ct -- "images/$image/requirements.txt" 2>/dev/null || true)"
   lock_epoch="${lock_epoch:-0}"
-  wheel_args=()
-  # /mnt is an empty folder in both bases, so the mount leaves no trace in a layer.
-  if fetch_wheels "$image"; then
-    wheel_args=(-v "$WHEELS:/mnt:ro"
-                --build-arg PIP_FIND_LINKS=/mnt --build-arg PIP_NO_INDEX=1)
-  else
+  # /mnt is an empty folder in both bases, so the mount leaves no trace in a layer. The build
+  # arguments are the same whether or not wheels were fetched, so cached dependency layers match.
+  mkdir -p "$WHEELS"
+  wheel_args=(-v "$WHEELS:/mnt:ro" --build-arg PIP_FIND_LINKS=/mnt --build-arg PIP_NO_INDEX=1)
+  if [ "$fresh_deps" = 1 ] && ! fetch_wheels "$image"; then
     log "$image: downloading the wheels ahead failed (see $LOG); the build fetches them itself"
+    wheel_args=()
   fi
   "${PODMAN[@]}" build --isolation chroot --pull=never --layers \
       -f "$HERE/$image/Dockerfile" --ignorefile "$HERE/$image/Dockerfile.dockerignore" \
@@ -192,6 +197,9 @@ for image in "${images[@]}"; do
   "${PODMAN[@]}" image prune -f >>"$LOG" 2>&1 || true
   log "$image: built in $((SECONDS - t0)) s"
 done
+# The wheels served only the dependency layers just built (the trainer's are ~4 GB): a lock change
+# downloads its own.
+rm -rf "$WHEELS"
 
 for image in "${images[@]}"; do
   size="$("${PODMAN[@]}" image inspect --format '{{.Size}}' "localhost/packtrain/$image:dev")"

@@ -120,3 +120,48 @@ def test_hadolint_is_clean() -> None:
         check=False,
     )
     assert bad.returncode != 0 and "DL3008" in bad.stdout
+
+
+def layers_module() -> Any:
+    spec = importlib.util.spec_from_file_location("images_lock_layers", IMAGES / "lock_layers.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+LAYERS = layers_module()
+
+
+@pytest.mark.parametrize("image", sorted(LOCK.IMAGE_EXTRAS))
+def test_lock_layers_hold_every_entry_once_and_none_is_empty(image: str) -> None:
+    text = LOCK.lock_path(image).read_text()
+    layers = LAYERS.split(text, image)
+    assert all(layers), f"{image}: a layer of images/lock_layers.py matches nothing in the lock"
+    split_text = "".join(entry for layer in layers for _, entry in layer)
+    lines = text.splitlines(keepends=True)
+    whole = "".join(line for line in lines if line.strip() and not line.startswith("#"))
+    assert sorted(split_text.splitlines()) == sorted(whole.splitlines())
+    names = [{name for name, _ in layer} for layer in layers]
+    assert sum(len(n) for n in names) == len(set().union(*names)), "a package in two layers"
+
+
+def test_trainer_dockerfile_installs_each_lock_layer_once() -> None:
+    text = (IMAGES / "trainer" / "Dockerfile").read_text()
+    pattern = r"lock_layers\.py /opt/packtrain/requirements\.txt trainer (\d+)"
+    called = [int(k) for k in re.findall(pattern, text)]
+    count = len(LAYERS.split(LOCK.lock_path("trainer").read_text(), "trainer"))
+    assert called == list(range(1, count + 1)), "one RUN per layer of images/lock_layers.py, in order"
+    assert "-r /opt/packtrain/requirements.txt" not in text, "the whole lock in one layer again"
+
+
+def test_lock_layers_put_a_name_in_its_first_matching_layer() -> None:
+    lock = "torch==2.0 \\\n    --hash=sha256:aa\n"
+    lock += "nvidia-cudnn-cu13==9 ; sys_platform == 'linux' \\\n    --hash=sha256:bb\n"
+    lock += "Nvidia_NCCL.cu13==2 \\\n    --hash=sha256:cc\nrich==1 \\\n    --hash=sha256:dd\n"
+    layers = LAYERS.split(lock, "trainer")
+    where = {name: k for k, layer in enumerate(layers, start=1) for name, _ in layer}
+    assert where == {"torch": 1, "nvidia-cudnn-cu13": 3, "nvidia-nccl-cu13": 5, "rich": 6}
+    assert [len(x) for x in LAYERS.split(lock, "packer")] == [4]
+    with pytest.raises(ValueError):
+        LAYERS.entries("    --hash=sha256:aa\n")
