@@ -268,7 +268,7 @@ def test_ctrl_c_in_pack_run_then_the_same_command_again(tmp_path: Path) -> None:
         "--workers",
         "2",
     ]
-    code, err = _interrupt(cmd, ready=lambda: (out / "work").is_dir(), delay=2)  # convert has started
+    code, err = _interrupt(cmd, ready=lambda: (out / "work").is_dir(), delay=0.5)  # convert has started
     assert code == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     assert err.strip().splitlines()[-1] == (
