@@ -21,15 +21,16 @@ IMAGES = REPO / "images"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 
 
-def lock_module() -> Any:
-    spec = importlib.util.spec_from_file_location("images_lock", IMAGES / "lock.py")
+def script_module(name: str) -> Any:
+    """One of images/'s scripts as a module (they are files, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"images_{name}", IMAGES / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-LOCK = lock_module()
+LOCK = script_module("lock")
 
 
 def pins(path: Path) -> dict[str, list[tuple[str, int]]]:
@@ -122,15 +123,7 @@ def test_hadolint_is_clean() -> None:
     assert bad.returncode != 0 and "DL3008" in bad.stdout
 
 
-def layers_module() -> Any:
-    spec = importlib.util.spec_from_file_location("images_lock_layers", IMAGES / "lock_layers.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-LAYERS = layers_module()
+LAYERS = script_module("lock_layers")
 
 
 @pytest.mark.parametrize("image", sorted(LOCK.IMAGE_EXTRAS))
