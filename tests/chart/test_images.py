@@ -71,13 +71,23 @@ def instructions(image: str) -> list[tuple[str, str]]:
     return out
 
 
-def lock_module() -> Any:
-    """images/lock.py, the one source of which extras each image installs."""
-    spec = importlib.util.spec_from_file_location("images_lock", IMAGES / "lock.py")
+def images_script(name: str) -> Any:
+    """One of images/'s scripts, loaded as a module."""
+    spec = importlib.util.spec_from_file_location(f"images_{name}", IMAGES / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def lock_module() -> Any:
+    """images/lock.py, the one source of which extras each image installs."""
+    return images_script("lock")
+
+
+def lock_layers_module() -> Any:
+    """images/lock_layers.py, which splits a lock into the layers a Dockerfile installs."""
+    return images_script("lock_layers")
 
 
 def installed_extras(image: str) -> set[str]:
@@ -88,9 +98,12 @@ def installed_extras(image: str) -> set[str]:
     assert any(a.startswith(f"images/{image}/requirements.txt ") for a in copies), (
         f"{image}: its lock is not copied"
     )
-    assert sum("--require-hashes" in a and "-r /opt/packtrain/requirements.txt" in a for a in runs) == 1, (
-        image
-    )
+    whole = [a for a in runs if "--require-hashes" in a and "-r /opt/packtrain/requirements.txt" in a]
+    layered = [a for a in runs if f"lock_layers.py /opt/packtrain/requirements.txt {image} " in a]
+    assert all("--require-hashes" in a and "-r /tmp/layer.txt" in a for a in layered), image
+    layers = len(lock_layers_module().split(lock_module().lock_path(image).read_text(), image))
+    # The lock goes in whole in one RUN, or one RUN per layer of images/lock_layers.py.
+    assert (len(whole), len(layered)) in {(1, 0), (0, layers)}, (image, len(whole), len(layered), layers)
     assert sum("--no-deps" in a and "packtrain-*.whl" in a for a in runs) == 1, image
     return set(lock_module().IMAGE_EXTRAS[image])
 
