@@ -5,10 +5,10 @@ folder's tokenizer and processor files, and the weights as safetensors shards of
 `shard_bytes` (5 GB unless told): `model-00001-of-0000N.safetensors`, … and
 `model.safetensors.index.json`, or one `model.safetensors` when the model fits in one shard (as
 `save_pretrained` writes them). The weights are gathered one unit at a time (a decoder layer, a
-vision block, the embedding): every rank joins the gather of that unit's FSDP2 shards
-(`DTensor.full_tensor`); rank 0 renames them (VLMForTraining's `hf.` dropped, then transformers'
-original checkpoint names, as `save_pretrained` restores them), casts them to the export dtype and
-adds them to the shard it is filling, written once full. So rank 0 holds about one shard and one
+vision block, the embedding): each rank casts its FSDP2 shards to the export dtype and joins
+their gather (`DTensor.full_tensor`); rank 0 renames them (VLMForTraining's `hf.` dropped, then
+transformers' original checkpoint names, as `save_pretrained` restores them) and adds them to the
+shard it is filling, written once full. So rank 0 holds about one shard and one
 layer, not the model, and the files do not depend on the world size or strategy that trained it.
 
 With LoRA, `final/` is the PEFT adapter (`PeftModel.from_pretrained(base, folder)`: the adapters
@@ -77,11 +77,18 @@ def _aliases(model: torch.nn.Module) -> set[str]:
 
 
 def gathered(
-    model: torch.nn.Module, main: bool, keep: Callable[[str], bool] = lambda _: True
+    model: torch.nn.Module,
+    main: bool,
+    keep: Callable[[str], bool] = lambda _: True,
+    dtype: torch.dtype | None = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """The model's full state dict (names as `get_model_state_dict`'s), one unit at a time, for the
-    entries `keep` accepts. Every rank must consume it in step: each DTensor is gathered from all
-    ranks. Only the main rank gets the tensors (on CPU); the others get empty units."""
+    entries `keep` accepts, floating-point entries cast to `dtype` if given. Every rank must consume
+    it in step: each DTensor is gathered from all ranks. Only the main rank gets the tensors (on
+    CPU); the others get empty units.
+
+    The cast comes before the gather: every rank briefly holds each full tensor (an all-gather),
+    so a bf16 export gathers half the bytes of the fp32 master weights and makes no second copy."""
     # This rank's part, no copy (the union torch annotates covers optimizer state: tensors here).
     state = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=StateDictOptions()))
     skip = _aliases(model)
@@ -93,7 +100,7 @@ def gathered(
             end += 1
         unit: dict[str, torch.Tensor] = {}
         for name in names[start:end]:
-            value = state[name]
+            value = state[name] if dtype is None else _cast(state[name], dtype)
             full = value.full_tensor() if isinstance(value, DTensor) else value
             if main:
                 unit[name] = full.detach().cpu()
@@ -185,14 +192,16 @@ def _write_model(
     env: DistEnv,
     dtype: torch.dtype,
     shard_bytes: int,
+    gather_dtype: torch.dtype | None,
 ) -> Path | None:
     """Stream the model into the Hugging Face folder `out` (all ranks call this; rank 0 writes);
-    all ranks wait for it, so no rank reads a half-written export."""
+    all ranks wait for it, so no rank reads a half-written export. `gather_dtype` is what the
+    weights are cast to before they are gathered (None: as trained)."""
     writer = ShardWriter(out, shard_bytes) if env.is_main else None
     if env.is_main:
         _prepare(out)
     with torch.no_grad():
-        for unit in gathered(model, env.is_main):
+        for unit in gathered(model, env.is_main, dtype=gather_dtype):
             if writer is not None and unit:
                 writer.add(convert(unit))
     if writer is not None:
@@ -217,7 +226,7 @@ def save_hf(
         plain = {k.removeprefix("hf."): _cast(v, dtype) for k, v in unit.items()}
         return dict(revert_weight_conversion(hf_model, plain))
 
-    return _write_model(out, model, hf_model, convert, source_folder, env, dtype, shard_bytes)
+    return _write_model(out, model, hf_model, convert, source_folder, env, dtype, shard_bytes, dtype)
 
 
 def save_merged(
@@ -238,7 +247,8 @@ def save_merged(
         merged = {k: _cast(v, dtype) for k, v in lora.merged_state_dict(plain, scale).items()}
         return dict(revert_weight_conversion(hf_model, merged))
 
-    return _write_model(out, model, hf_model, convert, source_folder, env, dtype, shard_bytes)
+    # Gathered as trained: W + scale·B·A is summed in the master weights' precision, then cast.
+    return _write_model(out, model, hf_model, convert, source_folder, env, dtype, shard_bytes, None)
 
 
 def save_adapter(
@@ -254,7 +264,7 @@ def save_adapter(
     trainable = {n.removeprefix("module.") for n, p in model.named_parameters() if p.requires_grad}
     state: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for unit in gathered(model, env.is_main, keep=trainable.__contains__):
+        for unit in gathered(model, env.is_main, keep=trainable.__contains__, dtype=dtype):
             # VLMForTraining names the HF model `hf`; PeftModel names it `base_model.model`.
             state.update(
                 {"base_model.model." + k.removeprefix("hf."): _cast(v, dtype) for k, v in unit.items()}
