@@ -80,6 +80,9 @@ def run(args: argparse.Namespace, env: distributed.DistEnv) -> None:
         checkpoint.save(root, args.save, model, optimizer, scheduler, _state(step), env, keep=100)
     if args.export is not None:
         export.save_hf(Path(args.export), model, hf, FOLDER["qwen2-vl"], env, torch.float32, args.shard_bytes)
+        # bf16 as well: each rank casts its shards before the gather.
+        bf16 = Path(f"{args.export}-bf16")
+        export.save_hf(bf16, model, hf, FOLDER["qwen2-vl"], env, torch.bfloat16, args.shard_bytes)
 
 
 def _state(step: int) -> dict[str, Any]:
