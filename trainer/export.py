@@ -223,7 +223,7 @@ def save_hf(
     """The final model as a Hugging Face folder (weights, config, tokenizer and processor files)."""
 
     def convert(unit: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        plain = {k.removeprefix("hf."): _cast(v, dtype) for k, v in unit.items()}
+        plain = {k.removeprefix("hf."): v for k, v in unit.items()}  # cast as gathered
         return dict(revert_weight_conversion(hf_model, plain))
 
     return _write_model(out, model, hf_model, convert, source_folder, env, dtype, shard_bytes, dtype)
@@ -266,9 +266,7 @@ def save_adapter(
     with torch.no_grad():
         for unit in gathered(model, env.is_main, keep=trainable.__contains__, dtype=dtype):
             # VLMForTraining names the HF model `hf`; PeftModel names it `base_model.model`.
-            state.update(
-                {"base_model.model." + k.removeprefix("hf."): _cast(v, dtype) for k, v in unit.items()}
-            )
+            state.update({"base_model.model." + k.removeprefix("hf."): v for k, v in unit.items()})
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
         adapter.save_pretrained(out, state_dict=state)

@@ -12,7 +12,6 @@ Then, for every command the operator puts in a pod of that image:
 from __future__ import annotations
 
 import importlib.metadata as md
-import importlib.util
 import json
 import re
 import subprocess
@@ -25,6 +24,7 @@ from typing import Any
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from support.images_scripts import images_script
 from support.import_graph import PACKAGE_DIRS, imports_of, module_file
 
 from packtrain.operator import builders
@@ -69,15 +69,6 @@ def instructions(image: str) -> list[tuple[str, str]]:
             word, _, rest = line.strip().partition(" ")
             out.append((word.upper(), rest.strip()))
     return out
-
-
-def images_script(name: str) -> Any:
-    """One of images/'s scripts, loaded as a module."""
-    spec = importlib.util.spec_from_file_location(f"images_{name}", IMAGES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def lock_module() -> Any:

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any
 
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from support.images_scripts import images_script
 
 from .conftest import REPO
 
@@ -21,16 +20,7 @@ IMAGES = REPO / "images"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 
 
-def script_module(name: str) -> Any:
-    """One of images/'s scripts as a module (they are files, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"images_{name}", IMAGES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-LOCK = script_module("lock")
+LOCK = images_script("lock")
 
 
 def pins(path: Path) -> dict[str, list[tuple[str, int]]]:
@@ -123,7 +113,7 @@ def test_hadolint_is_clean() -> None:
     assert bad.returncode != 0 and "DL3008" in bad.stdout
 
 
-LAYERS = script_module("lock_layers")
+LAYERS = images_script("lock_layers")
 
 
 @pytest.mark.parametrize("image", sorted(LOCK.IMAGE_EXTRAS))

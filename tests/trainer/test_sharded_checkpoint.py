@@ -124,16 +124,20 @@ def test_export_is_sharded_loadable_and_the_same_from_one_or_two_ranks(chain):
         assert want is not None and torch.equal(value, want), name
 
 
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a sharded export, from the shards its index names."""
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(set(json.loads((folder / export.INDEX).read_text())["weight_map"].values())):
+        out |= load_file(folder / name)
+    return out
+
+
 def test_a_bf16_export_is_the_fp32_one_cast_whatever_the_ranks(chain):
     root, ref = chain
     two, one = root / "export-2-bf16", ref / "export-1"
     assert json.loads((two / "config.json").read_text())["dtype"] == "bfloat16"
-    cast = {}
-    for name in sorted(set(json.loads((one / export.INDEX).read_text())["weight_map"].values())):
-        cast |= {k: v.to(torch.bfloat16) for k, v in load_file(one / name).items()}
-    got = {}
-    for name in sorted(set(json.loads((two / export.INDEX).read_text())["weight_map"].values())):
-        got |= load_file(two / name)
+    got, fp32 = _weights(two), _weights(one)
+    cast = {k: v.to(torch.bfloat16) for k, v in fp32.items()}
     assert got.keys() == cast.keys()
     assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], cast[k]) for k in got)
 
