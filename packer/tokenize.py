@@ -20,10 +20,10 @@ that block is trained with the answer. Function-call turns are assistant turns; 
 are user turns. `label_mode: all` trains on every token except vision tokens
 (a Qwen3-VL video's frame timestamps included).
 
-Qwen3-VL videos: the template's `<|video_pad|>` becomes one
+Qwen3-VL videos: the template's `<|vision_start|><|video_pad|><|vision_end|>` becomes one
 `<{t:.1f} seconds><|vision_start|>` + pads + `<|vision_end|>` block per temporal
-group, as `Qwen3VLProcessor` renders it; the timestamps are tokenized alone
-(added tokens split the text around them, so this equals tokenizing the whole).
+group, with no outer pair, as `Qwen3VLProcessor` renders it; the timestamps are tokenized
+alone (added tokens split the text around them, so this equals tokenizing the whole).
 """
 
 from __future__ import annotations
@@ -112,6 +112,7 @@ class Reject:
     sample_id: str | None
     reason: str  # a RejectReason (a raw record's reason is a plain str of one)
     detail: str  # human message
+    media_path: str | None = None  # a media file named as missing or unreadable (see MediaError.path)
 
 
 class SampleTokenizer:
@@ -125,10 +126,12 @@ class SampleTokenizer:
         *,
         base_dir: Path | None = None,
         embedded_dir: Path | None = None,
+        loaded: LoadedModel | None = None,
     ) -> None:
+        """`loaded`: the model already loaded for these settings (another source of the same job)."""
         self.source = source
         self.packing = packing
-        self.model: LoadedModel = load_model(model)
+        self.model: LoadedModel = loaded or load_model(model)
         self._backend = self.model.tokenizer.backend_tokenizer
         self._encode = _fast_encoder(self._backend)
         self._media = MediaAccess(source, self.model.vision, base_dir=base_dir, embedded_dir=embedded_dir)
@@ -163,7 +166,7 @@ class SampleTokenizer:
             ]
             input_ids, labels = self._tokenize(text, media)
         except (SampleError, MediaError) as exc:
-            return Reject(name, raw.index, sample_id, exc.reason, exc.detail)
+            return Reject(name, raw.index, sample_id, exc.reason, exc.detail, getattr(exc, "path", None))
         except ConfigError:
             raise
         except Exception as exc:  # one bad record is one reject (RecursionError, MemoryError, a decoder bug)
@@ -172,13 +175,29 @@ class SampleTokenizer:
         return TokenizedSample(sample_id, name, raw.index, input_ids, labels, media)
 
     def truncate(self, sample: TokenizedSample, max_length: int) -> TokenizedSample | None:
-        """`truncate_sample` with this family's vision markers."""
-        return truncate_sample(
-            sample,
-            max_length,
-            vision_start_id=self.model.ids.vision_start,
-            vision_end_id=self.model.ids.vision_end,
-        )
+        """`truncate_sample` over this sample's media spans."""
+        return truncate_sample(sample, max_length, self.media_spans(sample))
+
+    def media_spans(self, sample: TokenizedSample) -> list[tuple[int, int]]:
+        """The token span of each media item: its vision run, or a timestamped video's groups with
+        their timestamps (one run per temporal group)."""
+        m = self.model.ids
+        runs = _runs(sample.input_ids, m.vision_start, m.vision_end)
+        spans: list[tuple[int, int]] = []
+        k = 0
+        for item in sample.media:
+            grouped = self.model.family.video_timestamps and item.kind == "video"
+            count = item.grid_t if grouped else 1
+            if k + count > len(runs):
+                break
+            end = runs[k + count - 1][1]
+            spans.append((end - len(self._video_block(item)) if grouped else runs[k][0], end))
+            k += count
+        if len(spans) != len(sample.media) or k != len(runs):
+            raise ValueError(
+                f"sample {sample.sample_id}: {len(runs)} vision runs for {len(sample.media)} media items"
+            )
+        return spans
 
     def render(self, turns: list[Turn]) -> str:
         """The chat-template text of a conversation, one pad token per media item; an assistant turn's
@@ -248,6 +267,19 @@ class SampleTokenizer:
         if len(ids) != 1:
             raise ConfigError(f"the tokenizer splits {text!r} into {len(ids)} tokens; expected one")
         return ids[0]
+
+    def _media_tokens(self, ids: list[int], p: int, item: MediaItem) -> tuple[int, int, list[int]]:
+        """The span `ids[a:b]` a media item's pad at `p` replaces, and its tokens.
+
+        A timestamped video brings a vision start/end pair per temporal group, so the template's
+        outer pair around its pad goes with the pad, as the family's processor writes it
+        (`Qwen3VLProcessor`: Qwen's release and transformers >= 5.25; see `core/layout.py`).
+        """
+        if not (self.model.family.video_timestamps and item.kind == "video"):
+            return p, p + 1, [ids[p]] * item.num_tokens
+        m = self.model.ids
+        wrapped = 0 < p < len(ids) - 1 and ids[p - 1] == m.vision_start and ids[p + 1] == m.vision_end
+        return p - wrapped, p + 1 + wrapped, self._video_block(item)
 
     def _video_block(self, item: MediaItem) -> list[int]:
         """A Qwen3-VL video's tokens in place of its pad: per temporal group a timestamp and a vision run."""
@@ -347,19 +379,13 @@ class SampleTokenizer:
         out_ids: list[int] = []
         out_labels: list[int] = []
         prev = 0
-        timestamps = self.model.family.video_timestamps
         for p, item in zip(pads, media, strict=True):
-            out_ids += ids[prev:p]
-            out_labels += labels[prev:p]
-            if timestamps and item.kind == "video":
-                block = self._video_block(item)
-                out_ids += block
-                out_labels += [IGNORE_INDEX] * len(block)
-            else:
-                count = item.num_tokens
-                out_ids += [ids[p]] * count
-                out_labels += [IGNORE_INDEX] * count
-            prev = p + 1
+            a, b, block = self._media_tokens(ids, p, item)
+            out_ids += ids[prev:a]
+            out_labels += labels[prev:a]
+            out_ids += block
+            out_labels += [IGNORE_INDEX] * len(block)
+            prev = b
         out_ids += ids[prev:]
         out_labels += labels[prev:]
         return out_ids, out_labels
@@ -423,8 +449,8 @@ def _assistant_spans(
 
 
 def _runs(ids: list[int], start_id: int, end_id: int) -> list[tuple[int, int]]:
-    """Spans from each outermost start token through its matching end token: one per media item
-    (a Qwen3-VL video nests one run per temporal group inside its own)."""
+    """Spans from each outermost start token through its matching end token: one per image or video,
+    one per temporal group of a timestamped (Qwen3-VL) video."""
     runs: list[tuple[int, int]] = []
     pos = 0
     n = len(ids)
@@ -462,26 +488,17 @@ def _pad_positions(ids: list[int], image_pad: int, video_pad: int) -> list[int]:
 
 
 def truncate_sample(
-    sample: TokenizedSample,
-    max_length: int,
-    *,
-    vision_start_id: int,
-    vision_end_id: int,
+    sample: TokenizedSample, max_length: int, spans: list[tuple[int, int]]
 ) -> TokenizedSample | None:
-    """Cut the tail to `max_length` tokens, never inside a vision run; None if no trained token is left.
+    """Cut the tail to `max_length` tokens, never inside a media item's span; None if no trained token
+    is left.
 
-    A run that would be cut is dropped whole with its media item, so the media
-    list always matches the vision runs kept.
+    A media item that would be cut is dropped whole, so the media list always matches the spans kept.
     """
     if len(sample.input_ids) <= max_length:
         return sample
-    runs = _runs(sample.input_ids, vision_start_id, vision_end_id)
-    if len(runs) != len(sample.media):
-        raise ValueError(
-            f"sample {sample.sample_id}: {len(runs)} vision runs for {len(sample.media)} media items"
-        )
-    cut = next((a for a, b in runs if a < max_length < b), max_length)
-    kept = sum(1 for a, _ in runs if a < cut)
+    cut = next((a for a, b in spans if a < max_length < b), max_length)
+    kept = sum(1 for a, _ in spans if a < cut)
     labels = sample.labels[:cut]
     if labels.count(IGNORE_INDEX) == len(labels):
         return None

@@ -18,10 +18,13 @@ from transformers import PretrainedConfig
 
 from packtrain.packer.core.errors import ConfigError
 from packtrain.packer.core.model_spec import ModelSpec
+from packtrain.packer.core.report import rejects_warning
 from packtrain.trainer import checkpoint, distributed, lora, param_groups
 from packtrain.trainer.attention import resolve_attention
 from packtrain.trainer.config import DEFAULT_MAX_STEPS, SFTSpecCore
 from packtrain.trainer.data import EvalDataset, PackedDataset, eval_dataset
+from packtrain.trainer.export import MERGED_DIR
+from packtrain.trainer.layout_check import check_pack_layout
 from packtrain.trainer.materialize import LoadReport, cast_frozen, materialize
 from packtrain.trainer.media import PixelSpec
 from packtrain.trainer.metrics import ModelShape
@@ -30,11 +33,12 @@ from packtrain.trainer.model import (
     apply_layer_options,
     build_model,
     checked_spec,
+    init_used,
     load_config,
     parameter_groups,
     pretrained_weights,
 )
-from packtrain.trainer.sampler import Plan, imbalance, plan_epoch, total_steps
+from packtrain.trainer.sampler import PackTooSmall, Plan, imbalance, plan_epoch, total_steps
 from packtrain.trainer.vision_check import require_vision_features
 
 
@@ -94,14 +98,29 @@ class Run:
     imbalance_max: float  # attention-cost imbalance of the epoch this run starts in
     max_steps: int  # training.maxSteps, or epochs x steps per epoch
     evaluation: EvalDataset | None  # the evaluation set, if any
+    init: str  # what the model started from (`init_used`), for the start-up line and the summary
     step: int = 0
     resumed_from: Path | None = None
     adapter: Any = None  # the PeftModel around `hf` with model.lora (for the adapter export)
     config: dict[str, Any] | None = None  # what a checkpoint records and a resume checks (resume_config)
 
 
-def setup(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> Run:
-    """Data, then model, then optimizer and schedule, then the checkpoint to resume from."""
+@dataclass
+class Finished:
+    """A rerun that found every step done (and exported): nothing is built, nothing trains."""
+
+    checkpoint: Path  # the newest checkpoint, at the run's last step
+    step: int
+    dataset: PackedDataset
+    evaluation: EvalDataset | None
+    backend: str
+    imbalance_max: float
+    init: str
+
+
+def setup(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> Run | Finished:
+    """Data, then model, then optimizer and schedule, then the checkpoint to resume from; a run whose
+    output already holds every step stops after the data (`Finished`), before the model is built."""
     t = cfg.training
     if cfg.data.path is None:
         raise ValueError(
@@ -112,10 +131,17 @@ def setup(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> R
     backend = resolve_attention(t.attention, device, dtype=dtype)
     config = load_config(cfg.model.path, cfg.model.config_overrides)
     require_vision_features(config)  # before the model is built: vision features must reach it
+    weights = pretrained_weights(cfg.model.path, cfg.model.init)  # no weights: refused unless init: random
     data = _setup_data(
         cfg.data.path, cfg, env, config, checked_spec(cfg.model.path, config, cfg.model.family)
     )
-    built = _setup_model(cfg, env, device, dtype, backend)
+    done = _finished(cfg, data)
+    if done is not None:
+        step = checkpoint.step_of(done)
+        return Finished(
+            done, step, data.dataset, data.evaluation, backend, _imbalance(data), init_used(weights)
+        )
+    built = _setup_model(cfg, env, device, dtype, backend, weights)
     optimizer, scheduler = _setup_optimizer(cfg, built.model, data.max_steps)
     step, resumed_from = _resume(cfg, env, built.model, optimizer, scheduler, data)
     return Run(
@@ -130,6 +156,7 @@ def setup(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> R
         imbalance_max=_imbalance(data),
         max_steps=data.max_steps,
         evaluation=data.evaluation,
+        init=init_used(weights),
         step=step,
         resumed_from=resumed_from,
         adapter=built.adapter,
@@ -161,15 +188,46 @@ def _setup_data(
     pack_family = dataset.manifest.get("family")
     if pack_family not in (None, spec.family.name):
         raise ValueError(f"the pack was made for {pack_family} but the model is {spec.family.name}")
+    check_pack_layout(dataset.manifest, cfg.model.path, spec)
     lay = dataset.layout
-    # Planning epoch 0 raises when the pack holds less than one global step.
-    first_plan = plan_epoch(dataset.costs, lay.world_size, lay.units_per_rank, lay.seed, 0)
+    try:  # planning epoch 0 raises when the pack holds less than one global step
+        first_plan = plan_epoch(dataset.costs, lay.world_size, lay.units_per_rank, lay.seed, 0)
+    except PackTooSmall as exc:
+        raise PackTooSmall(f"{exc}; {_reject_share(dataset)}") from None
     max_steps = total_steps(t.max_steps, t.epochs, lay, DEFAULT_MAX_STEPS)
     return Data(dataset, eval_dataset(dataset, cfg.data), max_steps, first_plan)
 
 
+def _reject_share(dataset: PackedDataset) -> str:
+    """The pack's reject share (rejected / input samples, from its manifest), the usual reason a
+    pack is smaller than expected, with where its rejects are listed."""
+    counts = dataset.manifest.get("counts") or {}
+    warning = rejects_warning(counts, dataset.path)
+    return warning or f"none of its {counts.get('input', '?')} input samples was rejected (reject share 0%)"
+
+
+def _finished(cfg: SFTSpecCore, data: Data) -> Path | None:
+    """The newest checkpoint when it already holds the run's last step (and, with saveFinal, the export
+    was written): a rerun then has nothing to build or train. Its settings must match this run's."""
+    t = cfg.training
+    newest = checkpoint.latest(Path(t.output_dir)) if t.resume else None
+    if newest is None or checkpoint.step_of(newest) < data.max_steps:
+        return None
+    checkpoint.check_resumable(newest, _resume_config(cfg, data.dataset))
+    final = Path(t.output_dir) / "final"  # as export.save_final names it
+    exported = (final / "config.json").is_file() or (final / "adapter_config.json").is_file()
+    if cfg.model.lora is not None and cfg.model.lora.save_merged:
+        exported = exported and (Path(t.output_dir) / MERGED_DIR / "config.json").is_file()
+    return newest if exported or not t.save_final else None
+
+
 def _setup_model(
-    cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device, dtype: torch.dtype, backend: str
+    cfg: SFTSpecCore,
+    env: distributed.DistEnv,
+    device: torch.device,
+    dtype: torch.dtype,
+    backend: str,
+    weights: Path | None,
 ) -> Model:
     """The model built empty (on the meta device), with adapters, layer options and frozen parts
     applied, then parallelized and only then given its weights: each rank allocates and reads
@@ -198,7 +256,6 @@ def _setup_model(
         hf, backend, always_run_vision=env.distributed, loss_chunk_tokens=t.loss_chunk_tokens
     )
     shape = ModelShape.from_model(hf, parameter_groups(core))
-    weights = pretrained_weights(cfg.model.path, cfg.model.init)
     loads: list[LoadReport] = []
     model = distributed.parallelize(
         core, t.strategy, env, device, compute_dtype=dtype,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ import pyarrow.compute as pc
 from packtrain.packer.binpack import lower_bound
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.contract import ErrorReport, PackCounts, pack_outcome_error
+from packtrain.packer.core.families import FAMILIES
+from packtrain.packer.core.layout import family_layout
 from packtrain.packer.core.pack.schema import FORMAT_VERSION, IGNORE_INDEX
 from packtrain.packer.core.pack.shards import (
     MANIFEST,
@@ -29,6 +32,7 @@ from packtrain.packer.core.pack.shards import (
     read_table,
     sha256_file,
 )
+from packtrain.packer.stages.inputs import record_inputs
 from packtrain.packer.stages.plan import fill
 from packtrain.packer.stages.workdir import (
     REFUSED,
@@ -55,7 +59,9 @@ def finalize(cfg: PackConfig, out: Path) -> dict[str, Any] | None:
     if done is None:
         return None
     entries, late = done
-    return _publish(cfg, out, _manifest(cfg, out, plan_info, entries, late))
+    manifest = _manifest(cfg, out, plan_info, entries, late)
+    record_inputs(out, plan_info)  # before the manifest or refusal: a re-run tells what changed since
+    return _publish(cfg, out, manifest)
 
 
 def _shard_records(out: Path, shards: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
@@ -123,6 +129,10 @@ def _manifest(
         "format": "packtrain-pack",
         "format_version": FORMAT_VERSION,
         "family": cfg.model.family,
+        # How media are written into the ids, and by which transformers' rules: the trainer refuses a
+        # pack whose layout its own processor would not write (`core/layout.py`).
+        "layout": family_layout(FAMILIES[cfg.model.family]),
+        "transformers": version("transformers"),
         "config": cfg.dump(),
         "config_hash": cfg.config_hash(),
         "inputs": plan_info["inputs"],

@@ -133,17 +133,23 @@ def _video_sample(tok: SampleTokenizer) -> TokenizedSample:
 
 
 def test_qwen3_video_is_one_run_of_timestamped_groups(shared_dir: Path) -> None:
-    """Truncation keeps a video's nested runs whole; `label_mode: all` skips its timestamps;
-    the integrity check counts one pad run per temporal group."""
+    """A video is its timestamped groups with no outer vision pair (the processor's layout); truncation
+    keeps them whole, timestamps included; `label_mode: all` skips its timestamps; the integrity check
+    counts one pad run per temporal group."""
     tok = _tok("qwen3-vl")
     ids = tok.model.ids
     sample = _video_sample(tok)
     video = sample.media[1]
     starts = [i for i, t in enumerate(sample.input_ids) if t == ids.vision_start]
-    assert len(starts) == 1 + 1 + video.grid_t  # the image, the video's own run, one per group
-    inside = starts[2] + 3
-    cut = tok.truncate(sample, inside)
-    assert cut is not None and len(cut.media) == 1 and len(cut.input_ids) == starts[1]
+    assert len(starts) == 1 + video.grid_t  # the image, one per group
+    first_stamp = tok.model.tokenizer.encode("<0.2 seconds>", add_special_tokens=False)
+    video_start = starts[1] - len(first_stamp)
+    assert tok.model.tokenizer.decode(sample.input_ids[video_start : starts[1]]).endswith(" seconds>")
+    assert sample.input_ids[video_start - 1] != ids.vision_start
+    for inside in (starts[2] + 3, starts[1] - 1):  # inside a later group, inside the first timestamp
+        cut = tok.truncate(sample, inside)
+        assert cut is not None and len(cut.media) == 1
+        assert tok.model.tokenizer.decode(cut.input_ids[-3:]).endswith("<|im_start|>user\n")
     ends = [i for i, t in enumerate(sample.input_ids) if t == ids.vision_end]
     assert tok.truncate(sample, ends[-1] + 1) is not None
     assert len(tok.truncate(sample, ends[-1] + 1).media) == 2  # type: ignore[union-attr]
