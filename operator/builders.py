@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from pydantic import ValidationError
 
 from packtrain.operator.api import (
     API_VERSION,
+    QUANTITY_PATTERN,
     SFT_CHECKPOINT_MOUNT,
     SFT_EVAL_MOUNT,
     SFT_MODEL_MOUNT,
@@ -114,8 +116,10 @@ class OperatorDefaults:
     # Requests of the pods whose spec sets none (a quota or a scheduler needs them on every pod).
     cpu_resources: dict[str, Any] = field(default_factory=lambda: {"requests": {"cpu": "1", "memory": "2Gi"}})
     gpu_resources: dict[str, Any] = field(
-        default_factory=lambda: {"requests": {"cpu": "4", "memory": "16Gi"}}
+        default_factory=lambda: {"requests": {"cpu": "4", "memory": "64Gi"}}
     )
+    # The size limit of the trainer pods' memory-backed /dev/shm (it counts against their memory limit).
+    shm_size_limit: str = "16Gi"
     # The identity every workload pod runs as (the images' own non-root user by default).
     run_as_user: int = WORKLOAD_ID
     run_as_group: int = WORKLOAD_ID
@@ -140,6 +144,10 @@ class OperatorDefaults:
             raise ValueError(
                 f"job_ttl_seconds must be a non-negative integer or null, got {self.job_ttl_seconds!r}"
             )
+        if not re.fullmatch(QUANTITY_PATTERN, str(self.shm_size_limit)):
+            raise ValueError(
+                f"shm_size_limit must be a Kubernetes quantity such as 16Gi, got {self.shm_size_limit!r}"
+            )
         for name in ("cpu_resources", "gpu_resources"):
             try:
                 ResourceRequirements.model_validate(getattr(self, name))
@@ -152,7 +160,8 @@ class OperatorDefaults:
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorDefaults:
         """`PACKTRAIN_PACKER_IMAGE`, `PACKTRAIN_TRAINER_IMAGE`, JSON
         `PACKTRAIN_{CPU,GPU}_{NODE_SELECTOR,TOLERATIONS,
-        RESOURCES}`, `PACKTRAIN_{RUN_AS_USER,RUN_AS_GROUP,FS_GROUP}`, `PACKTRAIN_JOB_TTL_SECONDS` (JSON: a
+        RESOURCES}`, `PACKTRAIN_SHM_SIZE_LIMIT`, `PACKTRAIN_{RUN_AS_USER,RUN_AS_GROUP,FS_GROUP}`,
+        `PACKTRAIN_JOB_TTL_SECONDS` (JSON: a
         number, or null to keep finished Jobs) and `PACKTRAIN_DEADLINES` (JSON: dataWaitSeconds,
         unschedulableSeconds, stallSeconds)."""
         env = os.environ if env is None else env
@@ -166,6 +175,7 @@ class OperatorDefaults:
             gpu_tolerations=_json_env(env, "PACKTRAIN_GPU_TOLERATIONS", base.gpu_tolerations),
             cpu_resources=_json_env(env, "PACKTRAIN_CPU_RESOURCES", base.cpu_resources),
             gpu_resources=_json_env(env, "PACKTRAIN_GPU_RESOURCES", base.gpu_resources),
+            shm_size_limit=env.get("PACKTRAIN_SHM_SIZE_LIMIT") or base.shm_size_limit,
             run_as_user=_json_env(env, "PACKTRAIN_RUN_AS_USER", base.run_as_user),
             run_as_group=_json_env(env, "PACKTRAIN_RUN_AS_GROUP", base.run_as_group),
             fs_group=_json_env(env, "PACKTRAIN_FS_GROUP", base.fs_group),
@@ -558,17 +568,25 @@ def _train_resources(spec: SFTJobSpec, defaults: OperatorDefaults) -> dict[str, 
     if res.memory is not None:
         limits["memory"] = res.memory
     pool = defaults.gpu_resources if res.gpus_per_node else defaults.cpu_resources
-    return with_default_requests({"limits": limits, "requests": dict(limits)}, pool)
+    out = with_default_requests({"limits": limits, "requests": dict(limits)}, pool)
+    # Without a memory limit one trainer (its dataloader workers, /dev/shm) can take the node's memory
+    # from every other pod; its request, what the scheduler reserved, is the limit unless one is set.
+    if "memory" in out.get("requests", {}) and "memory" not in out.get("limits", {}):
+        out["limits"] = {**out.get("limits", {}), "memory": out["requests"]["memory"]}
+    return out
 
 
-def _train_volumes(name: str, spec: SFTJobSpec, data: DataSource) -> tuple[list[dict], list[dict]]:
+def _train_volumes(
+    name: str, spec: SFTJobSpec, data: DataSource, defaults: OperatorDefaults
+) -> tuple[list[dict], list[dict]]:
     tmp_volume, tmp_mount = _tmp_volume()
     volumes = [
         _claim_volume("data", data.claim_name, read_only=True),
         _claim_volume("checkpoints", spec.volumes.checkpoints.claim_name),
         {"name": "config", "configMap": {"name": train_config_name(name)}},
         # NCCL and dataloader workers share tensors through /dev/shm; the default 64 MiB is too small.
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        # Memory-backed, it counts against the pod's memory limit: capped, so it cannot take all of it.
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": defaults.shm_size_limit}},
         tmp_volume,
     ]
     mounts = [
@@ -629,7 +647,7 @@ def pytorch_job(
     signal (exit ≥ 128: preemption, OOM) but not ones that failed on their own
     (exit 1–127, including the config error 2), within `backoffLimit`.
     """
-    volumes, mounts = _train_volumes(name, spec, data)
+    volumes, mounts = _train_volumes(name, spec, data, defaults)
     container: dict[str, Any] = {
         "name": TRAIN_CONTAINER,
         "image": spec.image or defaults.trainer_image,
@@ -694,7 +712,7 @@ def train_job(
     securityContext nor automountServiceAccountToken: the (admin-owned) runtime sets them.
     """
     runtime = spec.runtime or Runtime()
-    volumes, mounts = _train_volumes(name, spec, data)
+    volumes, mounts = _train_volumes(name, spec, data, defaults)
     res = spec.resources
     override_spec: dict[str, Any] = {
         **_train_scheduling(spec, defaults),

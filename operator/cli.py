@@ -1,6 +1,6 @@
 """`packtrain`: one command for every part of the product.
 
-    packtrain pack …       the packer (convert, plan, materialize, run, inspect, verify, unpack, export)
+    packtrain pack …       packer (convert, plan, materialize, run, refresh, inspect, verify, unpack, export)
     packtrain train …      the trainer (run under torchrun for several processes)
     packtrain run …        a PackJob/SFTJob YAML on this machine, same commands as the operator
     packtrain render …     the objects the operator would create for a PackJob/SFTJob YAML
@@ -26,7 +26,7 @@ from packtrain.packer.core.errors import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK
 DELEGATES: dict[str, tuple[str, str]] = {
     "pack": (
         "packtrain.packer.cli",
-        "pack a dataset (convert, plan, materialize, run, inspect, verify, unpack, export)",
+        "pack a dataset (convert, plan, materialize, run, refresh, inspect, verify, unpack, export)",
     ),
     "train": ("packtrain.trainer.cli", "train on a pack (packtrain train -c SFTJOB.yaml)"),
     "run": ("packtrain.operator.local_run", "run a PackJob/SFTJob YAML locally with the operator's commands"),

@@ -37,9 +37,10 @@ from packtrain.operator.builders import (
     train_config_map,
 )
 from packtrain.operator.commands import pack_stage_command, train_command
-from packtrain.operator.manifests import Named, load_manifests
+from packtrain.operator.manifests import Named, invalid, load_manifests
 from packtrain.packer.core.errors import EXIT_CONFIG, EXIT_INTERRUPTED
 from packtrain.packer.core.report import rejects_warning
+from packtrain.trainer.config import check_model_overrides
 from packtrain.trainer.progress import ProgressBar, follow
 
 console = Console(stderr=True)
@@ -55,9 +56,12 @@ class PipelineError(RuntimeError):
 
 
 def load_documents(path: Path) -> tuple[list[Named], list[Named]]:
-    """PackJobs and SFTJobs of a (multi-document) YAML, each SFTJob's PackJob among them."""
+    """PackJobs and SFTJobs of a (multi-document) YAML, each SFTJob's PackJob among them, and each
+    SFTJob's configOverrides known to its model's config: checked here, before anything is packed, as
+    `train -c` checks them (not by `render`: reading transformers' config classes loads torch)."""
     found = load_manifests(path)
     for sft in found.sfts:
+        check_model_overrides(sft.spec.model, invalid(path, "SFTJob", sft.name))
         ref = sft.spec.data.pack_job_ref
         if ref is not None and ref not in {p.name for p in found.packs}:
             raise ValueError(f"SFTJob {sft.name} refers to PackJob {ref!r}, which {path} does not define")
@@ -109,6 +113,9 @@ def _run_stage(
         raise
     results = []
     for proc, log, term in procs:
+        error = _reported_error(term) if proc.returncode == EXIT_CONFIG else None
+        if error:  # the stage said what to fix: that line, not its log
+            raise PipelineError(f"{label}: {error} (log: {log})", EXIT_CONFIG)
         if proc.returncode != 0:
             tail = "\n".join(log.read_text().splitlines()[-15:])
             hint = "fix the configuration" if proc.returncode == EXIT_CONFIG else "see the log"
@@ -118,6 +125,15 @@ def _run_stage(
             )
         results.append(json.loads(term.read_text()) if term.is_file() else {})
     return results
+
+
+def _reported_error(term: Path) -> str | None:
+    """The error a stage wrote to its termination message, if it wrote one."""
+    with contextlib.suppress(OSError, ValueError):
+        report = json.loads(term.read_text())
+        if isinstance(report, dict) and isinstance(report.get("error"), str):
+            return report["error"]
+    return None
 
 
 def run_pack(
@@ -132,6 +148,7 @@ def run_pack(
     pack_dir = out / "pack" / job.name
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    _refresh(job.name, config, pack_dir, env)
     _run_stage(
         progress,
         f"{job.name} convert",
@@ -151,6 +168,18 @@ def run_pack(
     )
     manifest = json.loads((pack_dir / "manifest.json").read_text())
     return pack_dir, manifest | {"plan": plan}
+
+
+def _refresh(name: str, config: Path, pack_dir: Path, env: dict[str, str]) -> None:
+    """`packtrain pack refresh`: a finished pack is kept (its inputs unchanged) or cleared for a rebuild,
+    said in one line; where that is not safe (another configuration's pack) the run stops (exit 2)."""
+    argv = ["packtrain", "pack", "refresh", "-c", str(config), "-o", str(pack_dir)]
+    done = subprocess.run(_resolve(argv), capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        error = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+        raise PipelineError(error[0], EXIT_CONFIG if done.returncode == EXIT_CONFIG else 1)
+    if done.stdout.strip():
+        console.print(f"PackJob {name}: {done.stdout.strip()}", markup=False, highlight=False, soft_wrap=True)
 
 
 def run_train(
@@ -308,6 +337,7 @@ def summary_table(packs: dict[str, tuple[Path, dict]], trains: dict[str, dict]) 
             continue
         for key, label in (
             ("steps", "training steps"),
+            ("init", "model init"),
             ("effective_tokens_per_second", "effective tokens/s"),
             ("final_loss", "final loss"),
             ("output", "model and checkpoints"),
@@ -350,8 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     try:
         packs, sfts = load_documents(path)
-    except (OSError, ValueError) as exc:
-        console.print(f"[red]error:[/] {exc}")
+    except (OSError, ValueError) as exc:  # one line however long: it names the file, the key and the fix
+        console.print(Text.assemble(("error: ", "red"), str(exc)), soft_wrap=True)
         return EXIT_CONFIG
     out = Path(args.output or Path("runs") / path.stem).resolve()
     env = os.environ.copy()
@@ -362,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         with _stopped_by_signals(), Progress(*columns, console=console) as progress:
             for job in packs:
                 packed[job.name] = run_pack(job, out, args.workers, progress, env)
+        warn_rejects(console, packed)  # before any training: what the packs lost, and what to fix
         for job in sfts:
             ref = job.spec.data.pack_job_ref
             data_dir = packed[ref][0] if ref else Path(job.spec.data.path)
@@ -400,13 +431,9 @@ def _stopped_by_signals() -> Iterator[None]:
 def print_next_steps(
     con: Console, out: Path, packs: dict[str, tuple[Path, dict]], trains: dict[str, dict]
 ) -> None:
-    """Where the results are, any samples the packs lost (loudly), and the commands to try next."""
-    for name, (pack_dir, m) in packs.items():
-        warning = rejects_warning(m["counts"], pack_dir)
-        if warning:
-            con.print(
-                Text.assemble(("WARNING ", "bold yellow"), f"PackJob {name}: {warning}"), soft_wrap=True
-            )
+    """Where the results are, any samples the packs lost (loudly, again: training logs came since), and
+    the commands to try next."""
+    warn_rejects(con, packs)
     lines = [f"logs: {out / 'logs'}"]
     for name, (pack_dir, _) in packs.items():
         lines += [f"pack {name}:  {pack_dir}; rejected samples: {pack_dir / 'rejects.jsonl'}"]
@@ -426,6 +453,16 @@ def print_next_steps(
             f"M.from_pretrained('{final}')\"   # or serve it: vllm serve {final}"
         ]
     con.print("\n".join(lines), highlight=False, markup=False, soft_wrap=True)
+
+
+def warn_rejects(con: Console, packs: dict[str, tuple[Path, dict]]) -> None:
+    """One WARNING line per pack that rejected samples: the share, the top reasons and their fixes."""
+    for name, (pack_dir, m) in packs.items():
+        warning = rejects_warning(m["counts"], pack_dir)
+        if warning:
+            con.print(
+                Text.assemble(("WARNING ", "bold yellow"), f"PackJob {name}: {warning}"), soft_wrap=True
+            )
 
 
 def _final(summary: dict[str, Any]) -> str | None:

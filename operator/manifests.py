@@ -10,10 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import ValidationError
-
 from packtrain.operator.api import GROUP, PackJob, SFTJob
+from packtrain.packer.core.errors import ConfigError
+from packtrain.packer.core.spec_file import manifest_spec, read_documents, validate
 
 KINDS: dict[str, type[PackJob] | type[SFTJob]] = {"PackJob": PackJob, "SFTJob": SFTJob}
 
@@ -36,6 +35,11 @@ class Manifests:
     others: list[dict[str, Any]] = field(default_factory=list)
 
 
+def invalid(path: Path, kind: str, name: str) -> str:
+    """How a fault of one object of a file is introduced (before the fault's own line)."""
+    return f"{path}: {kind} {name} is invalid"
+
+
 def load_manifests(path: Path, keep_others: bool = False) -> Manifests:
     """Every document of the (multi-document) YAML `path`; ValueError naming the document and the fault.
 
@@ -43,10 +47,7 @@ def load_manifests(path: Path, keep_others: bool = False) -> Manifests:
     goes to `others`, as `helm template` prints objects it does not template. Without it (run),
     every document must be a PackJob or SFTJob, whatever its apiVersion says.
     """
-    try:
-        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML: {exc}") from exc
+    docs = read_documents(path)
     found = Manifests()
     expected = "a Kubernetes object" if keep_others else "a PackJob or SFTJob manifest"
     for n, doc in enumerate(docs):
@@ -62,10 +63,12 @@ def load_manifests(path: Path, keep_others: bool = False) -> Manifests:
         name = meta.get("name")
         if not name:
             raise ValueError(f"{path} document {n}: {kind} needs metadata.name")
+        where = invalid(path, kind, name)
         try:
-            spec = KINDS[kind].model_validate({"spec": doc.get("spec") or {}}).spec
-        except ValidationError as exc:
-            raise ValueError(f"{path}: {kind} {name} is invalid:\n{exc}") from exc
+            spec_doc = manifest_spec(doc, kind)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from exc
+        spec = validate(KINDS[kind], {"spec": spec_doc}, where).spec
         (found.packs if kind == "PackJob" else found.sfts).append(
             Named(name, meta.get("namespace", "default"), spec)
         )

@@ -7,7 +7,9 @@ Deployment's environment, computed here from the chart's values), and the chart'
 `policy` is applied first. An SFTJob is rendered as if its PackJob had succeeded; one whose
 PackJob is not in FILE needs `--pack-claim` to say where that pack lives. Other objects in FILE
 (a PersistentVolumeClaim, say) are printed unchanged, as `helm template` shows them. The merged
-values are checked against the chart's `values.schema.json`, as Helm checks them.
+values are checked against the chart's `values.schema.json`, as Helm checks them. What would only fail
+in the pods is refused too (`handoff.py`): paths on no claim the pods mount, and a training job whose
+GPU memory plan does not fit.
 Children carry no ownerReferences: the operator adds them with the parent's uid.
 """
 
@@ -24,9 +26,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from packtrain.operator import builders, policy
-from packtrain.operator.api import MAX_NAME_LENGTH, PackJobSpec, PackOutput
-from packtrain.operator.manifests import load_manifests
+from packtrain.operator import builders, handoff, policy
+from packtrain.operator.api import MAX_NAME_LENGTH, PackJobSpec, PackOutput, SFTJobSpec
+from packtrain.operator.manifests import Manifests, Named, load_manifests
 from packtrain.packer.core.contract import PACK_STAGES
 from packtrain.packer.core.errors import EXIT_CONFIG
 
@@ -122,6 +124,7 @@ def operator_env(values: Mapping[str, Any], app_version: str) -> dict[str, str]:
         env[f"PACKTRAIN_{pool.upper()}_NODE_SELECTOR"] = json.dumps(settings.get("nodeSelector") or {})
         env[f"PACKTRAIN_{pool.upper()}_TOLERATIONS"] = json.dumps(settings.get("tolerations") or [])
         env[f"PACKTRAIN_{pool.upper()}_RESOURCES"] = json.dumps(settings.get("resources") or {})
+    env["PACKTRAIN_SHM_SIZE_LIMIT"] = str(values["trainerShmSizeLimit"])
     identity = values["workloadSecurityContext"]
     for key, name in (("runAsUser", "RUN_AS_USER"), ("runAsGroup", "RUN_AS_GROUP"), ("fsGroup", "FS_GROUP")):
         env[f"PACKTRAIN_{name}"] = str(identity[key])
@@ -142,9 +145,13 @@ def render(
     defaults: builders.OperatorDefaults,
     namespace: str | None = None,
     pack_output: PackOutput | None = None,
+    allow_unmounted: bool = False,
+    notes: list[str] | None = None,
 ) -> list[dict]:
     """Every object of `path` that is not ours, then every child of its PackJobs and SFTJobs; ValueError
-    naming what to fix. An SFTJob whose PackJob is not in `path` reads `pack_output`'s claim."""
+    naming what to fix. An SFTJob whose PackJob is not in `path` reads `pack_output`'s claim. Paths on no
+    claim the pods mount are refused, or with `allow_unmounted` added to `notes` as warnings; so is a job
+    whose GPU memory plan does not fit, and an SFTJob that could not be planned is a note."""
     found = load_manifests(path, keep_others=True)
     packs, sfts = found.packs, found.sfts
     missing = sorted(
@@ -169,26 +176,53 @@ def render(
     ]
     if refused:
         raise ValueError("\n".join(refused))
-    objects: list[dict] = list(found.others)
     pack_specs = {p.name: p.spec for p in packs}
     if pack_output is not None:
         # Only the output section of a PackJob decides where its pack is (builders.data_source).
         fields: dict[str, Any] = {"output": pack_output}  # unvalidated: no source or model is known
         pack_specs.update({ref: PackJobSpec.model_construct(**fields) for ref in missing})
-    for p in packs:
+    children, gaps = _children(found, pack_specs, defaults, namespace)
+    problems = [problem for obj in children for problem in child_problems(obj)]
+    if problems:
+        raise ValueError("\n".join(problems))
+    notes = [] if notes is None else notes
+    if gaps and not allow_unmounted:
+        raise ValueError("\n".join(gaps))
+    notes += [f"warning: {gap}" for gap in gaps]
+    plans = [handoff.memory_plan(s.name, s.spec, _pack_of(s.spec, packs), defaults.policy) for s in sfts]
+    if refusals := [r for r, _ in plans if r]:
+        raise ValueError("\n".join(refusals))
+    notes += [f"note: {note}" for _, note in plans if note]
+    return [*found.others, *children]
+
+
+def _pack_of(spec: SFTJobSpec, packs: Sequence[Named]) -> PackJobSpec | None:
+    """The SFTJob's PackJob when the file defines it (a `--pack-claim` one has no model to plan with)."""
+    return next((p.spec for p in packs if p.name == spec.data.pack_job_ref), None)
+
+
+def _children(
+    found: Manifests,
+    pack_specs: Mapping[str, PackJobSpec],
+    defaults: builders.OperatorDefaults,
+    namespace: str | None,
+) -> tuple[list[dict], list[str]]:
+    """The children of every PackJob and SFTJob, and one line per job whose paths its pods cannot see."""
+    objects: list[dict] = []
+    gaps: list[str] = []
+    for p in found.packs:
         ns = namespace or p.namespace
-        objects.append(builders.pack_config_map(p.name, ns, p.spec))
-        objects += [builders.pack_job(p.name, ns, p.spec, stage, defaults) for stage in PACK_STAGES]
-    for s in sfts:
+        jobs = [builders.pack_job(p.name, ns, p.spec, stage, defaults) for stage in PACK_STAGES]
+        objects += [builders.pack_config_map(p.name, ns, p.spec), *jobs]
+        gaps.append(handoff.pack_unmounted(p.name, p.spec, jobs))
+    for s in found.sfts:
         ns = namespace or s.namespace
         ref = s.spec.data.pack_job_ref
         data = builders.data_source(s.spec, pack_specs.get(ref) if ref else None, None)
-        objects.append(builders.train_config_map(s.name, ns, s.spec, data))
-        objects.append(builders.training_job(s.name, ns, s.spec, data, defaults))
-    problems = [problem for obj in objects[len(found.others) :] for problem in child_problems(obj)]
-    if problems:
-        raise ValueError("\n".join(problems))
-    return objects
+        job = builders.training_job(s.name, ns, s.spec, data, defaults)
+        objects += [builders.train_config_map(s.name, ns, s.spec, data), job]
+        gaps.append(handoff.sft_unmounted(s.name, s.spec, job, data.mount_path))
+    return objects, [g for g in gaps if g]
 
 
 def name_problems(kind: str, name: object) -> list[str]:
@@ -291,15 +325,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="for an SFTJob whose PackJob is not in FILE: render it as if that PackJob had written its pack "
         "to this claim (mounted at /data), under SUBPATH (default: the PackJob's name)",
     )  # fmt: skip
+    ap.add_argument(
+        handoff.ALLOW_UNMOUNTED, action="store_true",
+        help="render a spec whose paths lie on no claim its pods mount, with a warning (default: refuse it, "
+        "exit 2): for paths the image or the nodes provide",
+    )  # fmt: skip
     return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    notes: list[str] = []  # warnings and notes, said before an error too
     try:
         values, app_version = chart_values(args.chart, args.values)
         defaults = builders.OperatorDefaults.from_env(operator_env(values, app_version))
-        objects = render(args.file, defaults, args.namespace, args.pack_claim)
+        objects = render(args.file, defaults, args.namespace, args.pack_claim, args.allow_unmounted, notes)
     except (KeyError, TypeError) as exc:
         print(
             f"packtrain render: the values lack the chart's key {exc}: check them against "
@@ -311,7 +351,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"packtrain render: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
         return EXIT_CONFIG
     except ValueError as exc:
+        _say(notes)
         print(f"packtrain render: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    _say(notes)
     sys.stdout.write(dump(objects))
     return 0
+
+
+def _say(notes: Sequence[str]) -> None:
+    for note in notes:
+        print(f"packtrain render: {note}", file=sys.stderr)

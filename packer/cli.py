@@ -58,6 +58,11 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--media-storage", choices=["original", "resized"], help="media bytes stored in the pack" + cfg
     )
+    p.add_argument(
+        "--max-rejected-fraction",
+        type=float,
+        help="refuse a pack that rejects more than this share of its samples" + cfg,
+    )
 
 
 def _add_slice_flags(p: argparse.ArgumentParser) -> None:
@@ -86,6 +91,7 @@ def build_config(args: argparse.Namespace) -> PackConfig:
         ("algorithm", args.algorithm),
         ("overlong", args.overlong),
         ("mediaStorage", args.media_storage),
+        ("maxRejectedFraction", args.max_rejected_fraction),
     ):
         if value is not None:
             packing[key] = value
@@ -108,6 +114,7 @@ def parser() -> argparse.ArgumentParser:
         ("plan", "assign samples to sequences and shards (one process)"),
         ("materialize", "write a slice of the shards; the last one writes the manifest"),
         ("run", "all stages locally, with N worker processes"),
+        ("refresh", "keep a finished pack whose inputs are unchanged, else clear it for a rebuild"),
     ):
         p = sub.add_parser(name, help=help_)
         _add_config_flags(p)
@@ -142,8 +149,18 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         help="only this sample id (repeatable; a rejected one prints its reject; default: every sample)",
     )
-    p.add_argument(
-        "--json", action="store_true", help="JSON lines (the only output format; default: JSON lines)"
+    shown = p.add_mutually_exclusive_group()
+    shown.add_argument(
+        "--json",
+        action="store_true",
+        help="JSON lines with a `text` field, the sample decoded as --text shows it (default: JSON lines "
+        "without it, no tokenizer needed)",
+    )
+    shown.add_argument(
+        "--text",
+        action="store_true",
+        help="each sample decoded with the pack's tokenizer, vision pad runs collapsed (<|image_pad|>×64) "
+        "and the trained tokens (those with labels) wrapped in ⟦ ⟧ (default: JSON lines)",
     )
     p = sub.add_parser("export", help="write a pack in another trainer's dataset format")
     formats = p.add_subparsers(dest="format", required=True)
@@ -170,7 +187,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.cmd == "verify":
         return tools.verify_cmd(Path(args.path))
     if args.cmd == "unpack":
-        return tools.unpack_cmd(Path(args.path), args.sample)
+        show = "text" if args.text else "json" if args.json else "lines"
+        return tools.unpack_cmd(Path(args.path), args.sample, show)
     if args.cmd == "export":
         from packtrain.packer.export_energon import export_energon
 
@@ -180,7 +198,13 @@ def _run(args: argparse.Namespace) -> int:
 
     cfg = build_config(args)
     out = Path(args.output)
-    if args.cmd == "convert":
+    if args.cmd == "refresh":  # `packtrain run` asks before convert: one line, kept or rebuilding
+        from packtrain.packer.stages.inputs import refresh
+
+        note = refresh(cfg, out)
+        if note:
+            print(note, flush=True)
+    elif args.cmd == "convert":
         report(dict(convert(cfg, out, _index(args), args.count)))
     elif args.cmd == "plan":
         summary = plan(cfg, out)

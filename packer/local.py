@@ -29,13 +29,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from packtrain.packer.core.config import PackConfig
 from packtrain.packer.core.errors import ConfigError
 from packtrain.packer.core.pack.shards import MANIFEST
+from packtrain.packer.processor_check import check_processor
 from packtrain.packer.sources.mixture import weigher
 from packtrain.packer.sources.records import iter_records
 from packtrain.packer.stages.convert import convert, sample_tokenizer
 from packtrain.packer.stages.finalize import finalize
+from packtrain.packer.stages.inputs import refresh
 from packtrain.packer.stages.materialize import materialize
 from packtrain.packer.stages.plan import plan
-from packtrain.packer.stages.workdir import check_output_config
 
 _WORKER: dict[str, Any] = {}
 """What a worker process holds: config, output folder, progress queue and (forked) the loaded tokenizer."""
@@ -209,12 +210,17 @@ def run_all(
     if workers < 1:
         raise ConfigError(f"--workers {workers}: give at least 1 worker process")
     out.mkdir(parents=True, exist_ok=True)
-    check_output_config(cfg, out)
+    kept_or_rebuilt = refresh(cfg, out)
+    if kept_or_rebuilt:
+        print(f"packtrain pack run: {kept_or_rebuilt}", file=sys.stderr, flush=True)
     # The bar's total: records counted, not parsed (one more read of the input, so only for a bar).
     total = _record_count(cfg) if show_progress else None
     # One tokenizer thread per worker process: the workers are the parallelism.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tokenizer = sample_tokenizer(cfg, out)
+    unchecked = check_processor(cfg, tokenizer)  # exit 2 before any work when the ids would drift
+    if unchecked:
+        print(f"WARNING {unchecked}", file=sys.stderr)
     pool, progress_queue = _pool(cfg, out, workers, tokenizer) if workers > 1 else (None, None)
     laps.lap("load")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

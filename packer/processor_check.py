@@ -10,11 +10,17 @@ video processors need) the check is skipped with a warning: the trainer makes it
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
 import tempfile
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from packtrain.packer import tokenize
+from packtrain.packer.core import families, layout, model_spec, vision
 from packtrain.packer.core.config import PackConfig, SourceConfig
 from packtrain.packer.core.errors import ConfigError
 from packtrain.packer.core.layout import (
@@ -31,6 +37,9 @@ from packtrain.packer.sources.raw import RawRecord
 from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
 
 _CONTEXT = 6  # tokens shown on each side of the first difference
+_COUNTING_CODE = (tokenize, layout, vision, families, model_spec)
+_PROCESSING_SUFFIXES = frozenset({".json", ".jinja", ".txt", ".model"})
+_MAX_HASHED_BYTES = 64 << 20
 
 
 def load_processor(model_path: str) -> Any:
@@ -44,7 +53,48 @@ def load_processor(model_path: str) -> Any:
 
 def check_processor(cfg: PackConfig, tokenizer: SampleTokenizer) -> str | None:
     """ConfigError when the packer's ids differ from the installed processor's on any probe; a
-    warning (the check could not run here) or None when they agree."""
+    warning (the check could not run here) or None when they agree.
+
+    An agreement is remembered under the cache folder, keyed on everything the ids depend on (the
+    model folder's processor and tokenizer files, the vision settings, the chat template, the
+    transformers version and packtrain's own counting code), so a re-run skips the ~5 s it costs.
+    """
+    key = _agreement_key(cfg, tokenizer)
+    marker = cache_dir() / "processor-checks" / f"{key}.ok"
+    if marker.is_file():
+        return None
+    warning = _check(cfg, tokenizer)
+    if warning is None:
+        with contextlib.suppress(OSError):
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+    return warning
+
+
+def cache_dir() -> Path:
+    """`$PACKTRAIN_CACHE_DIR`, else `$XDG_CACHE_HOME/packtrain`, else `~/.cache/packtrain`."""
+    if os.environ.get("PACKTRAIN_CACHE_DIR"):
+        return Path(os.environ["PACKTRAIN_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "packtrain"
+
+
+def _agreement_key(cfg: PackConfig, tokenizer: SampleTokenizer) -> str:
+    digest = hashlib.sha256()
+    model = tokenizer.model
+    facts = [version("transformers"), repr(model.vision), model.family.name, model.chat_template]
+    digest.update(json.dumps(facts).encode())
+    for module in _COUNTING_CODE:
+        digest.update(Path(module.__file__ or "").read_bytes())
+    folder = Path(cfg.model.path)
+    for path in sorted(folder.iterdir()):
+        # Regular files of the folder's own (no link leads outside it), weights left out.
+        own = path.is_file() and not path.is_symlink() and path.stat().st_size <= _MAX_HASHED_BYTES
+        if own and path.suffix in _PROCESSING_SUFFIXES:
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _check(cfg: PackConfig, tokenizer: SampleTokenizer) -> str | None:
     try:
         processor = load_processor(cfg.model.path)
     except (ImportError, OSError, ValueError) as exc:

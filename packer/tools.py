@@ -6,6 +6,7 @@ import glob
 import json
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from packtrain.packer.core.errors import EXIT_CONFIG, EXIT_OK, ConfigError, ShardFormatError
+from packtrain.packer.core.pack.schema import IGNORE_INDEX
 from packtrain.packer.core.pack.shards import REJECTS, ShardReader, read_manifest
 from packtrain.packer.core.report import rejects_warning
 from packtrain.packer.sources.records import iter_records
@@ -86,6 +88,8 @@ def inspect_cmd(path: Path, plot: str | None, as_json: bool) -> int:
         print_stats(manifest, path, Console())
     if plot:
         write_plot(path, Path(plot))
+        # Where to look: after the table, or beside the JSON line without breaking it.
+        print(f"plot written to {Path(plot).resolve()}", file=sys.stderr if as_json else sys.stdout)
     return EXIT_OK
 
 
@@ -343,13 +347,59 @@ def unpack(path: Path, only: set[str] | None = None) -> list[dict[str, Any]]:
     return samples
 
 
-def unpack_cmd(path: Path, only: list[str] | None) -> int:
-    """Every sample (or only the ids asked for) as JSON lines; an id asked for that was rejected
-    prints its reject record, one that is neither packed nor rejected is an error (exit 2)."""
+TRAINED = ("⟦", "⟧")  # `unpack --text` wraps the tokens a sample trains on (labels kept) in these
+
+
+def sample_decoder(path: Path) -> Callable[[list[int], list[int]], str]:
+    """The decoded text of a pack's samples, with the pack's own tokenizer (its config's model.path):
+    vision pad runs collapsed to e.g. `<|image_pad|>×64`, trained spans wrapped in TRAINED."""
+    from packtrain.packer.core.config import ModelConfig
+    from packtrain.packer.core.model_spec import load_model
+
+    try:
+        loaded = load_model(ModelConfig.model_validate(read_manifest(path)["config"]["model"]))
+    except (ConfigError, ValidationError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"decoding needs the tokenizer of the pack's model folder (manifest config.model.path): {exc}; "
+            "run where that folder is, or unpack without --text/--json"
+        ) from exc
+    names = loaded.family.token_names
+    pads = {loaded.ids.image_pad: names["image_pad"], loaded.ids.video_pad: names["video_pad"]}
+
+    def decode(ids: list[int], labels: list[int]) -> str:
+        out, start, trained = [], 0, False
+        while start < len(ids):
+            pad, train = pads.get(ids[start]), labels[start] != IGNORE_INDEX
+            end = start + 1
+            while end < len(ids) and pads.get(ids[end]) == pad and (labels[end] != IGNORE_INDEX) == train:
+                end += 1
+            if train != trained:
+                out.append(TRAINED[0] if train else TRAINED[1])
+                trained = train
+            out.append(f"{pad}×{end - start}" if pad else loaded.tokenizer.decode(ids[start:end]))
+            start = end
+        return "".join(out) + (TRAINED[1] if trained else "")
+
+    return decode
+
+
+def unpack_cmd(path: Path, only: list[str] | None, show: str = "lines") -> int:
+    """Every sample (or only the ids asked for) as JSON lines (`show` "json": with the decoded text;
+    "text": the decoded text alone, under a header line); an id asked for that was rejected prints
+    its reject record, one that is neither packed nor rejected is an error (exit 2)."""
     found = set()
+    decode = sample_decoder(path) if show != "lines" else None
     for s in unpack(path, set(only) if only else None):
         found.add(s["id"])
-        print(json.dumps(s, separators=(",", ":")))
+        if decode is None:
+            print(json.dumps(s, separators=(",", ":")))
+        elif show == "json":
+            print(json.dumps({**s, "text": decode(s["input_ids"], s["labels"])}, separators=(",", ":")))
+        else:
+            trained = sum(label != IGNORE_INDEX for label in s["labels"])
+            where = f"{s['source']} #{s['index']}"
+            print(f"=== {s['id']} ({where}): {len(s['input_ids'])} tokens, {trained} trained")
+            print(decode(s["input_ids"], s["labels"]))
     if not only:
         return EXIT_OK
     wanted = [i for i in dict.fromkeys(only) if i not in found]

@@ -81,6 +81,7 @@ def lossy_pack(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subproce
     result = packtrain(
         "pack", "run", "--input", str(root / "data" / "data.json"), "--model", str(QWEN2), "--media-root",
         str(root / "media"), "--max-length", "512", "-o", str(out), "--workers", "1", "--no-progress",
+        "--max-rejected-fraction", "0.5",  # over the 0.05 default: this pack loses 40% on purpose
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return out, result

@@ -55,6 +55,7 @@ def run(*args: str, shim: Path | None = None) -> subprocess.CompletedProcess:
     env = os.environ | {"COLUMNS": "200", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     if shim is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(shim), env.get("PYTHONPATH")) if p)
+        env["PACKTRAIN_CACHE_DIR"] = str(shim / "cache")  # no agreement remembered from the real one
     return subprocess.run([PACKTRAIN, *args], capture_output=True, text=True, timeout=600, env=env)
 
 
@@ -158,3 +159,13 @@ def test_train_refuses_a_pack_of_an_older_layout(tmp_path: Path, video_pack: Pat
         (pack / "manifest.json").write_text(json.dumps(manifest))
         err = exit_two(_train(tmp_path, pack))
         assert ("records no media token layout" in err) if layout is None else (layout in err)
+
+
+def test_the_declared_transformers_floor_is_the_one_the_probes_name() -> None:
+    """pyproject's requirement and the floor the messages and CI's floor run use are one fact."""
+    import tomllib
+
+    from packtrain.packer.core.layout import TRANSFORMERS_FLOOR
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert f"transformers>={TRANSFORMERS_FLOOR}" in project["dependencies"]

@@ -38,7 +38,7 @@ class RunAccounting:
     def __init__(
         self,
         metrics: TrainMetrics,
-        shape: ModelShape,
+        shape: ModelShape | None,  # None: a run that steps no more (its summary only)
         device: torch.device,
         world_size: int,
         start_step: int,
@@ -63,6 +63,8 @@ class RunAccounting:
         """Record step `step` (1-based, just finished) in the gauges and totals; returns what was
         recorded (rates, loss, MFU and GPU readings), for the log. Every rank calls it: the totals
         are reduced over ranks."""
+        if self.shape is None:
+            raise ValueError("RunAccounting without a model shape only summarises, it counts no step")
         local = batch_counts(self.shape, micro)
         recorded = self.metrics.update(
             {
@@ -102,6 +104,7 @@ class RunAccounting:
         attention_imbalance_max: float,
         resumed_from: str | None,
         final_model: str | None,
+        init: str,
         steps_per_epoch: int | None = None,
         eval_units: int = 0,
     ) -> TrainSummary:
@@ -133,6 +136,7 @@ class RunAccounting:
             attention_imbalance_max=attention_imbalance_max,
             resumed_from=resumed_from,
             final_model=final_model,
+            init=init,
         )
         if self.device.type == "cuda":
             summary["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)

@@ -210,7 +210,15 @@ def latest(root: Path) -> Path | None:
     if not folder.is_dir():
         return None
     done = [p for p in folder.iterdir() if STEP_DIR.match(p.name) and (p / DONE).is_file()]
-    return max(done, key=lambda p: int(STEP_DIR.match(p.name).group(1)), default=None)  # type: ignore[union-attr]
+    return max(done, key=step_of, default=None)
+
+
+def step_of(folder: Path) -> int:
+    """The step a checkpoint folder (`step-NNNNNNNN`) holds."""
+    match = STEP_DIR.match(folder.name)
+    if match is None:
+        raise ValueError(f"{folder} is not a checkpoint folder (step-NNNNNNNN)")
+    return int(match.group(1))
 
 
 def save(

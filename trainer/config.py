@@ -13,7 +13,10 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, model_validator
 
-from packtrain.packer.core.config import CamelModel, FamilyName, load_spec_section
+from packtrain.packer.core.config import CamelModel, FamilyName
+from packtrain.packer.core.config_keys import check_config_overrides
+from packtrain.packer.core.errors import ConfigError
+from packtrain.packer.core.spec_file import load_spec_section
 
 Init = Literal["auto", "pretrained", "random"]
 Attention = Literal["auto", "varlen", "flash", "flex", "sdpa"]
@@ -137,7 +140,9 @@ class TrainModelSpec(CamelModel):
     )
     init: Init = Field(
         "auto",
-        description="pretrained: load weights; random: init from config.json; auto: weights if present.",
+        description="Where the weights start. auto (default) and pretrained: the *.safetensors in "
+        "model.path, which must be there (a folder without them is an error, not a silent random model); "
+        "random: a random init from config.json (training from scratch, or a tiny test model).",
     )
     config_overrides: dict[str, Any] = Field(
         default_factory=dict,
@@ -295,6 +300,25 @@ class SFTSpecCore(CamelModel):
         return self
 
 
+# SFTJob spec keys only a cluster reads (where and how the job runs): `train -c` sets them aside.
+SFT_CLUSTER_KEYS = frozenset(
+    {
+        *("resources", "image", "volumes", "backend", "runtime", "suspend", "queueName", "metricsPort"),
+        *("backoffLimit", "cleanPodPolicy", "serviceAccountName"),
+    }
+)
+
+
+def check_model_overrides(model: TrainModelSpec, where: str) -> None:
+    """ConfigError (prefixed by `where`) naming each model.configOverrides key the model's config ignores."""
+    try:
+        check_config_overrides(model.config_overrides, model.family, model.path)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+
+
 def load_train_config(path: str | Path) -> SFTSpecCore:
     """Read an `SFTJob` manifest or bare spec (the first SFTJob of a multi-document YAML)."""
-    return load_spec_section(path, "SFTJob", SFTSpecCore)
+    cfg = load_spec_section(path, "SFTJob", SFTSpecCore, SFT_CLUSTER_KEYS)
+    check_model_overrides(cfg.model, str(path))
+    return cfg

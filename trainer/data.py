@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from packtrain.packer.core.errors import MediaError, PackIntegrityError
 from packtrain.packer.core.model_spec import ModelSpec
-from packtrain.packer.core.pack.integrity import ref_problem, row_problem
+from packtrain.packer.core.pack.integrity import ModelFacts, grid_problem, ref_problem, row_problem
 from packtrain.packer.core.pack.schema import IGNORE_INDEX
 from packtrain.packer.core.pack.shards import ShardReader
 from packtrain.packer.core.pixels import pack_alpha
@@ -333,9 +333,17 @@ class PackedDataset(torch.utils.data.Dataset):
             problem = f"{len(row['input_ids'])} tokens, over the pack's max_length {max_length}"
         for ref in row["media"] if problem is None else ():
             problem = problem or ref_problem(ref, *self._pixel_caps())
+        if problem is None:  # vision-token runs against media grids: what the mRoPE positions assume
+            ids = np.asarray(row["input_ids"], dtype=np.int64)
+            problem = grid_problem(ids, row["seq_lens"], row["media"], self._facts())
         if problem is not None:
             self._refuse(seq, problem)
         return row
+
+    def _facts(self) -> ModelFacts:
+        """The model's pad ids and merge size that `grid_problem` checks the vision-token runs with."""
+        ids, groups = self.spec.token_ids, self.spec.family.video_timestamps
+        return ModelFacts(self.vocab_size, ids.image_pad, ids.video_pad, self.spec.vision.merge_size, groups)
 
     def _pixel_caps(self) -> tuple[int, int, int, int]:
         """The pack's own pixel caps (its config's, else the processor's), doubled for the rounding up to

@@ -22,7 +22,7 @@ import copy
 import json
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -32,6 +32,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import revert_weight_conversion
 
+from packtrain.packer.core.config import ModelConfig
+from packtrain.packer.core.model_spec import served_processor_configs
 from packtrain.trainer import lora
 from packtrain.trainer.config import TrainModelSpec
 from packtrain.trainer.distributed import DistEnv, barrier
@@ -56,6 +58,7 @@ _NUMBERED = re.compile(r"^(.*?\.\d+)\.")  # a numbered module: a decoder layer, 
 _LORA_PART = re.compile(r"\.(?:base_layer|lora_[A-Za-z_]+\.[^.]+)(?=\.|$)")
 
 Convert = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+Processor = Mapping[str, dict[str, Any]]  # processor config files by name, written over the folder's
 
 
 def unit_of(name: str) -> str:
@@ -168,7 +171,20 @@ def _prepare(out: Path) -> None:
         stale.unlink(missing_ok=True)
 
 
-def _finish_folder(out: Path, hf_model: Any, source_folder: str | Path, dtype: torch.dtype) -> None:
+def _side_files(out: Path, source_folder: str | Path, processor: Processor | None) -> None:
+    """The model folder's tokenizer and processor files, the processor configs replaced by `processor`
+    (the pack's pixel and frame settings) when given."""
+    for name in HF_SIDE_FILES:
+        src = Path(source_folder) / name
+        if processor is not None and name in processor:
+            (out / name).write_text(json.dumps(processor[name], indent=2, sort_keys=True) + "\n")
+        elif src.is_file():
+            shutil.copy2(src, out / name)
+
+
+def _finish_folder(
+    out: Path, hf_model: Any, source_folder: str | Path, dtype: torch.dtype, processor: Processor | None
+) -> None:
     """config.json and generation_config.json as `save_pretrained` writes them (the dtype the weights
     have), then the model folder's tokenizer and processor files."""
     config = copy.deepcopy(hf_model.config)
@@ -177,10 +193,7 @@ def _finish_folder(out: Path, hf_model: Any, source_folder: str | Path, dtype: t
     config.save_pretrained(out)
     if hf_model.can_generate():
         hf_model.generation_config.save_pretrained(out)
-    for name in HF_SIDE_FILES:
-        src = Path(source_folder) / name
-        if src.is_file():
-            shutil.copy2(src, out / name)
+    _side_files(out, source_folder, processor)
 
 
 def _write_model(
@@ -193,6 +206,7 @@ def _write_model(
     dtype: torch.dtype,
     shard_bytes: int,
     gather_dtype: torch.dtype | None,
+    processor: Processor | None,
 ) -> Path | None:
     """Stream the model into the Hugging Face folder `out` (all ranks call this; rank 0 writes);
     all ranks wait for it, so no rank reads a half-written export. `gather_dtype` is what the
@@ -206,7 +220,7 @@ def _write_model(
                 writer.add(convert(unit))
     if writer is not None:
         writer.close()
-        _finish_folder(out, hf_model, source_folder, dtype)
+        _finish_folder(out, hf_model, source_folder, dtype, processor)
     barrier()
     return out if env.is_main else None
 
@@ -219,6 +233,7 @@ def save_hf(
     env: DistEnv,
     dtype: torch.dtype,
     shard_bytes: int = SHARD_BYTES,
+    processor: Processor | None = None,
 ) -> Path | None:
     """The final model as a Hugging Face folder (weights, config, tokenizer and processor files)."""
 
@@ -226,7 +241,9 @@ def save_hf(
         plain = {k.removeprefix("hf."): v for k, v in unit.items()}  # cast as gathered
         return dict(revert_weight_conversion(hf_model, plain))
 
-    return _write_model(out, model, hf_model, convert, source_folder, env, dtype, shard_bytes, dtype)
+    return _write_model(
+        out, model, hf_model, convert, source_folder, env, dtype, shard_bytes, dtype, processor
+    )
 
 
 def save_merged(
@@ -237,6 +254,7 @@ def save_merged(
     env: DistEnv,
     dtype: torch.dtype,
     shard_bytes: int = SHARD_BYTES,
+    processor: Processor | None = None,
 ) -> Path | None:
     """The adapters merged into the base weights (W + alpha/r x B·A), saved as the plain Hugging
     Face model: each unit merged as it is gathered (a LoRA layer's base and adapters come together)."""
@@ -248,7 +266,9 @@ def save_merged(
         return dict(revert_weight_conversion(hf_model, merged))
 
     # Gathered as trained: W + scale·B·A is summed in the master weights' precision, then cast.
-    return _write_model(out, model, hf_model, convert, source_folder, env, dtype, shard_bytes, None)
+    return _write_model(
+        out, model, hf_model, convert, source_folder, env, dtype, shard_bytes, None, processor
+    )
 
 
 def save_adapter(
@@ -258,6 +278,7 @@ def save_adapter(
     source_folder: str | Path,
     env: DistEnv,
     dtype: torch.dtype,
+    processor: Processor | None = None,
 ) -> Path | None:
     """The LoRA adapters in PEFT's format (adapter_config.json, adapter_model.safetensors) plus the
     tokenizer and processor files, gathered from every rank (DDP or FSDP2)."""
@@ -270,10 +291,7 @@ def save_adapter(
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
         adapter.save_pretrained(out, state_dict=state)
-        for name in HF_SIDE_FILES:
-            src = Path(source_folder) / name
-            if src.is_file():
-                shutil.copy2(src, out / name)
+        _side_files(out, source_folder, processor)
     barrier()
     return out if env.is_main else None
 
@@ -287,12 +305,26 @@ def save_final(
     env: DistEnv,
     dtype: torch.dtype,
     shard_bytes: int = SHARD_BYTES,
+    pack: Mapping[str, Any] | None = None,
 ) -> Path | None:
     """The final export under `root`: `final/` (the model, or with LoRA the adapter) and, with
-    `lora.saveMerged`, `final-merged/`."""
+    `lora.saveMerged`, `final-merged/`. With the `pack` manifest trained on, their processor configs
+    carry the pixel and frame settings the pack was made with, so serving them as they are tokenizes
+    media as training saw it (the base folder's, e.g. Qwen2-VL's 12.8 MP images, would not)."""
+    processor = served_processor(spec.path, pack)
     if adapter is None:
-        return save_hf(root / "final", model, hf_model, spec.path, env, dtype, shard_bytes)
-    final = save_adapter(root / "final", model, adapter, spec.path, env, dtype)
+        return save_hf(root / "final", model, hf_model, spec.path, env, dtype, shard_bytes, processor)
+    final = save_adapter(root / "final", model, adapter, spec.path, env, dtype, processor)
     if spec.lora is not None and spec.lora.save_merged:
-        save_merged(root / MERGED_DIR, model, hf_model, spec.path, env, dtype, shard_bytes)
+        save_merged(root / MERGED_DIR, model, hf_model, spec.path, env, dtype, shard_bytes, processor)
     return final
+
+
+def served_processor(source_folder: str | Path, pack: Mapping[str, Any] | None) -> Processor | None:
+    """The processor configs of a pack's settings (its manifest's `config.model`) over the model
+    folder's; None without a pack or for a pack whose manifest predates its stored config."""
+    config = (pack or {}).get("config")
+    model = config.get("model") if isinstance(config, Mapping) else None
+    if not isinstance(model, Mapping):
+        return None
+    return served_processor_configs(Path(source_folder), ModelConfig.model_validate(dict(model)))

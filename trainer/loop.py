@@ -28,7 +28,7 @@ from packtrain.trainer.linear_attention import linear_path
 from packtrain.trainer.loss import aux_objective, global_label_tokens, micro_batch_objective
 from packtrain.trainer.metrics import Stopwatch, TrainMetrics, device_peak_tflops
 from packtrain.trainer.progress import JsonLines, Reporter
-from packtrain.trainer.recipe import Run, setup
+from packtrain.trainer.recipe import Finished, Run, setup
 
 
 def batches(dataset: PackedDataset, num_workers: int, prefetch: int, pin: bool) -> Iterator[Batch]:
@@ -97,6 +97,8 @@ def _train(
     t, data = cfg.training, cfg.data
     out = Path(t.output_dir)
     run = setup(cfg, env, device)
+    if isinstance(run, Finished):  # a rerun of a finished run: nothing was built, nothing trains
+        return _finished_summary(run, cfg, env, device)
     accounting = _start(run, cfg, env, device, report)
     stream = batches(run.dataset, data.num_workers, data.prefetch_factor, device.type == "cuda")
     loss = float("nan")
@@ -147,6 +149,7 @@ def _start(
         mode=t.mode,
         **chosen,
         world_size=env.world_size,
+        init=run.init,
         epochs=t.epochs,
         steps_per_epoch=run.dataset.steps_per_epoch(),
         eval_units=_units(run.evaluation),
@@ -167,7 +170,9 @@ def _finish(
     # gathers its first unit, so the export's peak is the model's shard plus one unit, not that too.
     run.optimizer.state.clear()
     final = (
-        export.save_final(out, run.model, run.hf, run.adapter, cfg.model, env, run.dtype)
+        export.save_final(
+            out, run.model, run.hf, run.adapter, cfg.model, env, run.dtype, pack=run.dataset.manifest
+        )
         if t.save_final
         else None
     )
@@ -181,6 +186,29 @@ def _finish(
         final_model=str(final) if final else None,
         steps_per_epoch=run.dataset.steps_per_epoch(),
         eval_units=_units(run.evaluation),
+        init=run.init,
+    )
+
+
+def _finished_summary(
+    done: Finished, cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device
+) -> TrainSummary:
+    """The summary of a rerun that found every step done: no step ran (no totals, rates or loss); the
+    model is the earlier run's export, if it saved one."""
+    t, final = cfg.training, Path(cfg.training.output_dir) / "final"
+    metrics = TrainMetrics(env.rank, device)  # not served: no step will update it
+    accounting = RunAccounting(metrics, None, device, env.world_size, done.step, done.step)
+    return accounting.summary(
+        done.step,
+        float("nan"),
+        mode=t.mode,
+        attention=done.backend,
+        attention_imbalance_max=done.imbalance_max,
+        resumed_from=str(done.checkpoint),
+        final_model=str(final) if t.save_final else None,
+        steps_per_epoch=done.dataset.steps_per_epoch(),
+        eval_units=_units(done.evaluation),
+        init=done.init,
     )
 
 

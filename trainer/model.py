@@ -85,15 +85,22 @@ def checked_spec(folder: str | Path, config: PretrainedConfig, family: str | Non
 
 
 def pretrained_weights(folder: str | Path, init: str) -> Path | None:
-    """The folder whose weights `init` asks for (pretrained, or auto with weights there), else None
-    (random init)."""
-    if init == "random" or (init == "auto" and not has_weights(folder)):
+    """The folder whose weights `init` loads, or None for `random`. `auto` and `pretrained` both need
+    the weights there: a model trains from random init only when the spec says `init: random`, never
+    because the weights were forgotten."""
+    if init == "random":
         return None
     if not has_weights(folder):
-        raise FileNotFoundError(
-            f"model.init is pretrained but {folder} holds no *.safetensors / *.bin weights"
+        raise ConfigError(
+            f"no weights in {folder}: put the safetensors there, or set model.init: random to train from "
+            "scratch"
         )
     return Path(folder)
+
+
+def init_used(weights: Path | None) -> str:
+    """What the start-up line and the summary say the model started from."""
+    return "random" if weights is None else f"pretrained from {weights}"
 
 
 def build_model(

@@ -22,7 +22,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
+from packtrain.packer.core.errors import ConfigError
+
 Plan = list[list[list[int]]]  # steps x ranks x unit indices
+
+
+class PackTooSmall(ConfigError):
+    """The pack holds less than one global step: more data, or a smaller batch, fixes it."""
 Unit = tuple[int, int]  # (sequence, sub-sample); sub-sample -1 = the whole packed sequence
 
 
@@ -71,7 +77,7 @@ def balance_step(units: Sequence[int], costs: Sequence[int], world_size: int) ->
 def check_fits(num_units: int, world_size: int, units_per_rank: int) -> None:
     per_step = world_size * units_per_rank
     if num_units < per_step:
-        raise ValueError(
+        raise PackTooSmall(
             f"the pack holds {num_units} units but one global step needs {per_step} "
             f"({world_size} ranks x {units_per_rank}); pack more data or shrink the batch"
         )

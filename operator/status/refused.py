@@ -7,11 +7,15 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from packtrain.operator import ownership, policy
+from packtrain.operator.api import PackJobSpec, SFTJobSpec
 from packtrain.operator.reasons import ConditionReason as R
 from packtrain.operator.status.conditions import Outcome, lifecycle_conditions
+from packtrain.packer.core.spec_file import describe
+
+SPEC_MODELS: dict[str, type[BaseModel]] = {"PackJob": PackJobSpec, "SFTJob": SFTJobSpec}
 
 # 403: a ResourceQuota, an admission policy or webhook, RBAC; 422: an object the server finds invalid.
 # Retrying would be refused the same way, so the parent fails with the server's own words.
@@ -69,11 +73,10 @@ def child_refused_status(kind: str, body: Mapping[str, Any], refusal: str, now: 
 
 
 def invalid_status(kind: str, body: Mapping[str, Any], exc: ValidationError, now: str) -> dict[str, Any]:
-    """A spec the API server accepted but the models reject (a rule CEL cannot express)."""
-    errors = "; ".join(
-        f"spec.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False)
-    )
-    message = f"invalid {kind} spec: {errors}. Fix it, then delete and re-create the {kind}."
+    """A spec the API server accepted but the models reject (a rule CEL cannot express), described as
+    `packtrain run` and `render` describe it."""
+    faults = describe(exc, SPEC_MODELS[kind], "spec")
+    message = f"invalid {kind} spec: {faults}. Fix it, then delete and re-create the {kind}."
     return failed_status(body, R.INVALID_SPEC, message, now)
 
 

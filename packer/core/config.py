@@ -10,14 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 from pydantic.alias_generators import to_camel
 
-from packtrain.packer.core.errors import ConfigError
 from packtrain.packer.core.families import FAMILY_NAMES
+from packtrain.packer.core.spec_file import load_spec_section
 
 
 class CamelModel(BaseModel):
@@ -197,6 +196,8 @@ MAX_FRAMES_CEILING = 768
 # Tokens per packed sequence: far beyond any context these models train with.
 MAX_LENGTH_CEILING = 262144
 SEQUENCES_PER_SHARD_CEILING = 16384
+DEFAULT_MAX_REJECTED_FRACTION = 0.05
+"""packing.maxRejectedFraction's default: a pack that loses more than 5% of its samples is refused."""
 
 
 def _ordered(low: str, high: str) -> JsonValue:
@@ -320,11 +321,12 @@ class PackingConfig(CamelModel):
         description="original bytes, or pre-resized images / sampled frames (less decode on GPUs).",
     )
     max_rejected_fraction: float | None = Field(
-        None,
+        DEFAULT_MAX_REJECTED_FRACTION,
         ge=0,
         le=1,
-        description="Fail the pack when plan rejects more than this share of the samples (default: no limit; "
-        "a pack with no packed sample always fails).",
+        description=f"Fail the pack when more than this share of the samples is rejected (default "
+        f"{DEFAULT_MAX_REJECTED_FRACTION:g}, so lost data stops the job before any GPU is spent; null: no "
+        "limit; a pack with no packed sample always fails).",
     )
 
 
@@ -341,45 +343,10 @@ class PackConfig(CamelModel):
         return hashlib.sha256(blob).hexdigest()
 
 
-M = TypeVar("M", bound=BaseModel)
-
-
-def spec_from_document(doc: dict[str, Any], kind: str) -> dict[str, Any]:
-    """Accept a whole manifest (apiVersion/kind/metadata/spec) or a bare spec."""
-    if "spec" in doc and ("kind" in doc or "apiVersion" in doc):
-        if doc.get("kind") not in (None, kind):
-            raise ConfigError(f"expected a {kind} manifest, got kind {doc.get('kind')!r}")
-        if not isinstance(doc["spec"], dict):
-            raise ConfigError(f"the {kind}'s `spec` must be a mapping, got {type(doc['spec']).__name__}")
-        return dict(doc["spec"])
-    return dict(doc)
-
-
-def load_spec_section(path: str | Path, kind: str, model: type[M]) -> M:
-    """The part of a `kind` manifest or bare spec that `model` describes.
-
-    Takes the first document of that kind in a multi-document YAML (else the
-    first document) and ignores cluster-only keys, so the YAML that is applied to
-    a cluster also runs locally.
-    """
-    try:
-        docs = [d for d in yaml.safe_load_all(Path(path).read_text(encoding="utf-8")) if d]
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not a text file (not valid UTF-8: {exc}); pass a YAML manifest") from exc
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the configuration ({exc.strerror or exc})") from exc
-    if not docs:
-        raise ConfigError(f"{path}: empty YAML; expected a {kind} manifest or spec")
-    if not all(isinstance(d, dict) for d in docs):
-        raise ConfigError(f"{path}: every YAML document must be a mapping (a {kind} manifest or spec)")
-    chosen = next((d for d in docs if d.get("kind") == kind), docs[0])
-    spec = spec_from_document(chosen, kind)
-    fields = set(model.model_fields) | {to_camel(k) for k in model.model_fields}
-    return model.model_validate({k: v for k, v in spec.items() if k in fields})
+# PackJob spec keys only a cluster reads (where and how the stages run): `pack … -c` sets them aside.
+PACK_CLUSTER_KEYS = frozenset({"output", "workers", "volumes", "queueName"})
 
 
 def load_pack_config(path: str | Path) -> PackConfig:
     """Read a `PackJob` manifest or spec (the first PackJob of a multi-document YAML)."""
-    return load_spec_section(path, "PackJob", PackConfig)
+    return load_spec_section(path, "PackJob", PackConfig, PACK_CLUSTER_KEYS)

@@ -160,6 +160,7 @@ class TrainSummary(TypedDict):
     attention_imbalance_max: float  # the epoch plan's max/mean attention cost over ranks
     resumed_from: str | None  # the checkpoint folder this run resumed from
     final_model: str | None  # the exported model's folder
+    init: str  # what the model started from: "pretrained from DIR" or "random" (model.init)
     peak_memory_bytes: NotRequired[int]  # CUDA only
     gpu_sm_utilization_mean: NotRequired[float]  # with NVML readings only
 
@@ -192,6 +193,24 @@ class RejectReason(StrEnum):
     INTERNAL_ERROR = "internal_error"
 
 
+# What to change for the most common reject reasons (the rest: see the README's table of reasons).
+REJECT_FIXES: dict[str, str] = {
+    "media_outside_root": "media lie outside the media roots: set source.mediaRoot to the folder holding "
+    "them, or map their prefix with source.mediaPathMap",
+    "missing_media": "media files are not where the records say: fix the paths, source.mediaRoot or "
+    "source.mediaPathMap",
+    "remote_media": "URLs are never fetched: download the media and point the records at the files",
+    "overlong": "samples longer than packing.maxLength: raise it, or set packing.overlong: truncate (a long "
+    "video: lower model.maxFrames, model.fps or model.videoMaxPixels; each reject says to what)",
+    "placeholder_mismatch": "image/video placeholders and media lists disagree in the records",
+}
+
+
+def reject_fixes(top: list[tuple[str, int]]) -> str:
+    """What to change for the top reject reasons, for those that have a known fix ("" for none)."""
+    return "; ".join(REJECT_FIXES[r] for r, _ in top if r in REJECT_FIXES)
+
+
 # Reasons a pack fails although every stage ran (plan reports them, the operator shows them).
 NO_SAMPLES: Final = "NoSamples"
 TOO_MANY_REJECTED: Final = "TooManyRejected"
@@ -210,6 +229,7 @@ def pack_outcome_error(
     rejected = sum(rejected_by_reason.values())
     top = sorted(rejected_by_reason.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
     reasons = ", ".join(f"{reason} {count}" for reason, count in top) or "none recorded"
+    fix = f"Fix: {fixes}. " if (fixes := reject_fixes(top)) else ""
     if packed == 0:
         return {
             "stage": "plan",
@@ -223,7 +243,8 @@ def pack_outcome_error(
             "reason": TOO_MANY_REJECTED,
             "error": f"{rejected} of {samples} samples rejected ({rejected / samples:.1%}), over "
             f"packing.maxRejectedFraction {max_rejected_fraction:g} (top reasons: {reasons}); "
-            "see rejects.jsonl in the pack folder",
+            f"see rejects.jsonl in the pack folder. {fix}Or raise packing.maxRejectedFraction to train on "
+            "what is left.",
         }
     return None
 

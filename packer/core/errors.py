@@ -30,12 +30,14 @@ class PackIntegrityError(ShardFormatError):
 
 
 class MediaError(Exception):
-    """A media file that cannot be used; `reason` is a stable reject code."""
+    """A media file that cannot be used; `reason` is a stable reject code. `path`: the file named as
+    missing or unreadable, which the pack records so that a re-run rebuilds once it is there."""
 
-    def __init__(self, reason: RejectReason, detail: str) -> None:
+    def __init__(self, reason: RejectReason, detail: str, path: str | None = None) -> None:
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
+        self.path = path
 
 
 def relative_note(path: str | Path) -> str:

@@ -115,8 +115,8 @@ def write_probe_media(folder: Path) -> None:
     from PIL import Image
 
     for name, (w, h) in PROBE_IMAGES.items():
-        ramp = np.linspace(0, 255, w, dtype=np.uint8)[None, :, None]
-        Image.fromarray(np.ascontiguousarray(np.broadcast_to(ramp, (h, w, 3)))).save(folder / name)
+        column = np.linspace(0, 255, w, dtype=np.uint8)[None, :, None]
+        Image.fromarray(np.ascontiguousarray(np.broadcast_to(column, (h, w, 3)))).save(folder / name)
     name, frames, fps, w, h = PROBE_VIDEO
     with av.open(str(folder / name), "w") as out:
         stream = out.add_stream("libx264", rate=Fraction(fps))
@@ -164,7 +164,8 @@ def processor_ids(processor: Any, probe: Probe, folder: Path, spec: VisionSpec, 
             "size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}
         }
     if probe.videos:
-        decoded = [load_video(str(folder / n), backend="pyav") for n in probe.videos]
+        # transformers reads a path given as a string (its annotation names only decoded inputs).
+        decoded = [load_video(str(folder / n), backend="pyav") for n in probe.videos]  # type: ignore[arg-type]
         kwargs["videos"] = [frames for frames, _ in decoded]
         kwargs["video_metadata"] = [meta for _, meta in decoded]
         videos: dict[str, Any] = {

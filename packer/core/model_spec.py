@@ -354,3 +354,57 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         reserved_tokens=frozenset(family.reserved_tokens) | frozenset(vision),
         render=_renderer(tokenizer, template),
     )
+
+
+IMAGE_PROCESSOR_FILE, VIDEO_PROCESSOR_FILE = "preprocessor_config.json", "video_preprocessor_config.json"
+
+
+def processor_settings(spec: VisionSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The image and the video processor settings, under transformers' names, that count as `spec`
+    does. Frame sampling is on (Qwen2-VL's video processor defaults it off) and the per-frame cap is
+    the volume rule's only (Qwen2-VL's video processor has one too, which the frame rule does not
+    apply). Set them on the processor (its config files): Qwen3-VL's `sample_frames` ignores
+    `min_frames`/`max_frames` passed with a call."""
+    volume = spec.video_resize == "volume"
+    image = {"size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}}
+    video: dict[str, Any] = {
+        "size": {"shortest_edge": spec.video_min_pixels, "longest_edge": spec.video_max_pixels},
+        "do_sample_frames": True,
+        "fps": spec.fps,
+        "min_frames": spec.min_frames,
+        "max_frames": spec.max_frames,
+        "cap_pixels_per_frame": volume and spec.cap_pixels_per_frame,
+    }
+    if volume:
+        video["max_video_tokens"] = spec.max_video_tokens
+    return image, video
+
+
+def _over(config: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """`settings` over a processor config. A top-level `min_pixels`/`max_pixels` (Qwen2-VL's files)
+    overrides `size` when the processor loads, so where present it carries the same bounds."""
+    out = {**config, **settings}
+    size = settings["size"]
+    for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+        if key in config:
+            out[key] = size[edge]
+    return out
+
+
+def served_processor_configs(folder: Path, cfg: ModelConfig) -> dict[str, dict[str, Any]]:
+    """The folder's image and video processor configs (by file name) rewritten to the settings a pack
+    was made with (`cfg`: the pack's model config), so that `AutoProcessor` loaded from them, with its
+    default kwargs, gives every packed sample the pack's token ids: a model is served as it was trained.
+    The pack's `alpha` has no processor key (transformers composites an in-memory RGBA image onto
+    white and drops the alpha of an image it decodes from a path)."""
+    spec = vision_spec(folder, cfg, get_family(cfg.family))
+    pre_path, vid_path = folder / IMAGE_PROCESSOR_FILE, folder / VIDEO_PROCESSOR_FILE
+    pre = _read_json(pre_path) if pre_path.is_file() else {}
+    # Without its own file the video processor reads the image processor's (as `vision_spec` does).
+    vid = (
+        _read_json(vid_path)
+        if vid_path.is_file()
+        else {k: v for k, v in pre.items() if k != "image_processor_type"}
+    )
+    image, video = processor_settings(spec)
+    return {IMAGE_PROCESSOR_FILE: _over(pre, image), VIDEO_PROCESSOR_FILE: _over(vid, video)}

@@ -12,6 +12,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from packtrain.packer.core.config import DEFAULT_MAX_REJECTED_FRACTION
+from packtrain.packer.core.contract import reject_fixes
+
 TERMINATION_LOG = "/dev/termination-log"
 LIMIT = 4096  # the kubelet keeps at most 4 KiB of a termination message
 
@@ -54,18 +57,6 @@ def report(summary: dict[str, Any]) -> None:
         path.write_text(text)
 
 
-# What to change for the most common reject reasons (the rest: see the README's table of reasons).
-REJECT_FIXES: dict[str, str] = {
-    "media_outside_root": "media lie outside the media roots: set source.mediaRoot to the folder holding "
-    "them, or map their prefix with source.mediaPathMap",
-    "missing_media": "media files are not where the records say: fix the paths, source.mediaRoot or "
-    "source.mediaPathMap",
-    "remote_media": "URLs are never fetched: download the media and point the records at the files",
-    "overlong": "samples longer than packing.maxLength: raise it, or set packing.overlong: truncate",
-    "placeholder_mismatch": "image/video placeholders and media lists disagree in the records",
-}
-
-
 def rejects_warning(counts: dict[str, Any], out: Path) -> str | None:
     """A loud line for a pack that rejected samples: the share, the top reasons and what to change."""
     samples, rejected = counts.get("input") or 0, counts.get("rejected") or 0
@@ -73,10 +64,11 @@ def rejects_warning(counts: dict[str, Any], out: Path) -> str | None:
         return None
     top = sorted((counts.get("rejected_by_reason") or {}).items(), key=lambda kv: (-kv[1], kv[0]))[:3]
     reasons = ", ".join(f"{reason} {n}" for reason, n in top)
-    fixes = "; ".join(REJECT_FIXES[r] for r, _ in top if r in REJECT_FIXES)
+    fixes = reject_fixes(top)
     return (
         f"{rejected} of {samples} samples ({rejected / max(samples, 1):.1%}) were rejected and are not in "
         f"the pack (top reasons: {reasons}); each is listed in {out / 'rejects.jsonl'}"
         + (f". Fix: {fixes}" if fixes else "")
-        + ". To fail such a pack, set packing.maxRejectedFraction."
+        + ". A pack that loses more than packing.maxRejectedFraction (default "
+        f"{DEFAULT_MAX_REJECTED_FRACTION:g}) is refused."
     )

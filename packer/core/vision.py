@@ -17,7 +17,7 @@ import math
 import struct
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -232,6 +232,53 @@ def second_per_grid(indices: list[int], total_frames: int, video_fps: float, spe
     """Seconds per temporal grid step (Qwen2.5-VL mRoPE): temporal patch over the sampled frame rate."""
     sampled_fps = len(indices) / total_frames * video_fps
     return spec.temporal_patch_size / sampled_fps
+
+
+def video_tokens(info: VideoInfo, spec: VisionSpec) -> int:
+    """Vision tokens of a video under `spec`: its sampled frames' patch grid over the merge."""
+    grid = video_grid(info, len(sample_frame_indices(info.total_frames, info.fps, spec)), spec)
+    return grid.grid_t * grid.grid_h * grid.grid_w // spec.merge_size**2
+
+
+def shorter_video(info: VideoInfo, spec: VisionSpec, budget: int) -> dict[str, tuple[int | float, int]]:
+    """For each setting that shortens a video (`maxFrames`, `fps`, `videoMaxPixels`), the value
+    nearest the current one that brings its vision tokens within `budget`, with the count it gives;
+    a setting that cannot (at its floor the video is still over) is left out. A `maxFrames` under
+    `spec.min_frames` also needs `minFrames` lowered to it."""
+
+    def tokens(candidate: VisionSpec) -> int | None:
+        try:
+            return video_tokens(info, candidate)
+        except MediaError:  # too few frames to sample, or a size the processor refuses
+            return None
+
+    def fitting(candidate: VisionSpec) -> int | None:
+        count = tokens(candidate)
+        return count if count is not None and count <= budget else None
+
+    out: dict[str, tuple[int | float, int]] = {}
+    sampled = len(sample_frame_indices(info.total_frames, info.fps, spec))
+    for m in range(sampled - 1, spec.temporal_patch_size - 1, -1):
+        if (count := fitting(replace(spec, max_frames=m, min_frames=min(spec.min_frames, m)))) is not None:
+            out["maxFrames"] = (m, count)
+            break
+    for k in range(1, 80):  # about 10% lower each step, two significant digits
+        fps = float(f"{spec.fps * 0.9**k:.2g}")
+        if (count := fitting(replace(spec, fps=fps))) is not None:
+            out["fps"] = (fps, count)
+            break
+    low, high = spec.video_min_pixels, spec.video_max_pixels
+    if fitting(replace(spec, video_max_pixels=low)) is not None:
+        while high - low > 1:  # `low` fits, `high` does not
+            mid = (low + high) // 2
+            fits = fitting(replace(spec, video_max_pixels=mid)) is not None
+            low, high = (mid, high) if fits else (low, mid)
+        step = spec.factor**2
+        rounded = low // step * step  # a round number of merged patches, where that fits too
+        if rounded >= spec.video_min_pixels and fitting(replace(spec, video_max_pixels=rounded)) is not None:
+            low = rounded
+        out["videoMaxPixels"] = (low, tokens(replace(spec, video_max_pixels=low)) or 0)
+    return out
 
 
 def probe_image(

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import os
 import stat
 from collections import OrderedDict
@@ -46,6 +47,7 @@ from packtrain.packer.core.errors import ConfigError, MediaError, relative_note
 from packtrain.packer.core.pack.shards import atomic_write
 from packtrain.packer.core.pixels import IMAGE_FORMATS, SNIFF_BYTES, looks_like_image, sniff_container
 from packtrain.packer.core.vision import (
+    VideoInfo,
     VisionSpec,
     image_grid,
     probe_image,
@@ -82,6 +84,7 @@ class MediaItem:
     second_per_grid: float
     merge_size: int = 2
     video_fps: float = 0.0  # video: the source frame rate (Qwen3-VL renders frame timestamps from it)
+    source: VideoInfo | None = None  # video: as probed (an overlong reject counts other settings with it)
 
     @property
     def num_tokens(self) -> int:
@@ -193,8 +196,26 @@ class MediaRoots:
         except (OSError, ValueError):
             real = ""
         if not real or not within(real, self.roots(dataset_dir)):
-            raise MediaError(RejectReason.MEDIA_OUTSIDE_ROOT, f"{ref[:200]!r}: {_OUTSIDE}")
+            raise MediaError(RejectReason.MEDIA_OUTSIDE_ROOT, outside_detail(ref, self.roots(dataset_dir)))
         return Path(real)
+
+
+def outside_detail(ref: str, roots: frozenset[str]) -> str:
+    """Why `ref` is refused, naming the folders the job reads and, for an absolute path, the exact
+    `source.mediaPathMap` line that admits its folder. Built from the reference and the configuration
+    only, so it reads the same whether or not the file exists (a dataset cannot probe with it)."""
+    shown = sorted(roots)
+    more = f" and {len(shown) - 3} more" if shown[3:] else ""
+    seen = f"the folders read now: {', '.join(shown[:3])}{more}"
+    parent = os.path.dirname(ref[:200]).rstrip(os.sep)
+    if not os.path.isabs(ref) or not parent:  # relative, or in `/` (which is never a media folder)
+        return f"{ref[:200]!r}: {_OUTSIDE}; {seen}"
+    folder = json.dumps(parent + os.sep)
+    return (
+        f"{ref[:200]!r}: outside the folders this job reads media from; to read it where it is, add the "
+        f"line {folder}: {folder} under source.mediaPathMap (or map that prefix to where the files are "
+        f"now); {seen}"
+    )
 
 
 _OUTSIDE = (
@@ -286,7 +307,7 @@ class MediaAccess:
         else:
             self._cache.move_to_end(key)
         if isinstance(cached, MediaError):
-            raise MediaError(cached.reason, cached.detail)
+            raise MediaError(cached.reason, cached.detail, cached.path)
         return cached
 
     def _embedded(self, kind: str, ref: EmbeddedMedia) -> MediaItem:
@@ -342,7 +363,9 @@ def measure(
     except MediaError as exc:
         raise MediaError(exc.reason, f"{path}: {exc.detail}") from exc
     except OSError as exc:
-        raise MediaError(RejectReason.MISSING_MEDIA, f"{path}: cannot read ({exc.strerror or exc})") from exc
+        raise MediaError(
+            RejectReason.MISSING_MEDIA, f"{path}: cannot read ({exc.strerror or exc})", str(path)
+        ) from exc
     except Exception as exc:  # decoders raise anything on hostile input; one file must not stop a worker
         raise MediaError(
             RejectReason.CORRUPT_MEDIA, f"{path}: unreadable ({type(exc).__name__}: {exc})"
@@ -364,9 +387,11 @@ def open_regular(
     try:
         fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError as exc:
-        raise MediaError(RejectReason.MISSING_MEDIA, f"{path}: no such file") from exc
+        raise MediaError(RejectReason.MISSING_MEDIA, f"{path}: no such file", str(path)) from exc
     except OSError as exc:
-        raise MediaError(RejectReason.MISSING_MEDIA, f"{path}: cannot open ({exc.strerror or exc})") from exc
+        raise MediaError(
+            RejectReason.MISSING_MEDIA, f"{path}: cannot open ({exc.strerror or exc})", str(path)
+        ) from exc
     try:  # checked on the bare descriptor: `os.fdopen` itself refuses a folder, which would leak `fd`
         st = os.fstat(fd)
         opened = _opened_path(fd)
@@ -483,4 +508,5 @@ def _video_item(path: Path, f: BinaryIO, cap: int, spec: VisionSpec, limits: Med
         spg,
         spec.merge_size,
         info.fps,
+        info,
     )

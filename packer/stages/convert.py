@@ -19,6 +19,7 @@ from packtrain.packer.core.contract import ConvertSummary, RejectReason
 from packtrain.packer.core.errors import ConfigError
 from packtrain.packer.core.model_size import planning_config, read_config
 from packtrain.packer.core.pack.shards import atomic_write_json, atomic_writer
+from packtrain.packer.core.vision import VisionSpec, shorter_video
 from packtrain.packer.media.access import EMBEDDED_DIR, MediaItem
 from packtrain.packer.sources.mixture import repeat, weigher
 from packtrain.packer.sources.raw import SKIPPED
@@ -207,10 +208,11 @@ def _apply_overlong(
     if len(sample.input_ids) <= max_length:
         return sample
     policy = cfg.packing.overlong
+    hint = video_hint(sample, max_length, tokenizer.model.vision)
     detail = f"{len(sample.input_ids)} tokens > maxLength {max_length}"
     if policy == "error":
         raise ConfigError(
-            f"sample {sample.sample_id} ({sample.source} #{sample.index}) has {detail}; "
+            f"sample {sample.sample_id} ({sample.source} #{sample.index}) has {detail}{hint}; "
             "raise packing.maxLength or set packing.overlong to drop or truncate"
         )
     if policy == "truncate":
@@ -218,4 +220,30 @@ def _apply_overlong(
         if cut is not None:
             return cut
         detail += "; cannot truncate without cutting a vision-token run or losing all labels"
-    return Reject(sample.source, sample.index, sample.sample_id, RejectReason.OVERLONG, detail)
+    return Reject(sample.source, sample.index, sample.sample_id, RejectReason.OVERLONG, detail + hint)
+
+
+def video_hint(sample: TokenizedSample, max_length: int, spec: VisionSpec) -> str:
+    """What shortens an overlong sample's largest video enough to fit, as each `model.*` setting
+    would count it (with the packer's own counting rules), or "" for a sample without one."""
+    videos = [(m, m.source) for m in sample.media if m.kind == "video" and m.source is not None]
+    if not videos:
+        return ""
+    video, info = max(videos, key=lambda pair: pair[0].num_tokens)
+    # The rest of the sample as it is: a bound, since Qwen3-VL's timestamps shrink with the frames too.
+    budget = max_length - (len(sample.input_ids) - video.num_tokens)
+    head = f"; its video {video.path.name} is {video.num_tokens} of them ({len(video.frames)} frames)"
+    if budget <= 0:
+        return f"{head}, and the rest alone is over maxLength"
+    options = shorter_video(info, spec, budget)
+    if not options:
+        return (
+            f"{head}; no single model.maxFrames, model.fps or model.videoMaxPixels brings it within {budget}"
+        )
+    said = [
+        f"model.{key} {value} ({tokens} video tokens"
+        + (f"; with model.minFrames {value}" if key == "maxFrames" and value < spec.min_frames else "")
+        + ")"
+        for key, (value, tokens) in options.items()
+    ]
+    return f"{head}; to fit its {budget} tokens, set {', or '.join(said)}"

@@ -175,14 +175,17 @@ def load_plan(out: Path) -> tuple[dict[str, Any], pa.Table]:
     return json.loads((work / "plan.json").read_text()), read_table(work / "plan.arrow")
 
 
-REJECT_DETAIL_CHARS = 500
+MISSING_MEDIA_KEY = "media_path"
+"""A convert reject's key for the media file it found missing or unreadable."""
+
+REJECT_DETAIL_CHARS = 1000
 """Longest reject detail kept: a dataset's paths and messages are untrusted and may be huge."""
 
 
 def reject_row(r: Reject, position: int) -> dict[str, Any]:
     """A reject as the work folder keeps it: with its global `position`, the key that orders them."""
     detail = r.detail if len(r.detail) <= REJECT_DETAIL_CHARS else r.detail[: REJECT_DETAIL_CHARS - 1] + "…"
-    return {
+    row: dict[str, Any] = {
         "position": position,
         "source": r.source,
         "index": r.index,
@@ -190,6 +193,9 @@ def reject_row(r: Reject, position: int) -> dict[str, Any]:
         "reason": r.reason,
         "detail": detail,
     }
+    if r.media_path is not None:  # kept in the work folder only: the pack's input record reads it
+        row[MISSING_MEDIA_KEY] = r.media_path
+    return row
 
 
 def reject_line(r: dict[str, Any]) -> bytes:

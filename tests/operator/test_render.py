@@ -22,6 +22,9 @@ from packtrain.packer.core.errors import EXIT_CONFIG
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
+# The quickstart's relative ../shared paths are for `packtrain run`: render names them as paths no pod
+# volume holds, and this flag renders it regardless (tests/operator/test_render_handoff.py checks that).
+LOCAL_PATHS = "--allow-unmounted"
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
@@ -83,7 +86,7 @@ def expected_quickstart(defaults: builders.OperatorDefaults) -> list[dict[str, A
 
 
 def test_quickstart_renders_what_the_builders_produce(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["render", str(QUICKSTART)]) == 0
+    assert cli.main(["render", str(QUICKSTART), LOCAL_PATHS]) == 0
     out = capsys.readouterr().out
     defaults = builders.OperatorDefaults.from_env(deployment_env({}))
     assert list(yaml.safe_load_all(out)) == expected_quickstart(defaults)
@@ -113,7 +116,7 @@ def test_a_spec_the_policy_refuses_exits_2_naming_field_and_key(
 def test_values_that_allow_it_render_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     values = tmp_path / "allow.yaml"
     values.write_text("policy:\n  allowedImages: ['evil.example.com/*']\n")
-    assert cli.main(["render", str(hostile(tmp_path)), "--values", str(values)]) == 0
+    assert cli.main(["render", str(hostile(tmp_path)), "--values", str(values), LOCAL_PATHS]) == 0
     jobs = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d["kind"] == "Job"]
     assert {d["spec"]["template"]["spec"]["containers"][0]["image"] for d in jobs} == {
         "evil.example.com/miner:1"
@@ -123,7 +126,7 @@ def test_values_that_allow_it_render_it(tmp_path: Path, capsys: pytest.CaptureFi
 def test_values_override_the_chart_defaults(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     values = tmp_path / "values.yaml"
     values.write_text(yaml.safe_dump(VALUE_SETS["custom"]))
-    assert cli.main(["render", str(QUICKSTART), "-f", str(values), "-n", "team-a"]) == 0
+    assert cli.main(["render", str(QUICKSTART), "-f", str(values), "-n", "team-a", LOCAL_PATHS]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     convert = next(d for d in docs if d["metadata"]["name"] == "quickstart-convert")
     pod = convert["spec"]["template"]["spec"]
@@ -160,7 +163,8 @@ def test_render_loads_neither_kopf_nor_kubernetes_nor_torch(tmp_path: Path) -> N
     out = tmp_path / "out.yaml"
     code = (
         "import sys, contextlib, io; from packtrain.operator import cli; buf = io.StringIO()\n"
-        f"with contextlib.redirect_stdout(buf): rc = cli.main(['render', {str(QUICKSTART)!r}])\n"
+        f"argv = ['render', {str(QUICKSTART)!r}, {LOCAL_PATHS!r}]\n"
+        "with contextlib.redirect_stdout(buf): rc = cli.main(argv)\n"
         f"open({str(out)!r}, 'w').write(buf.getvalue())\n"
         "bad = [m for m in ('kopf', 'kubernetes', 'torch') if m in sys.modules]; assert rc == 0 and not "
         "bad, bad"
@@ -208,14 +212,14 @@ def test_an_sftjob_whose_packjob_is_elsewhere_needs_pack_claim(
     path = _sft_only(tmp_path)
     assert cli.main(["render", str(path)]) == EXIT_CONFIG
     assert "pass --pack-claim CLAIM[:SUBPATH]" in capsys.readouterr().err
-    assert cli.main(["render", str(path), "--pack-claim", "team-data:packs/qs"]) == 0
+    assert cli.main(["render", str(path), "--pack-claim", "team-data:packs/qs", LOCAL_PATHS]) == 0
     (config, job) = yaml.safe_load_all(capsys.readouterr().out)
     pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     data = next(v for v in pod["volumes"] if v["name"] == "data")
     assert data["persistentVolumeClaim"] == {"claimName": "team-data", "readOnly": True}
     assert yaml.safe_load(config["data"]["sftjob.yaml"])["spec"]["data"]["path"] == "/data/packs/qs"
     # Without SUBPATH the pack is under the PackJob's name, as the PackJob's own default.
-    assert cli.main(["render", str(path), "--pack-claim", "team-data"]) == 0
+    assert cli.main(["render", str(path), "--pack-claim", "team-data", LOCAL_PATHS]) == 0
     (config, _) = yaml.safe_load_all(capsys.readouterr().out)
     assert yaml.safe_load(config["data"]["sftjob.yaml"])["spec"]["data"]["path"] == "/data/quickstart"
 
@@ -229,7 +233,7 @@ def test_other_objects_are_printed_unchanged(tmp_path: Path, capsys: pytest.Capt
     }
     path = tmp_path / "with-claim.yaml"
     path.write_text(yaml.safe_dump_all([claim, *yaml.safe_load_all(QUICKSTART.read_text())], sort_keys=False))
-    assert cli.main(["render", str(path)]) == 0
+    assert cli.main(["render", str(path), LOCAL_PATHS]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     defaults = builders.OperatorDefaults.from_env(deployment_env({}))
     assert docs == [claim, *expected_quickstart(defaults)]
@@ -261,8 +265,10 @@ def test_names_the_api_server_refuses_exit_2_one_line_each(
 ) -> None:
     """The CRD's 45-character rule and the DNS forms the children's names need, checked before rendering."""
     longest = "a" * 45
-    assert cli.main(["render", str(_renamed(tmp_path, longest, longest))]) == 0
-    assert capsys.readouterr().err == ""
+    assert cli.main(["render", str(_renamed(tmp_path, longest, longest)), LOCAL_PATHS]) == 0
+    assert all(
+        line.startswith("packtrain render: warning: ") for line in capsys.readouterr().err.splitlines()
+    )
     assert cli.main(["render", str(_renamed(tmp_path, longest + "b", "Team.Run"))]) == EXIT_CONFIG
     out, err = capsys.readouterr()
     assert out == ""
@@ -295,7 +301,7 @@ def test_a_child_the_api_server_refuses_exits_2(tmp_path: Path, capsys: pytest.C
     err = capsys.readouterr().err
     assert "ConfigMap quickstart-pack-config: " in err and "over Kubernetes' 1048576 (1 MiB)" in err
     fits = _quickstart_with(tmp_path, {"spec": {"source": {"paths": paths[:900]}}}, {})
-    assert cli.main(["render", str(fits)]) == 0
+    assert cli.main(["render", str(fits), LOCAL_PATHS]) == 0
 
 
 def test_crd_ceilings_are_checked_through_the_models(

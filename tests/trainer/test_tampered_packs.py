@@ -50,6 +50,42 @@ def test_one_tampered_row_is_named_exactly(pack_dir, tmp_path):
     ds.checked_row(seq - 1)  # its neighbour is intact
 
 
+def _doubled_grid(row) -> None:  # the size doubled with it, so only the vision-token count disagrees
+    ref = row["media"][0]
+    ref.update(grid_h=ref["grid_h"] * 2, height=ref["height"] * 2)
+
+
+def _odd_grid(row) -> None:  # one patch wider: not a whole number of merged patches
+    ref = row["media"][0]
+    ref.update(grid_w=ref["grid_w"] + 1, width=ref["width"] + ref["width"] // ref["grid_w"])
+
+
+def _dropped_ref(row) -> None:  # placeholder tokens left without their grid
+    row["media"] = row["media"][1:]
+
+
+GRID_EDITS = {
+    "doubled grid": (_doubled_grid, "do not match its media grids"),
+    "grid off the merge size": (_odd_grid, "not a whole number of merged patches"),
+    "media ref dropped": (_dropped_ref, "do not match its media grids"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GRID_EDITS))
+def test_grids_that_disagree_with_their_tokens_exit_2_before_any_step(name, pack_dir, tmp_path, capsys):
+    """A grid edited to disagree with its placeholder tokens is refused as its row is read, naming
+    shard and row, before the step it is in (not a ValueError from the mRoPE positions)."""
+    edit, message = GRID_EDITS[name]
+    bad = copy_pack(pack_dir, tmp_path / "bad")
+    _every_row(bad, lambda row: edit(row) if row["media"] else None)
+    rows = sum(e["rows"] for e in json.loads((bad / MANIFEST).read_text())["shards"])
+    job = write_job(tmp_path / "job.yaml", job_spec(bad, tmp_path / "out", microBatchSequences=rows))
+    assert cli.main(["-c", str(job), "--log-format", "json"]) == 2
+    out, err = capsys.readouterr()
+    assert re.search(rf"{re.escape(str(bad))}/shards/\d{{5}}\.arrow row \d+: sub-sample \d+: .*{message}", err), err
+    assert "Traceback" not in err and '"event": "step"' not in out
+
+
 @pytest.mark.parametrize("damage", ["truncated manifest", "shard entry without sha256"])
 def test_damaged_manifest_exits_2_with_a_message(damage, pack_dir, tmp_path, capsys):
     bad = copy_pack(pack_dir, tmp_path / "bad")

@@ -146,7 +146,7 @@ def grid_problem(
         want = []
         for ref in (r for r in media if r["sample"] == k):
             grid = [int(ref[g]) for g in ("grid_t", "grid_h", "grid_w")]
-            if min(grid) < 1 or (grid[1] * grid[2]) % m2:
+            if min(grid) < 1 or grid[1] % facts.merge_size or grid[2] % facts.merge_size:
                 return f"sub-sample {k}: media grid {grid} is not a whole number of merged patches"
             if ref["kind"] == "video" and facts.video_groups:
                 want += [("video", grid[1] * grid[2] // m2)] * grid[0]
