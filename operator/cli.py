@@ -6,6 +6,7 @@
     packtrain render …     the objects the operator would create for a PackJob/SFTJob YAML
     packtrain operator …   the Kubernetes operator (kopf)
     packtrain crds …       write the CustomResourceDefinitions generated from the API models
+    packtrain docs …       write docs/reference.md (every spec field) and docs/rejects.md (reject reasons)
 
 Subcommands are imported only when chosen, so `packtrain pack` never loads kopf
 or torch, and `packtrain operator` never loads torch.
@@ -85,6 +86,21 @@ def _crds_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
+def _docs_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "docs",
+        help="write the reference pages generated from the API models and the reject reasons",
+        description="Write reference.md (every PackJob and SFTJob spec field: type, default, description) "
+        "and rejects.md (every reject reason and its fix), generated from the code.",
+    )
+    p.add_argument("--out", default="docs", help="folder to write to (default: %(default)s)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 when the folder is out of date (default: write the files)",
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="packtrain", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -94,6 +110,7 @@ def parser() -> argparse.ArgumentParser:
         sub.add_parser(name, help=help_, add_help=False)
     _operator_parser(sub)
     _crds_parser(sub)
+    _docs_parser(sub)
     return ap
 
 
@@ -146,6 +163,21 @@ def run_crds(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_docs(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from packtrain.operator import docgen
+
+    if args.check:
+        stale = docgen.stale(Path(args.out))
+        for path in stale:
+            print(f"{path} is out of date: run `packtrain docs --out {args.out}`", file=sys.stderr)
+        return 1 if stale else 0
+    for path in docgen.write_all(args.out):
+        print(path)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -172,6 +204,8 @@ def _dispatch(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     if args.command == "operator":
         return run_operator(args)
+    if args.command == "docs":
+        return run_docs(args)
     return run_crds(args)
 
 

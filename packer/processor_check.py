@@ -11,9 +11,8 @@ video processors need) the check is skipped with a warning: the trainer makes it
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
-import os
+import shutil
 import tempfile
 from importlib.metadata import version
 from pathlib import Path
@@ -25,30 +24,41 @@ from packtrain.packer.core.config import PackConfig, SourceConfig
 from packtrain.packer.core.errors import ConfigError
 from packtrain.packer.core.layout import (
     PROBES,
+    PROCESSING_SUFFIXES,
     TRANSFORMERS_FLOOR,
+    Probe,
+    cache_dir,
     family_layout,
     layout_difference,
     layout_of_text,
     probe_record,
+    processing_digest,
     processor_ids,
     write_probe_media,
 )
+from packtrain.packer.core.model_spec import served_processor_configs
 from packtrain.packer.sources.raw import RawRecord
-from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
+from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample
 
 _CONTEXT = 6  # tokens shown on each side of the first difference
 _COUNTING_CODE = (tokenize, layout, vision, families, model_spec)
-_PROCESSING_SUFFIXES = frozenset({".json", ".jinja", ".txt", ".model"})
-_MAX_HASHED_BYTES = 64 << 20
 
 
-def load_processor(model_path: str) -> Any:
-    """The model folder's HF processor (never remote code); ImportError/OSError/ValueError when it
-    cannot be built here."""
+def load_processor(cfg: PackConfig, folder: Path) -> Any:
+    """The processor the model is served with after training on this pack: the model folder's
+    processing files with the pack's vision settings written over them (`served_processor_configs`,
+    what the trainer exports), built in `folder` (never remote code). ImportError/OSError/ValueError
+    when it cannot be built here."""
     import transformers
 
+    model = Path(cfg.model.path)
+    for path in model.iterdir():
+        if path.suffix in PROCESSING_SUFFIXES and path.is_file() and not path.is_symlink():
+            shutil.copyfile(path, folder / path.name)
+    for name, config in served_processor_configs(model, cfg.model).items():
+        (folder / name).write_text(json.dumps(config))
     transformers.utils.logging.set_verbosity_error()
-    return transformers.AutoProcessor.from_pretrained(model_path, trust_remote_code=False)
+    return transformers.AutoProcessor.from_pretrained(str(folder), trust_remote_code=False)
 
 
 def check_processor(cfg: PackConfig, tokenizer: SampleTokenizer) -> str | None:
@@ -59,8 +69,7 @@ def check_processor(cfg: PackConfig, tokenizer: SampleTokenizer) -> str | None:
     model folder's processor and tokenizer files, the vision settings, the chat template, the
     transformers version and packtrain's own counting code), so a re-run skips the ~5 s it costs.
     """
-    key = _agreement_key(cfg, tokenizer)
-    marker = cache_dir() / "processor-checks" / f"{key}.ok"
+    marker = cache_dir() / "processor-checks" / f"{_agreement_key(cfg, tokenizer)}.ok"
     if marker.is_file():
         return None
     warning = _check(cfg, tokenizer)
@@ -71,59 +80,59 @@ def check_processor(cfg: PackConfig, tokenizer: SampleTokenizer) -> str | None:
     return warning
 
 
-def cache_dir() -> Path:
-    """`$PACKTRAIN_CACHE_DIR`, else `$XDG_CACHE_HOME/packtrain`, else `~/.cache/packtrain`."""
-    if os.environ.get("PACKTRAIN_CACHE_DIR"):
-        return Path(os.environ["PACKTRAIN_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "packtrain"
-
-
 def _agreement_key(cfg: PackConfig, tokenizer: SampleTokenizer) -> str:
-    digest = hashlib.sha256()
     model = tokenizer.model
-    facts = [version("transformers"), repr(model.vision), model.family.name, model.chat_template]
-    digest.update(json.dumps(facts).encode())
-    for module in _COUNTING_CODE:
-        digest.update(Path(module.__file__ or "").read_bytes())
-    folder = Path(cfg.model.path)
-    for path in sorted(folder.iterdir()):
-        # Regular files of the folder's own (no link leads outside it), weights left out.
-        own = path.is_file() and not path.is_symlink() and path.stat().st_size <= _MAX_HASHED_BYTES
-        if own and path.suffix in _PROCESSING_SUFFIXES:
-            digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()
+    facts = [repr(model.vision), model.family.name, model.chat_template]
+    code = [Path(m.__file__ or "").read_bytes() for m in _COUNTING_CODE]
+    return processing_digest(Path(cfg.model.path), facts, code)
 
 
 def _check(cfg: PackConfig, tokenizer: SampleTokenizer) -> str | None:
-    try:
-        processor = load_processor(cfg.model.path)
-    except (ImportError, OSError, ValueError) as exc:
-        return (
-            f"the token layout was not checked against transformers {version('transformers')}: its "
-            f"processor for {cfg.model.path} cannot be built here ({str(exc).strip().splitlines()[0]}); "
-            "the trainer checks it before training"
-        )
     with tempfile.TemporaryDirectory(prefix="packtrain-probe-") as tmp:
-        folder = Path(tmp)
-        write_probe_media(folder)
-        source = SourceConfig(paths=[str(folder / "probe.json")], media_root=str(folder))
+        media, served = Path(tmp) / "media", Path(tmp) / "processor"
+        media.mkdir()
+        served.mkdir()
+        try:
+            processor = load_processor(cfg, served)
+        except (ImportError, OSError, ValueError) as exc:
+            return (
+                f"the token layout was not checked against transformers {version('transformers')}: "
+                f"its processor for {cfg.model.path} cannot be built here "
+                f"({str(exc).strip().splitlines()[0]}); the trainer checks it before training"
+            )
+        write_probe_media(media)
+        source = SourceConfig(paths=[str(media / "probe.json")], media_root=str(media))
         ours = SampleTokenizer(source, cfg.model, _probe_packing(cfg), loaded=tokenizer.model)
         for i, probe in enumerate(PROBES):
-            sample = ours(RawRecord(folder / "probe.json", i, probe_record(probe), None))
-            if not isinstance(sample, TokenizedSample):
-                raise ConfigError(
-                    f"the built-in {probe.name!r} probe is rejected with these settings ({sample.detail}); "
-                    "the counting rules cannot be checked against the processor"
-                )
-            theirs = processor_ids(processor, probe, folder, ours.model.vision, ours.model.family)
-            if sample.input_ids != theirs:
-                raise ConfigError(_difference(probe.name, sample.input_ids, theirs, ours, processor))
-            if probe.videos or probe.name == "image":
-                found = layout_of_text(ours.model.tokenizer.decode(sample.input_ids), ours.model.family)
-                wrong = layout_difference(family_layout(ours.model.family), found)
-                if wrong:
-                    raise ConfigError(f"the packer writes a layout its family does not declare: {wrong}")
+            _compare(
+                probe,
+                ours(RawRecord(media / "probe.json", i, probe_record(probe), None)),
+                ours,
+                processor,
+                media,
+            )
     return None
+
+
+def _compare(
+    probe: Probe, sample: TokenizedSample | Reject, ours: SampleTokenizer, processor: Any, media: Path
+) -> None:
+    """ConfigError when the packer's ids for `probe` are not the processor's, or its layout not the
+    family's."""
+    if not isinstance(sample, TokenizedSample):
+        raise ConfigError(
+            f"the built-in {probe.name!r} probe is rejected with these settings ({sample.detail}); "
+            "the counting rules cannot be checked against the processor"
+        )
+    theirs = processor_ids(processor, probe, media)
+    if sample.input_ids != theirs:
+        raise ConfigError(_difference(probe.name, sample.input_ids, theirs, ours, processor))
+    if any(m.kind == "video" and m.grid_t < 2 for m in sample.media):
+        return  # one frame group shows no repeat to name (maxFrames below 4)
+    found = layout_of_text(ours.model.tokenizer.decode(sample.input_ids), ours.model.family)
+    wrong = layout_difference(family_layout(ours.model.family), found)
+    if wrong:
+        raise ConfigError(f"the packer writes a layout its family does not declare: {wrong}")
 
 
 def _probe_packing(cfg: PackConfig) -> Any:

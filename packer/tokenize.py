@@ -41,8 +41,7 @@ from packtrain.packer.core.pack.schema import IGNORE_INDEX
 from packtrain.packer.core.vision import frame_timestamps
 from packtrain.packer.media.access import MediaAccess, MediaItem
 from packtrain.packer.sources.conversation import ConversationParser, MediaRef, SampleError, Turn
-from packtrain.packer.sources.raw import MAX_NESTING_DEPTH, RawRecord
-from packtrain.packer.sources.records import MAX_RECORD_BYTES
+from packtrain.packer.sources.raw import RawRecord
 
 # Normalizers that shrink text at most 3-fold (canonical or compatibility (de)composition: Hangul jamo
 # compose 9 bytes into 3); a margin of 4 keeps the cheap overlong bound sound under them.
@@ -59,50 +58,6 @@ class TokenizedSample:
     input_ids: list[int]
     labels: list[int]
     media: list[MediaItem]
-
-
-REJECT_REASONS: dict[RejectReason, str] = {
-    RejectReason.BAD_JSON: f"a line or array item is not valid JSON or nests deeper than {MAX_NESTING_DEPTH} "
-    "levels; where a JSON array itself breaks, the rest of the file is one reject",
-    RejectReason.BAD_UTF8: "a line or array item is not valid UTF-8, or has a lone surrogate escape",
-    RejectReason.RECORD_TOO_LARGE: f"one record's JSON text is over {MAX_RECORD_BYTES >> 20} MiB "
-    "(records.MAX_RECORD_BYTES), or a Parquet row decodes to more than 2 GiB (from the footer or its "
-    "dictionaries); counted, not read",
-    RejectReason.BAD_PARQUET: "a Parquet file's footer, a row group or a row does not decode (a file that "
-    "cannot be opened is one reject, a row group that fails one reject per row it declares)",
-    RejectReason.MALFORMED_RECORD: "the record is not a conversation this packer can read (see detail)",
-    RejectReason.EMPTY_CONVERSATION: "no turns, or nothing to train on",
-    RejectReason.PLACEHOLDER_MISMATCH: "image/video placeholders in the text and the listed media do not "
-    "pair up",
-    RejectReason.RESERVED_TOKEN: "text contains a turn or vision control token of the model",
-    RejectReason.REMOTE_MEDIA: "a media reference is a URL (http://, s3://, file://, data: ...); only local "
-    "files are read",
-    RejectReason.MEDIA_OUTSIDE_ROOT: "a media path resolves (symlinks followed) outside the folders the job "
-    "names: source.mediaRoot, the dataset files' folders, source.mediaPathMap targets; whether it exists is "
-    "not told",
-    RejectReason.HARD_LINKED_MEDIA: "a media file has more than one hard link (its other names may lie "
-    "outside the media folders) and source.allowHardLinks is off",
-    RejectReason.MISSING_MEDIA: "a media file inside the media folders does not exist or cannot be read",
-    RejectReason.CORRUPT_MEDIA: "a media file does not decode, or is not an allowed image format or video "
-    "container (truncated, too few frames, text named as a video); a video whose sampled frames do not "
-    "decode is found by materialize",
-    RejectReason.MEDIA_TYPE_MISMATCH: "a video used as an image, or an image used as a video",
-    RejectReason.UNSUPPORTED_MEDIA: "audio, or a media path that is not a regular file (folder, FIFO, "
-    "device)",
-    RejectReason.MEDIA_TOO_LARGE: "a media file over source.maxImageBytes / source.maxVideoBytes, an "
-    "image over source.maxImageSourcePixels, one whose metadata (EXIF, ICC, XMP, text) is over 1 MiB, "
-    "or an mp4/mov whose sample tables declare over 1,000,000 samples or whose edit lists declare over "
-    "1,000 entries",
-    RejectReason.VIDEO_TOO_LARGE: "a video whose decoded work (source pixels x sampled frames) is over "
-    "source.maxVideoSourcePixels",
-    RejectReason.ASPECT_RATIO: "an image or video more than 200 times wider than tall (or taller than wide)",
-    RejectReason.TEMPLATE_ERROR: "the chat template failed on this record",
-    RejectReason.OVERLONG: "longer than packing.maxLength (set by the convert stage, or before tokenizing "
-    "when the text alone cannot fit and packing.overlong is drop)",
-    RejectReason.INTERNAL_ERROR: "handling the record raised an unexpected error (detail: its type and "
-    "message); the worker goes on",
-}
-"""What each reject reason means (the README's table is checked against it); one entry per member."""
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """The final Hugging Face export, streamed: no rank ever holds the whole model.
 
 `final/` is a folder `from_pretrained` loads: config.json, generation_config.json, the model
-folder's tokenizer and processor files, and the weights as safetensors shards of at most
-`shard_bytes` (5 GB unless told): `model-00001-of-0000N.safetensors`, … and
+folder's tokenizer and processor files (the processor configs set to the pixel and frame settings
+of the pack trained on, so the model is served as it was trained), and the weights as safetensors
+shards of at most `shard_bytes` (5 GB unless told): `model-00001-of-0000N.safetensors`, … and
 `model.safetensors.index.json`, or one `model.safetensors` when the model fits in one shard (as
 `save_pretrained` writes them). The weights are gathered one unit at a time (a decoder layer, a
 vision block, the embedding): each rank casts its FSDP2 shards to the export dtype and joins

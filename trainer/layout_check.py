@@ -9,20 +9,25 @@ video probes through its own processor and refuses (exit 2) a pack whose layout 
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import json
+import sys
 import tempfile
 from collections.abc import Mapping
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from packtrain.packer.core import layout
 from packtrain.packer.core.errors import ConfigError
 from packtrain.packer.core.families import Family
 from packtrain.packer.core.layout import (
     PROBES,
+    cache_dir,
     family_layout,
     layout_difference,
     layout_of_text,
+    processing_digest,
     processor_ids,
     write_probe_media,
 )
@@ -60,11 +65,23 @@ def check_pack_layout(manifest: Mapping[str, Any], model_path: str, spec: ModelS
 
 def processor_layout(model_path: str, spec: ModelSpec) -> dict[str, str] | None:
     """The layout the model folder's processor writes for the built-in probes; None when the folder
-    has no processor to build (then the family's own layout stands)."""
-    return _processor_layout(model_path, spec.family, spec.vision)
+    has no processor to build (then the family's own layout stands). Remembered under the cache
+    folder, keyed on the transformers version, the folder's processing files and this code."""
+    code = [Path(m.__file__ or "").read_bytes() for m in (layout, sys.modules[__name__])]
+    key = processing_digest(Path(model_path), [spec.family.name], code)
+    remembered = cache_dir() / "processor-layouts" / f"{key}.json"
+    with contextlib.suppress(OSError, ValueError):
+        found = json.loads(remembered.read_text())
+        if isinstance(found, dict) and all(isinstance(v, str) for v in found.values()):
+            return found
+    found = _processor_layout(model_path, spec.family, spec.vision)
+    if found is not None:
+        with contextlib.suppress(OSError):
+            remembered.parent.mkdir(parents=True, exist_ok=True)
+            remembered.write_text(json.dumps(found))
+    return found
 
 
-@functools.lru_cache(maxsize=8)
 def _processor_layout(model_path: str, family: Family, vision: Any) -> dict[str, str] | None:
     import transformers
 
@@ -79,6 +96,6 @@ def _processor_layout(model_path: str, family: Family, vision: Any) -> dict[str,
         write_probe_media(folder)
         for probe in PROBES:
             if probe.name in ("image", "video"):
-                ids = processor_ids(processor, probe, folder, vision, family)
+                ids = processor_ids(processor, probe, folder)
                 found |= layout_of_text(processor.tokenizer.decode(ids), family)
     return found

@@ -29,6 +29,8 @@ Plan = list[list[list[int]]]  # steps x ranks x unit indices
 
 class PackTooSmall(ConfigError):
     """The pack holds less than one global step: more data, or a smaller batch, fixes it."""
+
+
 Unit = tuple[int, int]  # (sequence, sub-sample); sub-sample -1 = the whole packed sequence
 
 

@@ -168,7 +168,8 @@ class TrainSummary(TypedDict):
 class RejectReason(StrEnum):
     """Why a sample was rejected: the `reason` of a `rejects.jsonl` line and a key of the manifest's
     `rejected_by_reason`. One member per code (a StrEnum, so the JSON carries the plain string);
-    the packer's `tokenize.REJECT_REASONS` describes each, and the README's table lists them."""
+    `REJECT_REASONS` below describes each, `docs/rejects.md` is generated from it (`packtrain docs`),
+    and the README's table lists them."""
 
     BAD_JSON = "bad_json"
     BAD_UTF8 = "bad_utf8"
@@ -191,6 +192,66 @@ class RejectReason(StrEnum):
     TEMPLATE_ERROR = "template_error"
     OVERLONG = "overlong"
     INTERNAL_ERROR = "internal_error"
+
+
+# The reader's limits a record must stay within (`sources/raw.py`, `sources/records.py` and
+# `sources/parquet.py` enforce them); defined here because the reject descriptions name them.
+MAX_NESTING_DEPTH = 64
+"""Deepest nesting of objects and arrays a record may have; deeper is a `bad_json` reject.
+
+Found by counting brackets before anything is parsed, so neither `json.loads` nor a later stage
+(chat templates render `tools`) recurses towards Python's limit; real records nest ~10 deep."""
+
+MAX_RECORD_BYTES = 64 << 20
+"""Largest record read, in bytes of its JSON text (one JSONL line, one item of a JSON array).
+
+A larger one is a `record_too_large` reject, counted but never decoded or parsed, and never held
+in memory whole: a line is read in bounded pieces, an array item scanned chunk by chunk. Real
+samples are far smaller (media are files, not inline), so this only stops a hostile record from
+taking a worker's memory."""
+
+REJECT_REASONS: dict[RejectReason, str] = {
+    RejectReason.BAD_JSON: f"a line or array item is not valid JSON or nests deeper than {MAX_NESTING_DEPTH} "
+    "levels; where a JSON array itself breaks, the rest of the file is one reject",
+    RejectReason.BAD_UTF8: "a line or array item is not valid UTF-8, or has a lone surrogate escape",
+    RejectReason.RECORD_TOO_LARGE: f"one record's JSON text is over {MAX_RECORD_BYTES >> 20} MiB "
+    "(records.MAX_RECORD_BYTES), or a Parquet row decodes to more than 2 GiB (from the footer or its "
+    "dictionaries); counted, not read",
+    RejectReason.BAD_PARQUET: "a Parquet file's footer, a row group or a row does not decode (a file that "
+    "cannot be opened is one reject, a row group that fails one reject per row it declares)",
+    RejectReason.MALFORMED_RECORD: "the record is not a conversation this packer can read (see detail)",
+    RejectReason.EMPTY_CONVERSATION: "no turns, or nothing to train on",
+    RejectReason.PLACEHOLDER_MISMATCH: "image/video placeholders in the text and the listed media do not "
+    "pair up",
+    RejectReason.RESERVED_TOKEN: "text contains a turn or vision control token of the model",
+    RejectReason.REMOTE_MEDIA: "a media reference is a URL (http://, s3://, file://, data: ...); only local "
+    "files are read",
+    RejectReason.MEDIA_OUTSIDE_ROOT: "a media path resolves (symlinks followed) outside the folders the job "
+    "names: source.mediaRoot, the dataset files' folders, source.mediaPathMap targets; whether it exists is "
+    "not told",
+    RejectReason.HARD_LINKED_MEDIA: "a media file has more than one hard link (its other names may lie "
+    "outside the media folders) and source.allowHardLinks is off",
+    RejectReason.MISSING_MEDIA: "a media file inside the media folders does not exist or cannot be read",
+    RejectReason.CORRUPT_MEDIA: "a media file does not decode, or is not an allowed image format or video "
+    "container (truncated, too few frames, text named as a video); a video whose sampled frames do not "
+    "decode is found by materialize",
+    RejectReason.MEDIA_TYPE_MISMATCH: "a video used as an image, or an image used as a video",
+    RejectReason.UNSUPPORTED_MEDIA: "audio, or a media path that is not a regular file (folder, FIFO, "
+    "device)",
+    RejectReason.MEDIA_TOO_LARGE: "a media file over source.maxImageBytes / source.maxVideoBytes, an "
+    "image over source.maxImageSourcePixels, one whose metadata (EXIF, ICC, XMP, text) is over 1 MiB, "
+    "or an mp4/mov whose sample tables declare over 1,000,000 samples or whose edit lists declare over "
+    "1,000 entries",
+    RejectReason.VIDEO_TOO_LARGE: "a video whose decoded work (source pixels x sampled frames) is over "
+    "source.maxVideoSourcePixels",
+    RejectReason.ASPECT_RATIO: "an image or video more than 200 times wider than tall (or taller than wide)",
+    RejectReason.TEMPLATE_ERROR: "the chat template failed on this record",
+    RejectReason.OVERLONG: "longer than packing.maxLength (set by the convert stage, or before tokenizing "
+    "when the text alone cannot fit and packing.overlong is drop)",
+    RejectReason.INTERNAL_ERROR: "handling the record raised an unexpected error (detail: its type and "
+    "message); the worker goes on",
+}
+"""What each reject reason means (the README's table is checked against it); one entry per member."""
 
 
 # What to change for the most common reject reasons (the rest: see the README's table of reasons).

@@ -15,18 +15,21 @@ tiny synthetic media written here, so nothing is downloaded and both sides read 
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fractions import Fraction
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from packtrain.packer.core.families import Family
-from packtrain.packer.core.vision import VisionSpec
 
 # The transformers versions whose processors write what the packer writes, for every family
 # (pyproject.toml declares the same floor; the parity tests run against the installed version).
@@ -34,6 +37,8 @@ TRANSFORMERS_FLOOR = "5.25"
 # A probe prompt marks each media item with these, so its layout can be cut out of the decoded text.
 OPEN, CLOSE = "[[", "]]"
 _STAMP = re.compile(r"<\d+(?:\.\d+)? seconds>")
+PROCESSING_SUFFIXES = frozenset({".json", ".jinja", ".txt", ".model"})
+_MAX_HASHED_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,28 @@ PROBES = (
     Probe("video", f"{OPEN}<video>{CLOSE} What happens?", videos=(PROBE_VIDEO[0],)),
 )
 PROBE_ANSWER = "Ok."
+
+
+def cache_dir() -> Path:
+    """Where checks remember an agreement: `$PACKTRAIN_CACHE_DIR`, else `$XDG_CACHE_HOME/packtrain`,
+    else `~/.cache/packtrain`."""
+    if os.environ.get("PACKTRAIN_CACHE_DIR"):
+        return Path(os.environ["PACKTRAIN_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "packtrain"
+
+
+def processing_digest(folder: Path, facts: list[str], code: list[bytes]) -> str:
+    """A key for what a processor check depends on: the installed transformers, `facts`, `code`, and
+    the model folder's processor, template and tokenizer files (its own regular files: no link is
+    followed out of it; weights are not read)."""
+    digest = hashlib.sha256(json.dumps([version("transformers"), *facts]).encode())
+    for blob in code:
+        digest.update(hashlib.sha256(blob).digest())
+    for path in sorted(folder.iterdir()):
+        own = path.is_file() and not path.is_symlink() and path.stat().st_size <= _MAX_HASHED_BYTES
+        if own and path.suffix in PROCESSING_SUFFIXES:
+            digest.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
 
 
 def family_layout(family: Family) -> dict[str, str]:
@@ -140,9 +167,9 @@ def probe_record(probe: Probe) -> dict[str, Any]:
     }
 
 
-def processor_ids(processor: Any, probe: Probe, folder: Path, spec: VisionSpec, family: Family) -> list[int]:
-    """The ids the HF `processor` writes for `probe` with the pack's vision settings (its media read
-    from `folder`: images by PIL, the video by transformers' own PyAV reader)."""
+def processor_ids(processor: Any, probe: Probe, folder: Path) -> list[int]:
+    """The ids the HF `processor` writes for `probe` with its own settings (its media read from
+    `folder`: images by PIL, the video by transformers' own PyAV reader)."""
     from PIL import Image
     from transformers.video_utils import load_video
 
@@ -156,28 +183,14 @@ def processor_ids(processor: Any, probe: Probe, folder: Path, spec: VisionSpec, 
         {"role": "user", "content": content},
         {"role": "assistant", "content": [{"type": "text", "text": PROBE_ANSWER}]},
     ]
-    text = processor.apply_chat_template(conversation, tokenize=False)
-    kwargs: dict[str, Any] = {"text": [text]}
+    kwargs: dict[str, Any] = {"text": [processor.apply_chat_template(conversation, tokenize=False)]}
     if probe.images:
         kwargs["images"] = [Image.open(folder / n).convert("RGB") for n in probe.images]
-        kwargs["images_kwargs"] = {
-            "size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}
-        }
     if probe.videos:
         # transformers reads a path given as a string (its annotation names only decoded inputs).
         decoded = [load_video(str(folder / n), backend="pyav") for n in probe.videos]  # type: ignore[arg-type]
         kwargs["videos"] = [frames for frames, _ in decoded]
         kwargs["video_metadata"] = [meta for _, meta in decoded]
-        videos: dict[str, Any] = {
-            "do_sample_frames": True,
-            "fps": spec.fps,
-            "min_frames": spec.min_frames,
-            "max_frames": spec.max_frames,
-            "size": {"shortest_edge": spec.video_min_pixels, "longest_edge": spec.video_max_pixels},
-        }
-        if family.video_resize == "volume":
-            videos["cap_pixels_per_frame"] = spec.cap_pixels_per_frame
-        kwargs["videos_kwargs"] = videos
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = processor(**kwargs)

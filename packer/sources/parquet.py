@@ -27,8 +27,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from packtrain.packer.core.contract import RejectReason
-from packtrain.packer.sources.raw import MAX_NESTING_DEPTH, Copies, RawRecord, Want, skipped
+from packtrain.packer.core.contract import MAX_NESTING_DEPTH, RejectReason
+from packtrain.packer.sources.raw import Copies, RawRecord, Want, skipped
 
 BATCH_ROWS = 64
 """Rows decoded at a time: a batch of images is what memory holds, whatever the row group size."""

@@ -43,12 +43,6 @@ Copies = Times | None
 Want = Callable[[], bool]
 """Asked once per unit of work (a JSON record, a Parquet row group): whether to read it."""
 
-MAX_NESTING_DEPTH = 64
-"""Deepest nesting of objects and arrays a record may have; deeper is a `bad_json` reject.
-
-Found by counting brackets before anything is parsed, so neither `json.loads` nor a later stage
-(chat templates render `tools`) recurses towards Python's limit; real records nest ~10 deep."""
-
 
 def skipped(path: Path, index: int) -> RawRecord:
     """The placeholder for a record not read (another worker's, or one the mixture does not take)."""

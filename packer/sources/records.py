@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, cast
 
-from packtrain.packer.core.contract import RejectReason
+from packtrain.packer.core.contract import MAX_NESTING_DEPTH, MAX_RECORD_BYTES, RejectReason
 from packtrain.packer.core.errors import ConfigError, relative_note
-from packtrain.packer.sources.raw import MAX_NESTING_DEPTH, Copies, RawRecord, Times, Want, skipped
+from packtrain.packer.sources.raw import Copies, RawRecord, Times, Want, skipped
 
 _GLOB_CHARS = frozenset("*?[")
 
@@ -250,14 +250,6 @@ def _read_file(path: Path, want: Want | None = None) -> Iterator[RawRecord]:
     else:
         yield from _read_lines(path, want)
 
-
-MAX_RECORD_BYTES = 64 << 20
-"""Largest record read, in bytes of its JSON text (one JSONL line, one item of a JSON array).
-
-A larger one is a `record_too_large` reject, counted but never decoded or parsed, and never held
-in memory whole: a line is read in bounded pieces, an array item scanned chunk by chunk. Real
-samples are far smaller (media are files, not inline), so this only stops a hostile record from
-taking a worker's memory."""
 
 READ_CHUNK_BYTES = 1 << 20
 """Bytes read at a time while streaming a JSON array (and discarding an over-long line)."""

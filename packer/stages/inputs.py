@@ -25,7 +25,8 @@ from packtrain.packer.core.pack.shards import (
     MANIFEST,
     REJECTS,
     SHARDS_DIR,
-    atomic_write_json,
+    atomic_write,
+    canonical_json,
     read_table,
     sha256_file,
 )
@@ -52,7 +53,10 @@ def record_inputs(out: Path, plan_info: dict[str, Any]) -> None:
     media = {path: {**_stat(path), "sha256": key} for path, key in _stored_media(out, plan_info).items()}
     with rejects_in_order(work, plan_info["convert_workers"]) as rejects:
         missing = sorted({r[MISSING_MEDIA_KEY] for r in rejects if r.get(MISSING_MEDIA_KEY)})
-    atomic_write_json(work / INPUTS_RECORD, {"datasets": datasets, "media": media, "missing_media": missing})
+    data = canonical_json({"datasets": datasets, "media": media, "missing_media": missing})
+    path = work / INPUTS_RECORD
+    if not (path.is_file() and path.read_bytes() == data):  # a re-run that changed nothing writes nothing
+        atomic_write(path, data)
 
 
 def _stored_media(out: Path, plan_info: dict[str, Any]) -> dict[str, str]:

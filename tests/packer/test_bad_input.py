@@ -10,9 +10,10 @@ import pytest
 from support.paths import SHARED
 
 from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
+from packtrain.packer.core.contract import REJECT_REASONS
 from packtrain.packer.core.vision import VisionSpec, image_grid, probe_image
 from packtrain.packer.sources.records import iter_records
-from packtrain.packer.tokenize import REJECT_REASONS, Reject, SampleTokenizer, TokenizedSample
+from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample
 
 DEMO_MEDIA = SHARED / "datasets" / "llamafactory-mllm-demo" / "mllm_demo_data"
 

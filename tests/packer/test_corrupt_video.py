@@ -120,7 +120,12 @@ def _config(data: Path, storage: str = "original", max_length: int = MAX_LENGTH)
         {
             "source": {"paths": [str(data / "media.jsonl"), str(data / "text.jsonl")]},
             "model": {"path": str(QWEN2), "maxPixels": 100_000, "videoMaxPixels": 60_000, "fps": 1.0},
-            "packing": {"maxLength": max_length, "mediaStorage": storage, "sequencesPerShard": 2},
+            "packing": {
+                "maxLength": max_length,
+                "mediaStorage": storage,
+                "sequencesPerShard": 2,
+                "maxRejectedFraction": 1.0,  # rejects are the point here; the limit has its own test
+            },
         }
     )
 

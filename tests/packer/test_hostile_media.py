@@ -19,13 +19,13 @@ import pytest
 from support.paths import MODELS, REPO
 
 from packtrain.packer.core.config import ModelConfig, PackConfig, PackingConfig, SourceConfig
-from packtrain.packer.core.contract import RejectReason
+from packtrain.packer.core.contract import REJECT_REASONS, RejectReason
 from packtrain.packer.core.errors import MediaError
 from packtrain.packer.media.access import open_regular
 from packtrain.packer.sources.raw import RawRecord
 from packtrain.packer.sources.records import iter_records
 from packtrain.packer.stages.convert import convert
-from packtrain.packer.tokenize import REJECT_REASONS, Reject, SampleTokenizer, TokenizedSample
+from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample
 
 QWEN2 = MODELS / "qwen2-vl"
 
@@ -88,13 +88,17 @@ def test_paths_outside_the_roots_are_rejected_without_telling_if_they_exist(tree
     }
     results = {name: _one(tok, _image(ref), ds) for name, ref in cases.items()}
     assert {name: _reason(r) for name, r in results.items()} == dict.fromkeys(cases, "media_outside_root")
-    # The detail is the reference as written plus one fixed sentence: existing and missing read alike.
+    # The detail is the reference as written (and, for an absolute one, the mediaPathMap line naming its
+    # folder) plus fixed sentences: existing and missing read alike.
     shapes = {
-        name: r.detail.replace(repr(cases[name]), "REF")
+        name: r.detail.replace(repr(cases[name]), "REF").replace(
+            json.dumps(os.path.dirname(cases[name]) + "/"), "DIR"
+        )
         for name, r in results.items()
         if isinstance(r, Reject)
     }
-    assert len(set(shapes.values())) == 1, shapes
+    assert len({shapes[n] for n in ("absolute", "absolute-missing", "etc")}) == 1, shapes
+    assert len({shapes[n] for n in ("dotdot", "symlink", "dangling-symlink")}) == 1, shapes
     assert "secret" not in shapes["symlink"]  # the link's target is not revealed
 
 

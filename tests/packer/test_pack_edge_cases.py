@@ -42,7 +42,7 @@ def _cfg(paths: list[Path], **packing: object) -> PackConfig:
         {
             "source": {"paths": [str(p) for p in paths]},
             "model": {"path": str(QWEN2)},
-            "packing": {"maxLength": 256, "sequencesPerShard": 2, **packing},
+            "packing": {"maxLength": 256, "sequencesPerShard": 2, "maxRejectedFraction": 1.0, **packing},
         }
     )
 

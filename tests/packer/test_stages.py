@@ -41,7 +41,7 @@ def _config(tmp_path: Path, **packing: object) -> PackConfig:
                 ]
             },
             "model": {"path": str(QWEN2), "maxPixels": 200_000, "videoMaxPixels": 50_000, "maxFrames": 8},
-            "packing": {"maxLength": 2048, "sequencesPerShard": 16, **packing},
+            "packing": {"maxLength": 2048, "sequencesPerShard": 16, "maxRejectedFraction": 1.0, **packing},
         }
     )
 
@@ -212,7 +212,7 @@ def test_media_path_map_packs_both_demo_layouts(tmp_path: Path) -> None:
                 "mediaPathMap": {"data/mllm_demo_data/": "mllm_demo_data/"},
             },
             "model": {"path": str(QWEN2), "maxPixels": 100_000},
-            "packing": {"maxLength": 4096},
+            "packing": {"maxLength": 4096, "maxRejectedFraction": 1.0},
         }
     )
     manifest = _run(cfg, tmp_path / "out", workers=1)

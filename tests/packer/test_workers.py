@@ -30,7 +30,7 @@ def _config(**packing: object) -> PackConfig:
         {
             "source": {"paths": [str(DEMO / "mllm_demo.json"), str(TEXT / "glaive-toolcall" / "*.json")]},
             "model": {"path": str(QWEN2), "maxPixels": 200_000},
-            "packing": {"maxLength": 1024, **packing},
+            "packing": {"maxLength": 1024, "maxRejectedFraction": 1.0, **packing},
         }
     )
 

@@ -39,6 +39,7 @@ SUMMARY_KEYS = [
     "attention_imbalance_max",
     "resumed_from",
     "final_model",
+    "init",
 ]
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -97,7 +98,7 @@ def test_a_terminal_shows_a_progress_bar_and_the_summary_line(pack_dir, tmp_path
     assert '{"event"' not in text  # no per-step JSON
     assert "\x1b[" in out.getvalue()  # drawn for a terminal
     assert re.search(r"3/3 loss \d+\.\d{4} [\d,]+ tokens/s ETA", text), text[-2000:]
-    assert "training steps 1..3" in text and "attention sdpa" in text
+    assert "training steps 1..3" in text and "attention sdpa" in text and "init random" in text
     summary = json.loads(text.strip().splitlines()[-1])
     assert list(summary) == SUMMARY_KEYS and summary["steps"] == 3
     assert parse_summary((tmp_path / "termination.json").read_text()) == summary

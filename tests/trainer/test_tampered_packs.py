@@ -82,7 +82,9 @@ def test_grids_that_disagree_with_their_tokens_exit_2_before_any_step(name, pack
     job = write_job(tmp_path / "job.yaml", job_spec(bad, tmp_path / "out", microBatchSequences=rows))
     assert cli.main(["-c", str(job), "--log-format", "json"]) == 2
     out, err = capsys.readouterr()
-    assert re.search(rf"{re.escape(str(bad))}/shards/\d{{5}}\.arrow row \d+: sub-sample \d+: .*{message}", err), err
+    assert re.search(
+        rf"{re.escape(str(bad))}/shards/\d{{5}}\.arrow row \d+: sub-sample \d+: .*{message}", err
+    ), err
     assert "Traceback" not in err and '"event": "step"' not in out
 
 
