@@ -26,6 +26,7 @@ from packtrain.packer.core.errors import (
     ShardFormatError,
 )
 from packtrain.packer.core.families import FAMILY_NAMES
+from packtrain.packer.core.model_spec import detect_family
 from packtrain.packer.core.report import report
 
 
@@ -86,6 +87,8 @@ def build_config(args: argparse.Namespace) -> PackConfig:
     for key, value in (("path", args.model), ("family", args.family)):
         if value is not None:
             model[key] = value
+    if args.model and not args.family and not args.config and (Path(args.model) / "config.json").is_file():
+        model["family"] = detect_family(args.model).name  # as --family's help says
     for key, value in (
         ("maxLength", args.max_length),
         ("algorithm", args.algorithm),

@@ -207,7 +207,7 @@ def test_every_flag_has_help_with_its_default() -> None:
 def test_top_level_help_lists_every_subcommand() -> None:
     result = packtrain("--help")
     assert result.returncode == 0
-    for command in ("pack", "train", "run", "render", "operator", "crds"):
+    for command in ("pack", "train", "run", "render", "operator", "crds", "docs"):
         assert f"\n    {command} " in result.stdout, command
     for sub in ("convert", "plan", "materialize", "run", "inspect", "verify", "unpack", "export"):
         assert sub in result.stdout.split("pack …", 1)[1].splitlines()[0], sub
@@ -381,3 +381,16 @@ def test_ctrl_c_in_local_run_training(tmp_path: Path, sig: int) -> None:
     time.sleep(0.5)
     assert _alive(str(out)) == []  # torchrun and its workers stopped too
     busy.close()
+
+
+def test_the_family_is_detected_from_the_model_folder(tmp_path: Path) -> None:
+    """`--model` without `--family` packs for the folder's own family, as `--family`'s help says."""
+    data = tmp_path / "chats.json"
+    data.write_text(json.dumps(chats(4)))
+    out = tmp_path / "o"
+    model = SHARED / "models" / "qwen3-vl"
+    result = packtrain(
+        "pack", "run", "--input", str(data), "--model", str(model), "-o", str(out), "--no-progress"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((out / "manifest.json").read_text())["family"] == "qwen3-vl"

@@ -215,7 +215,7 @@ REJECT_REASONS: dict[RejectReason, str] = {
     "levels; where a JSON array itself breaks, the rest of the file is one reject",
     RejectReason.BAD_UTF8: "a line or array item is not valid UTF-8, or has a lone surrogate escape",
     RejectReason.RECORD_TOO_LARGE: f"one record's JSON text is over {MAX_RECORD_BYTES >> 20} MiB "
-    "(records.MAX_RECORD_BYTES), or a Parquet row decodes to more than 2 GiB (from the footer or its "
+    "(contract.MAX_RECORD_BYTES), or a Parquet row decodes to more than 2 GiB (from the footer or its "
     "dictionaries); counted, not read",
     RejectReason.BAD_PARQUET: "a Parquet file's footer, a row group or a row does not decode (a file that "
     "cannot be opened is one reject, a row group that fails one reject per row it declares)",
@@ -254,7 +254,7 @@ REJECT_REASONS: dict[RejectReason, str] = {
 """What each reject reason means (the README's table is checked against it); one entry per member."""
 
 
-# What to change for the most common reject reasons (the rest: see the README's table of reasons).
+# What to change for the most common reject reasons (`docs/rejects.md` lists them beside every reason).
 REJECT_FIXES: dict[str, str] = {
     "media_outside_root": "media lie outside the media roots: set source.mediaRoot to the folder holding "
     "them, or map their prefix with source.mediaPathMap",

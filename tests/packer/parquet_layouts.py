@@ -107,5 +107,5 @@ def config(paths: list[Path | str], **source: Any) -> dict[str, Any]:
     return {
         "source": {"paths": [str(p) for p in paths], **source},
         "model": {"path": str(QWEN2), "maxPixels": 200_000},
-        "packing": {"maxLength": 2048, "sequencesPerShard": 4},
+        "packing": {"maxLength": 2048, "sequencesPerShard": 4, "maxRejectedFraction": 1.0},
     }

@@ -45,7 +45,7 @@ def _cfg(paths: list[str], **source: object) -> PackConfig:
         {
             "source": {"paths": paths, **source},
             "model": {"path": str(QWEN2), "maxPixels": 48 * 28 * 28},
-            "packing": {"maxLength": 512},
+            "packing": {"maxLength": 512, "maxRejectedFraction": 1.0},
         }
     )
 

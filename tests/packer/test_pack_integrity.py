@@ -40,7 +40,7 @@ def _config(tmp: Path) -> PackConfig:
                 "videoMaxPixels": 16 * 28 * 28,
                 "maxFrames": 8,
             },
-            "packing": {"maxLength": 512, "sequencesPerShard": 2},
+            "packing": {"maxLength": 512, "sequencesPerShard": 2, "maxRejectedFraction": 1.0},
         }
     )
 
