@@ -121,7 +121,7 @@ inputs_key() {
     cat "$0" "$HERE/$image/Dockerfile" "$HERE/$image/Dockerfile.dockerignore" \
         "$HERE/$image/requirements.txt" "$HERE/requirements-build.txt" "$HERE/lock_layers.py" \
         "$REPO/pyproject.toml" "$REPO/README.md"
-    (cd "$REPO" && find packer trainer operator -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 \
+    (cd "$REPO" && find core packer trainer operator -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 \
        | sort -z | xargs -0 sha256sum)
   } | sha
 }

@@ -23,7 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, ConfigDict, Field, model_validator
 from pydantic.config import JsonDict
 
-from packtrain.packer.core.config import CamelModel, ModelConfig, PackingConfig, SourceConfig
+from packtrain.core.config import CamelModel, ModelConfig, PackingConfig, SourceConfig
 from packtrain.trainer.config import DataSpec, TrainingSpec, TrainModelSpec
 
 GROUP = "packtrain.dev"

@@ -19,6 +19,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from packtrain.core.contract import PackStage
+from packtrain.core.errors import EXIT_CONFIG
 from packtrain.operator.api import (
     API_VERSION,
     QUANTITY_PATTERN,
@@ -46,8 +48,6 @@ from packtrain.operator.names import (
     TRAINJOB_TARGET,
 )
 from packtrain.operator.policy import Policy
-from packtrain.packer.core.contract import PackStage
-from packtrain.packer.core.errors import EXIT_CONFIG
 
 CONFIG_DIR = "/etc/packtrain"
 PACK_CONFIG_FILE = "packjob.yaml"

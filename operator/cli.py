@@ -21,7 +21,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from packtrain.packer.core.errors import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK
+from packtrain.core.errors import EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_OK
 
 # subcommand -> (module with main(argv) -> int, one-line help)
 DELEGATES: dict[str, tuple[str, str]] = {

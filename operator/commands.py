@@ -7,7 +7,7 @@ arguments. Pure functions of their inputs; nothing here touches Kubernetes.
 
 from __future__ import annotations
 
-from packtrain.packer.core.contract import PACK_STAGES, PackStage
+from packtrain.core.contract import PACK_STAGES, PackStage
 
 # Stages split across workers (one Indexed Job index each); plan sees every sample at once.
 INDEXED_STAGES: frozenset[str] = frozenset({"convert", "materialize"})

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
+from packtrain.core.contract import TRAIN_DATA_WAIT
 from packtrain.operator.reasons import ConditionReason as R
-from packtrain.packer.core.contract import TRAIN_DATA_WAIT
 
 
 @dataclass(frozen=True)

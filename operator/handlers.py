@@ -31,6 +31,7 @@ import kubernetes
 from kubernetes.client.rest import ApiException
 from pydantic import ValidationError
 
+from packtrain.core.contract import PACK_STAGES, PackStage
 from packtrain.operator import builders, deadlines, logs, metrics, ownership, policy, progress
 from packtrain.operator import status as st
 from packtrain.operator.api import GROUP, VERSION, PackJobSpec, SFTJobSpec
@@ -38,7 +39,6 @@ from packtrain.operator.children import BY_BACKEND, BY_KIND, PYTORCHJOB, TRAINJO
 from packtrain.operator.names import JOB_NAME_LABEL, PACKJOB_LABEL, SFTJOB_LABEL
 from packtrain.operator.reasons import ConditionReason as R
 from packtrain.operator.view import CachedKube, Kube
-from packtrain.packer.core.contract import PACK_STAGES, PackStage
 
 log = logging.getLogger("packtrain.operator")
 

@@ -15,11 +15,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from packtrain.core.errors import ConfigError
+from packtrain.core.model_size import planning_config, read_config
 from packtrain.operator import policy
 from packtrain.operator.api import SFT_MODEL_MOUNT, ClaimMount, PackJobSpec, SFTJobSpec
 from packtrain.operator.status.memory import START_UP_NOTE, memory_verdict
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.model_size import planning_config, read_config
 
 ALLOW_UNMOUNTED = "--allow-unmounted"
 EXAMPLE_MOUNT = "/datasets"

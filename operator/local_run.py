@@ -28,6 +28,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from packtrain.core.errors import EXIT_CONFIG, EXIT_INTERRUPTED
+from packtrain.core.report import rejects_warning
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
 from packtrain.operator.builders import (
     PACK_CONFIG_FILE,
@@ -38,8 +40,6 @@ from packtrain.operator.builders import (
 )
 from packtrain.operator.commands import pack_stage_command, train_command
 from packtrain.operator.manifests import Named, invalid, load_manifests
-from packtrain.packer.core.errors import EXIT_CONFIG, EXIT_INTERRUPTED
-from packtrain.packer.core.report import rejects_warning
 from packtrain.trainer.config import check_model_overrides
 from packtrain.trainer.progress import ProgressBar, follow
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from packtrain.core.errors import ConfigError
+from packtrain.core.spec_file import manifest_spec, read_documents, validate
 from packtrain.operator.api import GROUP, PackJob, SFTJob
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.spec_file import manifest_spec, read_documents, validate
 
 KINDS: dict[str, type[PackJob] | type[SFTJob]] = {"PackJob": PackJob, "SFTJob": SFTJob}
 

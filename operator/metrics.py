@@ -7,7 +7,7 @@ from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from packtrain.packer.core.contract import PACK_STAGES
+from packtrain.core.contract import PACK_STAGES
 
 # The names as Prometheus shows them (a counter's with `_total`): the chart's dashboard queries these.
 RECONCILES_TOTAL: Final = "packtrain_operator_reconciles_total"

@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 from pydantic import Field
 
+from packtrain.core.config import CamelModel
 from packtrain.operator.api import QUANTITY_PATTERN, PackJobSpec, Runtime, SFTJobSpec
-from packtrain.packer.core.config import CamelModel
 
 GPU_RESOURCE = "nvidia.com/gpu"
 VALUES_PREFIX = "policy"

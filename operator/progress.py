@@ -19,10 +19,10 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from packtrain.core.contract import TRAIN_EVAL_LOSS, TRAIN_LOSS, TRAIN_STEP, TRAIN_TOKENS_PER_SECOND
 from packtrain.operator import deadlines, scrape
 from packtrain.operator.api import GROUP, VERSION, SFTJobSpec
 from packtrain.operator.names import COMPLETION_INDEX, JOBSET_INDEX_LABEL, REPLICA_TYPE_LABEL, SFTJOB_LABEL
-from packtrain.packer.core.contract import TRAIN_EVAL_LOSS, TRAIN_LOSS, TRAIN_STEP, TRAIN_TOKENS_PER_SECOND
 
 log = logging.getLogger("packtrain.operator")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from packtrain.packer.core.contract import NO_SAMPLES, TOO_MANY_REJECTED, PackStage
+from packtrain.core.contract import NO_SAMPLES, TOO_MANY_REJECTED, PackStage
 
 
 class ConditionReason(StrEnum):

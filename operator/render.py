@@ -26,11 +26,11 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from packtrain.core.contract import PACK_STAGES
+from packtrain.core.errors import EXIT_CONFIG
 from packtrain.operator import builders, handoff, policy
 from packtrain.operator.api import MAX_NAME_LENGTH, PackJobSpec, PackOutput, SFTJobSpec
 from packtrain.operator.manifests import Manifests, Named, load_manifests
-from packtrain.packer.core.contract import PACK_STAGES
-from packtrain.packer.core.errors import EXIT_CONFIG
 
 CHART = Path(__file__).resolve().parents[1] / "charts" / "packtrain"
 

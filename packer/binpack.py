@@ -33,7 +33,7 @@ from typing import get_args
 import numpy as np
 import numpy.typing as npt
 
-from packtrain.packer.core.config import Algorithm
+from packtrain.core.config import Algorithm
 
 ALGORITHMS: tuple[str, ...] = get_args(Algorithm)
 

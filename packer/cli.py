@@ -16,18 +16,18 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from packtrain.packer.core.config import PackConfig, load_pack_config
-from packtrain.packer.core.contract import PACK_STAGES, ErrorReport, pack_outcome_error
-from packtrain.packer.core.errors import (
+from packtrain.core.config import PackConfig, load_pack_config
+from packtrain.core.contract import PACK_STAGES, ErrorReport, pack_outcome_error
+from packtrain.core.errors import (
     EXIT_CONFIG,
     EXIT_INTERRUPTED,
     EXIT_OK,
     ConfigError,
     ShardFormatError,
 )
-from packtrain.packer.core.families import FAMILY_NAMES
-from packtrain.packer.core.model_spec import detect_family
-from packtrain.packer.core.report import report
+from packtrain.core.families import FAMILY_NAMES
+from packtrain.core.model_spec import detect_family
+from packtrain.core.report import report
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.pack.shards import ShardReader, atomic_write, temp_path
-from packtrain.packer.core.pixels import SNIFF_BYTES, sniff_container
+from packtrain.core.errors import ConfigError
+from packtrain.core.pack.shards import ShardReader, atomic_write, temp_path
+from packtrain.core.pixels import SNIFF_BYTES, sniff_container
 
 META = ".nv-meta"
 LAYOUTS = ("packed", "samples")

@@ -26,9 +26,9 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from packtrain.packer.core.config import PackConfig
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.pack.shards import MANIFEST
+from packtrain.core.config import PackConfig
+from packtrain.core.errors import ConfigError
+from packtrain.core.pack.shards import MANIFEST
 from packtrain.packer.processor_check import check_processor
 from packtrain.packer.sources.mixture import weigher
 from packtrain.packer.sources.records import iter_records

@@ -18,11 +18,10 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from packtrain.packer import tokenize
-from packtrain.packer.core import families, layout, model_spec, vision
-from packtrain.packer.core.config import PackConfig, SourceConfig
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.layout import (
+from packtrain.core import families, layout, model_spec, vision
+from packtrain.core.config import PackConfig, SourceConfig
+from packtrain.core.errors import ConfigError
+from packtrain.core.layout import (
     PROBES,
     PROCESSING_SUFFIXES,
     TRANSFORMERS_FLOOR,
@@ -36,7 +35,8 @@ from packtrain.packer.core.layout import (
     processor_ids,
     write_probe_media,
 )
-from packtrain.packer.core.model_spec import served_processor_configs
+from packtrain.core.model_spec import served_processor_configs
+from packtrain.packer import tokenize
 from packtrain.packer.sources.raw import RawRecord
 from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample
 

@@ -33,12 +33,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
-from packtrain.packer.core.contract import RejectReason
-from packtrain.packer.core.errors import ConfigError, MediaError
-from packtrain.packer.core.model_spec import LoadedModel, load_model
-from packtrain.packer.core.pack.schema import IGNORE_INDEX
-from packtrain.packer.core.vision import frame_timestamps
+from packtrain.core.config import ModelConfig, PackingConfig, SourceConfig
+from packtrain.core.contract import RejectReason
+from packtrain.core.errors import ConfigError, MediaError
+from packtrain.core.model_spec import LoadedModel, load_model
+from packtrain.core.pack.schema import IGNORE_INDEX
+from packtrain.core.vision import frame_timestamps
 from packtrain.packer.media.access import MediaAccess, MediaItem
 from packtrain.packer.sources.conversation import ConversationParser, MediaRef, SampleError, Turn
 from packtrain.packer.sources.raw import RawRecord

@@ -16,15 +16,15 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from packtrain.packer.core.errors import EXIT_CONFIG, EXIT_OK, ConfigError, ShardFormatError
-from packtrain.packer.core.pack.schema import IGNORE_INDEX
-from packtrain.packer.core.pack.shards import REJECTS, ShardReader, read_manifest
-from packtrain.packer.core.report import rejects_warning
+from packtrain.core.errors import EXIT_CONFIG, EXIT_OK, ConfigError, ShardFormatError
+from packtrain.core.pack.schema import IGNORE_INDEX
+from packtrain.core.pack.shards import REJECTS, ShardReader, read_manifest
+from packtrain.core.report import rejects_warning
 from packtrain.packer.sources.records import iter_records
 
 if TYPE_CHECKING:
-    from packtrain.packer.core.config import PackConfig
-    from packtrain.packer.core.pack.integrity import Scan
+    from packtrain.core.config import PackConfig
+    from packtrain.core.pack.integrity import Scan
 
 
 def summary_line(manifest: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -143,7 +143,7 @@ def _rejects(path: Path, problems: list[str]) -> list[dict[str, Any]]:
 
 def refused_message(path: Path) -> str | None:
     """Why `path` has no manifest when finalize refused the pack (its counts made it useless), else None."""
-    from packtrain.packer.core.pack.shards import MANIFEST
+    from packtrain.core.pack.shards import MANIFEST
     from packtrain.packer.stages.workdir import refusal
 
     refused = None if (path / MANIFEST).exists() else refusal(path)
@@ -159,8 +159,8 @@ def refused_message(path: Path) -> str | None:
 def verify(path: Path, notes: list[str] | None = None) -> list[str]:
     """Every problem found, as messages; empty means the pack is sound. What could not be checked
     (a model folder that is not readable here) goes to `notes`."""
-    from packtrain.packer.core.config import PackConfig
-    from packtrain.packer.core.pack.integrity import model_facts, scan_rows
+    from packtrain.core.config import PackConfig
+    from packtrain.core.pack.integrity import model_facts, scan_rows
 
     problems: list[str] = []
     try:
@@ -193,8 +193,8 @@ def verify(path: Path, notes: list[str] | None = None) -> list[str]:
 
 def _check_header(path: Path, m: dict[str, Any], cfg: PackConfig) -> list[str]:
     """The manifest against its own config (hash, max_length) and the rejects file's sha256."""
-    from packtrain.packer.core.pack.integrity import stored_config_hash
-    from packtrain.packer.core.pack.shards import sha256_file
+    from packtrain.core.pack.integrity import stored_config_hash
+    from packtrain.core.pack.shards import sha256_file
 
     problems: list[str] = []
     if (got := stored_config_hash(m.get("config"))) != m.get("config_hash"):
@@ -265,7 +265,7 @@ def _check_source_counts(counts: dict[str, Any]) -> list[str]:
 def _check_inputs(manifest: dict[str, Any], seen: Counter[tuple[str, int]], cfg: PackConfig) -> list[str]:
     """Re-read the inputs, when still reachable, to prove no sample went missing (and, with a
     mixture, that each record was taken as many times as the seeded draw says)."""
-    from packtrain.packer.core.pack.shards import sha256_file
+    from packtrain.core.pack.shards import sha256_file
     from packtrain.packer.sources.mixture import weigh_files
     from packtrain.packer.sources.records import SourceFile
 
@@ -353,8 +353,8 @@ TRAINED = ("⟦", "⟧")  # `unpack --text` wraps the tokens a sample trains on 
 def sample_decoder(path: Path) -> Callable[[list[int], list[int]], str]:
     """The decoded text of a pack's samples, with the pack's own tokenizer (its config's model.path):
     vision pad runs collapsed to e.g. `<|image_pad|>×64`, trained spans wrapped in TRAINED."""
-    from packtrain.packer.core.config import ModelConfig
-    from packtrain.packer.core.model_spec import load_model
+    from packtrain.core.config import ModelConfig
+    from packtrain.core.model_spec import load_model
 
     try:
         loaded = load_model(ModelConfig.model_validate(read_manifest(path)["config"]["model"]))

@@ -11,8 +11,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from packtrain.packer.core.pack.schema import SEQUENCE_SCHEMA
-from packtrain.packer.core.pack.shards import MANIFEST, canonical_json, read_table, sha256_file, write_table
+from packtrain.core.pack.schema import SEQUENCE_SCHEMA
+from packtrain.core.pack.shards import MANIFEST, canonical_json, read_table, sha256_file, write_table
 
 Row = dict[str, Any]
 

@@ -14,8 +14,13 @@ import pytest
 from support.import_graph import imports_of
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = {"packer": "packtrain.packer", "trainer": "packtrain.trainer", "operator": "packtrain.operator"}
-CORE = "packtrain.packer.core"
+PARTS = {
+    "core": "packtrain.core",
+    "packer": "packtrain.packer",
+    "trainer": "packtrain.trainer",
+    "operator": "packtrain.operator",
+}
+CORE = "packtrain.core"
 # Aim for under 60 lines; none over this many (a step, a stage, a handler read on one screen).
 MAX_FUNCTION_LINES = 80
 
@@ -45,7 +50,7 @@ def _functions(tree: ast.AST) -> Iterator[ast.FunctionDef | ast.AsyncFunctionDef
             yield node
 
 
-def test_trainer_and_operator_use_only_the_packers_core() -> None:
+def test_trainer_and_operator_use_only_the_core_of_the_packer() -> None:
     """The trainer and the operator read the pack format, the families and the errors from the core,
     never the packer's pipeline (sources, media, stages), so the pipeline can change without them."""
     wrong = sorted(
@@ -53,18 +58,19 @@ def test_trainer_and_operator_use_only_the_packers_core() -> None:
         for module in MODULES
         if not module.startswith("packtrain.packer")
         for dep in _imports(module, lazy=True)
-        if dep.startswith("packtrain.packer") and not dep.startswith(CORE)
+        if dep.startswith("packtrain.packer")
     )
     assert not wrong, "\n".join(wrong)
 
 
-def test_the_packer_depends_on_nothing_above_it() -> None:
-    """packer -> nothing of ours; the core -> nothing outside the core."""
+def test_the_packer_and_the_core_depend_on_nothing_above_them() -> None:
+    """packer -> only the core; the core -> nothing outside the core; the trainer -> never the operator."""
     wrong = []
     for module in MODULES:
         deps = _imports(module, lazy=True)
         if module.startswith("packtrain.packer"):
-            wrong += [f"{module} imports {d}" for d in deps if not d.startswith("packtrain.packer")]
+            below = ("packtrain.packer", CORE)
+            wrong += [f"{module} imports {d}" for d in deps if not d.startswith(below)]
         if module.startswith(CORE):
             wrong += [f"{module} imports {d}" for d in deps if not d.startswith(CORE)]
         if module.startswith("packtrain.trainer"):

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
+from packtrain.core.config import PACK_CLUSTER_KEYS
+from packtrain.core.contract import REJECT_FIXES, REJECT_REASONS, RejectReason
 from packtrain.operator import cli, docgen
 from packtrain.operator.api import PackJob, PackJobSpec, SFTJob, SFTJobSpec
-from packtrain.packer.core.config import PACK_CLUSTER_KEYS
-from packtrain.packer.core.contract import REJECT_FIXES, REJECT_REASONS, RejectReason
 from packtrain.trainer.config import SFT_CLUSTER_KEYS
 
 REPO = Path(__file__).resolve().parents[1]

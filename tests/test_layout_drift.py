@@ -19,8 +19,8 @@ import pytest
 import yaml
 from support.paths import DEMO, MODELS
 
-from packtrain.packer.core.families import FAMILIES
-from packtrain.packer.core.layout import family_layout
+from packtrain.core.families import FAMILIES
+from packtrain.core.layout import family_layout
 
 PACKTRAIN = str(Path(sys.executable).parent / "packtrain")
 QWEN3 = MODELS / "qwen3-vl"
@@ -165,7 +165,7 @@ def test_the_declared_transformers_floor_is_the_one_the_probes_name() -> None:
     """pyproject's requirement and the floor the messages and CI's floor run use are one fact."""
     import tomllib
 
-    from packtrain.packer.core.layout import TRANSFORMERS_FLOOR
+    from packtrain.core.layout import TRANSFORMERS_FLOOR
 
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     assert f"transformers>={TRANSFORMERS_FLOOR}" in project["dependencies"]

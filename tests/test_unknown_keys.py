@@ -14,10 +14,10 @@ import yaml
 from support.paths import MODELS
 from test_first_hour import QWEN2, TINY, chats, one_line_error, packtrain
 
+from packtrain.core.config import PACK_CLUSTER_KEYS, PackConfig
 from packtrain.operator import builders, handlers
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
 from packtrain.operator.manifests import load_manifests
-from packtrain.packer.core.config import PACK_CLUSTER_KEYS, PackConfig
 from packtrain.trainer.config import SFT_CLUSTER_KEYS, SFTSpecCore
 
 API = "packtrain.dev/v1alpha1"

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from packtrain.packer.core.errors import ConfigError
+from packtrain.core.errors import ConfigError
 from packtrain.trainer.distributed import DistEnv, barrier
 from packtrain.trainer.sampler import Layout, plan_epoch
 

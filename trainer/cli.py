@@ -16,8 +16,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from packtrain.packer.core.contract import ErrorReport
-from packtrain.packer.core.errors import (
+from packtrain.core.contract import ErrorReport
+from packtrain.core.errors import (
     EXIT_CONFIG,
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -152,7 +152,7 @@ def _startup_plan(cfg: Any, world_size: int) -> str | None:
     """The start-up memory check (every rank, before the model is built): why it cannot fit, or None."""
     import os
 
-    from packtrain.trainer.plan import startup_refusal
+    from packtrain.trainer.memory_check import startup_refusal
 
     per_host = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("PET_NPROC_PER_NODE") or 1)
     return startup_refusal(cfg, world_size, per_host)
@@ -162,8 +162,8 @@ def _plan(opts: argparse.Namespace, cfg: Any) -> int:
     """`--plan`: the table (or JSON); exit 2 when the job does not fit the GPUs given."""
     import os
 
-    from packtrain.packer.core.memory_plan import parse_bytes, plan_memory
-    from packtrain.trainer.plan import dims_of, inputs_for, plan_json, print_table, spec_sizes
+    from packtrain.core.memory_plan import parse_bytes, plan_memory
+    from packtrain.trainer.memory_check import dims_of, inputs_for, plan_json, print_table, spec_sizes
 
     sizes = spec_sizes(opts.config)
     world = opts.world_size or int(os.environ.get("WORLD_SIZE") or 0) or sizes.get("world") or 1
@@ -196,7 +196,7 @@ def already_complete(output_dir: str, summary: Mapping[str, Any]) -> str:
 
 def _terminate(doc: Mapping[str, Any]) -> None:
     """On Kubernetes the operator reads the summary, or the error, from the pod's termination message."""
-    from packtrain.packer.core.report import compact, termination_log_path
+    from packtrain.core.report import compact, termination_log_path
 
     term = termination_log_path()
     if term is not None:

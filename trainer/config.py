@@ -13,10 +13,10 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, model_validator
 
-from packtrain.packer.core.config import CamelModel, FamilyName
-from packtrain.packer.core.config_keys import check_config_overrides
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.spec_file import load_spec_section
+from packtrain.core.config import CamelModel, FamilyName
+from packtrain.core.config_keys import check_config_overrides
+from packtrain.core.errors import ConfigError
+from packtrain.core.spec_file import load_spec_section
 
 Init = Literal["auto", "pretrained", "random"]
 Attention = Literal["auto", "varlen", "flash", "flex", "sdpa"]

@@ -20,12 +20,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from packtrain.packer.core.errors import MediaError, PackIntegrityError
-from packtrain.packer.core.model_spec import ModelSpec
-from packtrain.packer.core.pack.integrity import ModelFacts, grid_problem, ref_problem, row_problem
-from packtrain.packer.core.pack.schema import IGNORE_INDEX
-from packtrain.packer.core.pack.shards import ShardReader
-from packtrain.packer.core.pixels import pack_alpha
+from packtrain.core.errors import MediaError, PackIntegrityError
+from packtrain.core.model_spec import ModelSpec
+from packtrain.core.pack.integrity import ModelFacts, grid_problem, ref_problem, row_problem
+from packtrain.core.pack.schema import IGNORE_INDEX
+from packtrain.core.pack.shards import ShardReader
+from packtrain.core.pixels import pack_alpha
 from packtrain.trainer.batch import Batch, BatchInfo, ModelInputs
 from packtrain.trainer.config import DataSpec
 from packtrain.trainer.media import PixelSpec, media_pixels
@@ -104,7 +104,7 @@ def _media_tensors(rows: Sequence[dict[str, Any]], spec: ModelSpec) -> _Media:
 def collate_packed(rows: Sequence[dict[str, Any]], spec: ModelSpec) -> Batch:
     """Packed sequences (SEQUENCE_SCHEMA rows + decoded `pixels`) → one (1, T) row for the model:
     varlen boundaries instead of a mask (see `ModelInputs`), and the bookkeeping counts. `spec`
-    is the model folder's facts (`packer.core.model_spec`)."""
+    is the model folder's facts (`core.model_spec`)."""
     ids_parts, label_parts, shift_parts, pos_parts, lens = [], [], [], [], []
     sample_ids: list[str] = []
     for row in rows:

@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 from transformers.core_model_loading import revert_weight_conversion
 
-from packtrain.packer.core.config import ModelConfig
-from packtrain.packer.core.model_spec import served_processor_configs
+from packtrain.core.config import ModelConfig
+from packtrain.core.model_spec import served_processor_configs
 from packtrain.trainer import lora
 from packtrain.trainer.config import TrainModelSpec
 from packtrain.trainer.distributed import DistEnv, barrier

@@ -18,10 +18,10 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from packtrain.packer.core import layout
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.families import Family
-from packtrain.packer.core.layout import (
+from packtrain.core import layout
+from packtrain.core.errors import ConfigError
+from packtrain.core.families import Family
+from packtrain.core.layout import (
     PROBES,
     cache_dir,
     family_layout,
@@ -31,7 +31,7 @@ from packtrain.packer.core.layout import (
     processor_ids,
     write_probe_media,
 )
-from packtrain.packer.core.model_spec import ModelSpec
+from packtrain.core.model_spec import ModelSpec
 
 _REPACK = "re-pack the data with this installation (`packtrain pack run`)"
 

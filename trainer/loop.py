@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from packtrain.packer.core.contract import TrainSummary
+from packtrain.core.contract import TrainSummary
 from packtrain.trainer import checkpoint, distributed, export, param_groups
 from packtrain.trainer.accounting import RunAccounting
 from packtrain.trainer.batch import Batch

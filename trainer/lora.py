@@ -17,8 +17,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from transformers import PreTrainedModel
 
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.families import ModuleLayout
+from packtrain.core.errors import ConfigError
+from packtrain.core.families import ModuleLayout
 from packtrain.trainer import param_groups
 from packtrain.trainer.config import LoraSpec
 

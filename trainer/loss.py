@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from packtrain.packer.core.pack.schema import IGNORE_INDEX
+from packtrain.core.pack.schema import IGNORE_INDEX
 from packtrain.trainer.config import LOSS_CHUNK_TOKENS
 
 

@@ -4,7 +4,7 @@ The packer counted vision tokens from a resized size and, for video, a set of
 sampled frame indices; both are stored in each media ref. Here the trainer
 decodes to *that* size and *those* frames, so the token count always matches,
 then repeats the steps of the `transformers` Qwen2-VL / Qwen3-VL image and video
-processors. Decoding and resizing are `packtrain.packer.core.pixels`, the one pixel
+processors. Decoding and resizing are `packtrain.core.pixels`, the one pixel
 pipeline the packer's `mediaStorage: resized` also uses (upright RGB, transparency
 handled by the pack's `model.alpha`, torchvision's antialiased bicubic resize of
 uint8 pixels); then fused
@@ -24,12 +24,12 @@ import numpy as np
 import torch
 from torchvision.transforms.v2 import functional as tvF
 
-from packtrain.packer.core.config import Alpha
-from packtrain.packer.core.families import CLIP_MEAN, CLIP_STD
-from packtrain.packer.core.model_spec import model_spec
-from packtrain.packer.core.mp4_index import check_mp4_index
-from packtrain.packer.core.pixels import SNIFF_BYTES, decode_rgb, image_rgb, resize_uint8, sniff_container
-from packtrain.packer.core.vision import VisionSpec
+from packtrain.core.config import Alpha
+from packtrain.core.families import CLIP_MEAN, CLIP_STD
+from packtrain.core.model_spec import model_spec
+from packtrain.core.mp4_index import check_mp4_index
+from packtrain.core.pixels import SNIFF_BYTES, decode_rgb, image_rgb, resize_uint8, sniff_container
+from packtrain.core.vision import VisionSpec
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from packtrain.packer.core.contract import (
+from packtrain.core.contract import (
     TRAIN_ATTENTION_IMBALANCE,
     TRAIN_DATA_WAIT,
     TRAIN_EFFECTIVE_TOKENS_PER_SECOND,
@@ -37,7 +37,7 @@ from packtrain.packer.core.contract import (
     TRAIN_STEP_SECONDS,
     TRAIN_TOKENS_PER_SECOND,
 )
-from packtrain.packer.core.errors import ConfigError
+from packtrain.core.errors import ConfigError
 
 if TYPE_CHECKING:  # imported where used: the device benchmark reads the FLOPs model without it
     from prometheus_client import Gauge

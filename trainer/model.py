@@ -23,12 +23,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.model_size import deep_merge
-from packtrain.packer.core.model_spec import ModelSpec, family_for_model_type, model_spec
+from packtrain.core.errors import ConfigError
+from packtrain.core.model_size import deep_merge
+from packtrain.core.model_spec import ModelSpec, family_for_model_type, model_spec
 from packtrain.trainer.attention import HF_IMPLEMENTATION, attention_kwargs, register_backend
 from packtrain.trainer.batch import ModelInputs
 from packtrain.trainer.config import LOSS_CHUNK_TOKENS
+from packtrain.trainer.init_weights import materialize, parameters_on_meta
 from packtrain.trainer.linear_attention import (
     SEGMENTS,
     has_linear_attention,
@@ -36,7 +37,6 @@ from packtrain.trainer.linear_attention import (
     resolve_linear,
 )
 from packtrain.trainer.loss import token_losses
-from packtrain.trainer.materialize import materialize, parameters_on_meta
 from packtrain.trainer.vision_attention import one_call_vision
 
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")

@@ -15,9 +15,9 @@ from typing import Any, get_args
 import torch
 from torch import nn
 
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.families import ModuleLayout
-from packtrain.packer.core.model_spec import family_for_model_type
+from packtrain.core.errors import ConfigError
+from packtrain.core.families import ModuleLayout
+from packtrain.core.model_spec import family_for_model_type
 from packtrain.trainer.config import Module
 
 MODULES: tuple[Module, ...] = get_args(Module)
@@ -62,7 +62,7 @@ def part_of_parameters(model: nn.Module) -> dict[int, Module]:
     if missing:
         raise ValueError(
             f"parameters outside every part of {type(hf).__name__}: {missing[:5]}; "
-            "add them to the family's `modules` in packer/core/families.py"
+            "add them to the family's `modules` in core/families.py"
         )
     return owner
 

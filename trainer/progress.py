@@ -18,7 +18,7 @@ from typing import Any, Protocol, TextIO
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from packtrain.packer.core.contract import parse_summary
+from packtrain.core.contract import parse_summary
 
 LOG_FORMATS = ("auto", "rich", "json")
 

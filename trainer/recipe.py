@@ -16,16 +16,16 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.model_spec import ModelSpec
-from packtrain.packer.core.report import rejects_warning
+from packtrain.core.errors import ConfigError
+from packtrain.core.model_spec import ModelSpec
+from packtrain.core.report import rejects_warning
 from packtrain.trainer import checkpoint, distributed, lora, param_groups
 from packtrain.trainer.attention import resolve_attention
 from packtrain.trainer.config import DEFAULT_MAX_STEPS, SFTSpecCore
 from packtrain.trainer.data import EvalDataset, PackedDataset, eval_dataset
 from packtrain.trainer.export import MERGED_DIR
+from packtrain.trainer.init_weights import LoadReport, cast_frozen, materialize
 from packtrain.trainer.layout_check import check_pack_layout
-from packtrain.trainer.materialize import LoadReport, cast_frozen, materialize
 from packtrain.trainer.media import PixelSpec
 from packtrain.trainer.metrics import ModelShape
 from packtrain.trainer.model import (

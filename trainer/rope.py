@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from packtrain.packer.core.model_spec import ModelSpec
+from packtrain.core.model_spec import ModelSpec
 
 TEXT, IMAGE, VIDEO = 0, 1, 2
 KINDS = {"image": IMAGE, "video": VIDEO}

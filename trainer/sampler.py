@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
-from packtrain.packer.core.errors import ConfigError
+from packtrain.core.errors import ConfigError
 
 Plan = list[list[list[int]]]  # steps x ranks x unit indices
 

@@ -20,7 +20,7 @@ from typing import Any
 import transformers
 from transformers import PretrainedConfig
 
-from packtrain.packer.core.errors import ConfigError
+from packtrain.core.errors import ConfigError
 
 MIN_TRANSFORMERS = "5.18.0"  # the first release whose Qwen2-VL family forwards take the keyword
 FEATURES_KEYWORD = "mm_encoder_outputs"

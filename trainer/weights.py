@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 from transformers import PreTrainedModel
 
-from packtrain.packer.core.errors import ConfigError
+from packtrain.core.errors import ConfigError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -11,6 +11,7 @@ scheduler), `jobs` (stage Jobs), `pack` (the PackJob), `sft` (the SFTJob's statu
 
 from __future__ import annotations
 
+from packtrain.core.contract import PACK_STAGES, parse_summary
 from packtrain.operator.names import COMPLETION_INDEX
 from packtrain.operator.status.conditions import (
     RUNNING_PHASES,
@@ -48,7 +49,6 @@ from packtrain.operator.status.sft import (
     waiting_status,
 )
 from packtrain.operator.status.sft_decision import SFTDecision, decide_start, mirror
-from packtrain.packer.core.contract import PACK_STAGES, parse_summary
 
 __all__ = [
     "BLOCKING_REASONS",

@@ -7,11 +7,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from packtrain.core.contract import PackStage
+from packtrain.core.errors import EXIT_CONFIG
 from packtrain.operator.deadlines import seconds_between
 from packtrain.operator.reasons import ConditionReason as R
 from packtrain.operator.status.pods import Terminated, detail, pod_results
-from packtrain.packer.core.contract import PackStage
-from packtrain.packer.core.errors import EXIT_CONFIG
 
 # A reason a stage reports itself (NoSamples, TooManyRejected): a condition reason's shape.
 _REASON = re.compile(r"[A-Z][A-Za-z0-9]{0,63}")

@@ -16,11 +16,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from packtrain.core.errors import ConfigError
+from packtrain.core.memory_plan import gib, job_inputs, plan_memory, refusal
+from packtrain.core.model_size import deep_merge, model_dims
 from packtrain.operator import policy
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.memory_plan import gib, job_inputs, plan_memory, refusal
-from packtrain.packer.core.model_size import deep_merge, model_dims
 
 START_UP_NOTE = "the trainer plans at start-up and exits 2 (a configuration error) if the job does not fit"
 

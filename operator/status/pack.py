@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from packtrain.core.contract import PACK_STAGES, PackStage
 from packtrain.operator.api import PackJobSpec
 from packtrain.operator.builders import pack_job_name, pack_output_dir
 from packtrain.operator.deadlines import Deadlines, blocked_since, seconds_between
@@ -15,7 +16,6 @@ from packtrain.operator.reasons import ConditionReason as R
 from packtrain.operator.status.conditions import RUNNING_PHASES, TERMINAL, Outcome, lifecycle_conditions
 from packtrain.operator.status.jobs import JobState, failure, job_state, stage_durations
 from packtrain.operator.status.pods import pod_results, unschedulable, unschedulable_too_long
-from packtrain.packer.core.contract import PACK_STAGES, PackStage
 
 STAGE_PHASE: dict[str, str] = {"convert": "Converting", "plan": "Planning", "materialize": "Materializing"}
 

@@ -7,10 +7,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from packtrain.core.contract import parse_summary
 from packtrain.operator.deadlines import Deadlines, duration, seconds_between
 from packtrain.operator.names import COMPLETION_INDEX
 from packtrain.operator.reasons import ConditionReason as R
-from packtrain.packer.core.contract import parse_summary
 
 # The reason the scheduler gives on PodScheduled=False (Kubernetes' word, which ours repeats).
 SCHEDULER_UNSCHEDULABLE = "Unschedulable"

@@ -9,11 +9,11 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from packtrain.core.spec_file import describe
 from packtrain.operator import ownership, policy
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
 from packtrain.operator.reasons import ConditionReason as R
 from packtrain.operator.status.conditions import Outcome, lifecycle_conditions
-from packtrain.packer.core.spec_file import describe
 
 SPEC_MODELS: dict[str, type[BaseModel]] = {"PackJob": PackJobSpec, "SFTJob": SFTJobSpec}
 

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from packtrain.core.contract import TrainSummary
 from packtrain.operator.deadlines import Deadlines, Stall, blocked_since, seconds_between
 from packtrain.operator.deadlines import duration as _duration
 from packtrain.operator.reasons import ConditionReason as R
@@ -18,7 +19,6 @@ from packtrain.operator.status.conditions import (
     true_conditions,
 )
 from packtrain.operator.status.pods import unschedulable, unschedulable_too_long
-from packtrain.packer.core.contract import TrainSummary
 
 # Reasons a job cannot move on by itself; their time is bounded by `Deadlines`.
 BLOCKING_REASONS = frozenset({R.PACKJOB_NOT_FOUND, R.PACKJOB_FAILED, R.UNSCHEDULABLE, R.QUEUED})

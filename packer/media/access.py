@@ -41,12 +41,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from packtrain.packer.core.config import SourceConfig
-from packtrain.packer.core.contract import RejectReason
-from packtrain.packer.core.errors import ConfigError, MediaError, relative_note
-from packtrain.packer.core.pack.shards import atomic_write
-from packtrain.packer.core.pixels import IMAGE_FORMATS, SNIFF_BYTES, looks_like_image, sniff_container
-from packtrain.packer.core.vision import (
+from packtrain.core.config import SourceConfig
+from packtrain.core.contract import RejectReason
+from packtrain.core.errors import ConfigError, MediaError, relative_note
+from packtrain.core.pack.shards import atomic_write
+from packtrain.core.pixels import IMAGE_FORMATS, SNIFF_BYTES, looks_like_image, sniff_container
+from packtrain.core.vision import (
     VideoInfo,
     VisionSpec,
     image_grid,

@@ -18,11 +18,11 @@ from typing import Any, BinaryIO
 import numpy as np
 from PIL import Image
 
-from packtrain.packer.core.config import Alpha
-from packtrain.packer.core.contract import RejectReason
-from packtrain.packer.core.errors import ConfigError, MediaError
-from packtrain.packer.core.mp4_index import check_mp4_index
-from packtrain.packer.core.pixels import SNIFF_BYTES, decode_rgb, resize_uint8, sniff_container
+from packtrain.core.config import Alpha
+from packtrain.core.contract import RejectReason
+from packtrain.core.errors import ConfigError, MediaError
+from packtrain.core.mp4_index import check_mp4_index
+from packtrain.core.pixels import SNIFF_BYTES, decode_rgb, resize_uint8, sniff_container
 from packtrain.packer.media.access import MediaLimits, hash_capped, open_regular, read_capped
 
 

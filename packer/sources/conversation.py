@@ -15,9 +15,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from packtrain.packer.core.config import FieldMap
-from packtrain.packer.core.contract import RejectReason
-from packtrain.packer.core.families import Family
+from packtrain.core.config import FieldMap
+from packtrain.core.contract import RejectReason
+from packtrain.core.families import Family
 
 
 class SampleError(Exception):

@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from packtrain.packer.core.config import MixtureEntry, SourceConfig
-from packtrain.packer.core.contract import SourceCounts
+from packtrain.core.config import MixtureEntry, SourceConfig
+from packtrain.core.contract import SourceCounts
 from packtrain.packer.sources.raw import Copies
 from packtrain.packer.sources.records import SourceFile, Weigh, count_records
 

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from packtrain.packer.core.contract import MAX_NESTING_DEPTH, RejectReason
+from packtrain.core.contract import MAX_NESTING_DEPTH, RejectReason
 from packtrain.packer.sources.raw import Copies, RawRecord, Want, skipped
 
 BATCH_ROWS = 64

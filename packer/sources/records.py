@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, cast
 
-from packtrain.packer.core.contract import MAX_NESTING_DEPTH, MAX_RECORD_BYTES, RejectReason
-from packtrain.packer.core.errors import ConfigError, relative_note
+from packtrain.core.contract import MAX_NESTING_DEPTH, MAX_RECORD_BYTES, RejectReason
+from packtrain.core.errors import ConfigError, relative_note
 from packtrain.packer.sources.raw import Copies, RawRecord, Times, Want, skipped
 
 _GLOB_CHARS = frozenset("*?[")

@@ -14,12 +14,12 @@ from typing import Any, BinaryIO
 
 import pyarrow as pa
 
-from packtrain.packer.core.config import PackConfig
-from packtrain.packer.core.contract import ConvertSummary, RejectReason
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.model_size import planning_config, read_config
-from packtrain.packer.core.pack.shards import atomic_write_json, atomic_writer
-from packtrain.packer.core.vision import VisionSpec, shorter_video
+from packtrain.core.config import PackConfig
+from packtrain.core.contract import ConvertSummary, RejectReason
+from packtrain.core.errors import ConfigError
+from packtrain.core.model_size import planning_config, read_config
+from packtrain.core.pack.shards import atomic_write_json, atomic_writer
+from packtrain.core.vision import VisionSpec, shorter_video
 from packtrain.packer.media.access import EMBEDDED_DIR, MediaItem
 from packtrain.packer.sources.mixture import repeat, weigher
 from packtrain.packer.sources.raw import SKIPPED

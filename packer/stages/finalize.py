@@ -18,13 +18,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from packtrain.packer.binpack import lower_bound
-from packtrain.packer.core.config import PackConfig
-from packtrain.packer.core.contract import ErrorReport, PackCounts, pack_outcome_error
-from packtrain.packer.core.families import FAMILIES
-from packtrain.packer.core.layout import family_layout
-from packtrain.packer.core.pack.schema import FORMAT_VERSION, IGNORE_INDEX
-from packtrain.packer.core.pack.shards import (
+from packtrain.core.config import PackConfig
+from packtrain.core.contract import ErrorReport, PackCounts, pack_outcome_error
+from packtrain.core.families import FAMILIES
+from packtrain.core.layout import family_layout
+from packtrain.core.pack.schema import FORMAT_VERSION, IGNORE_INDEX
+from packtrain.core.pack.shards import (
     MANIFEST,
     REJECTS,
     atomic_write_json,
@@ -32,6 +31,7 @@ from packtrain.packer.core.pack.shards import (
     read_table,
     sha256_file,
 )
+from packtrain.packer.binpack import lower_bound
 from packtrain.packer.stages.inputs import record_inputs
 from packtrain.packer.stages.plan import fill
 from packtrain.packer.stages.workdir import (

@@ -19,9 +19,9 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from packtrain.packer.core.config import PackConfig
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.pack.shards import (
+from packtrain.core.config import PackConfig
+from packtrain.core.errors import ConfigError
+from packtrain.core.pack.shards import (
     MANIFEST,
     REJECTS,
     SHARDS_DIR,

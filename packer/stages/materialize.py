@@ -18,11 +18,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from packtrain.packer.core.config import PackConfig
-from packtrain.packer.core.contract import MaterializeSummary
-from packtrain.packer.core.errors import ConfigError, MediaError
-from packtrain.packer.core.pack.schema import MEDIA_REF, SEQUENCE_SCHEMA
-from packtrain.packer.core.pack.shards import (
+from packtrain.core.config import PackConfig
+from packtrain.core.contract import MaterializeSummary
+from packtrain.core.errors import ConfigError, MediaError
+from packtrain.core.pack.schema import MEDIA_REF, SEQUENCE_SCHEMA
+from packtrain.core.pack.shards import (
     MANIFEST,
     atomic_write_json,
     read_table,

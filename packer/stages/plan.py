@@ -19,11 +19,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from packtrain.packer.binpack import lower_bound, plan_bins
-from packtrain.packer.core.config import PackConfig, PackingConfig
-from packtrain.packer.core.contract import PlanSummary
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.pack.shards import (
+from packtrain.core.config import PackConfig, PackingConfig
+from packtrain.core.contract import PlanSummary
+from packtrain.core.errors import ConfigError
+from packtrain.core.pack.shards import (
     REJECTS,
     atomic_write_json,
     atomic_writer,
@@ -31,6 +30,7 @@ from packtrain.packer.core.pack.shards import (
     sha256_file,
     write_table,
 )
+from packtrain.packer.binpack import lower_bound, plan_bins
 from packtrain.packer.sources.mixture import source_counts
 from packtrain.packer.sources.records import source_files
 from packtrain.packer.stages.workdir import (

@@ -17,10 +17,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from packtrain.packer.core.config import PackConfig
-from packtrain.packer.core.contract import ErrorReport, MaterializeSummary
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.pack.shards import (
+from packtrain.core.config import PackConfig
+from packtrain.core.contract import ErrorReport, MaterializeSummary
+from packtrain.core.errors import ConfigError
+from packtrain.core.pack.shards import (
     MANIFEST,
     atomic_write,
     canonical_json,

@@ -28,7 +28,7 @@ from typing import Any
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAYON_NUM_THREADS", "1")
 
-from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
+from packtrain.core.config import ModelConfig, PackingConfig, SourceConfig
 from packtrain.packer.sources.records import iter_records
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling

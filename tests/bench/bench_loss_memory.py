@@ -63,7 +63,7 @@ def _child(
     import torch
     import torch.nn.functional as F
 
-    from packtrain.packer.core.pack.schema import IGNORE_INDEX
+    from packtrain.core.pack.schema import IGNORE_INDEX
     from packtrain.trainer.loss import token_losses
 
     torch.set_num_threads(threads)

@@ -1,4 +1,4 @@
-"""The memory planner (`packtrain.packer.core.memory_plan`) against a measured CPU training step.
+"""The memory planner (`packtrain.core.memory_plan`) against a measured CPU training step.
 
 Each case runs in its own process, as the trainer sets it up (fp32 on CPU, sdpa): after the
 model is built, freed heap goes back to the OS (`malloc_trim`), the peak RSS is reset
@@ -116,8 +116,8 @@ def planned(result: dict[str, Any]) -> float:
     """The planner's gradients + activations + logits for the measured row (fp32, one process)."""
     gpu_bench_dir = str(HERE)
     sys.path.insert(0, gpu_bench_dir)
-    from packtrain.packer.core.memory_plan import PlanInputs, plan_memory
-    from packtrain.packer.core.model_size import model_dims
+    from packtrain.core.memory_plan import PlanInputs, plan_memory
+    from packtrain.core.model_size import model_dims
 
     raw = json.loads((FOLDER / "config.json").read_text())
     raw = {**raw, **{k: v for k, v in SHAPE.items() if k != "vision_config"}}

@@ -31,7 +31,7 @@ os.environ.setdefault("RAYON_NUM_THREADS", "1")
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from packtrain.packer.core.config import PackConfig
+from packtrain.core.config import PackConfig
 from packtrain.packer.stages.convert import convert
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling

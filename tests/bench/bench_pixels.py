@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from PIL import Image
 
-    from packtrain.packer.core.pixels import _numpy_resize, _torchvision_resize
+    from packtrain.core.pixels import _numpy_resize, _torchvision_resize
 
     torch.set_num_threads(1)
     rows = []

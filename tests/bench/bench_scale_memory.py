@@ -31,7 +31,7 @@ because the memory available could not hold it):
     over the fixed overhead shrinks as 1/N (at load S_1 / N alone would let every rank hold all
     the fp32 weights up to N = 4, since the weights are a quarter of the state).
 
-`--planner` compares `packtrain.packer.core.memory_plan`'s per-rank prediction for this model with
+`--planner` compares `packtrain.core.memory_plan`'s per-rank prediction for this model with
 what was measured, then prints its 7B / 32B / 72B table (`plan_table.py`).
 
     python tests/bench/bench_scale_memory.py [--quick] [--ranks 1 2 4] [--hidden 512] [--layers 12]
@@ -130,7 +130,7 @@ def make_pack(work: Path, model: Path, max_length: int, samples: int) -> Path:
     from support.pack_runner import run_in_process
     from support.synth import generate_dataset
 
-    from packtrain.packer.core.config import PackConfig
+    from packtrain.core.config import PackConfig
 
     data = generate_dataset(work / f"data-n{samples}", samples, seed=0)
     cfg = PackConfig.model_validate(
@@ -470,11 +470,11 @@ def planner_comparison(
     """The memory planner's per-rank figures for this model and job (FSDP2, this compute dtype and
     maxLength) vs the measured ones: its state rows vs the state each rank held, its total less the
     device reserve vs the step's peak over the fixed overhead; then its 7B / 32B / 72B table."""
-    if importlib.util.find_spec("packtrain.packer.core.memory_plan") is None:
-        print("planner: skipped, this checkout has no packtrain.packer.core.memory_plan")
+    if importlib.util.find_spec("packtrain.core.memory_plan") is None:
+        print("planner: skipped, this checkout has no packtrain.core.memory_plan")
         return None
-    from packtrain.packer.core.memory_plan import PlanInputs, plan_memory
-    from packtrain.packer.core.model_size import model_dims
+    from packtrain.core.memory_plan import PlanInputs, plan_memory
+    from packtrain.core.model_size import model_dims
 
     dims = model_dims(json.loads((model / "config.json").read_text()), FAMILY)
     out = []

@@ -21,8 +21,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from packtrain.packer.core.pack.schema import SEQUENCE_SCHEMA
-from packtrain.packer.core.pack.shards import read_table, table_bytes
+from packtrain.core.pack.schema import SEQUENCE_SCHEMA
+from packtrain.core.pack.shards import read_table, table_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

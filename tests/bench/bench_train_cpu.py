@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from packtrain.packer.core.config import PackConfig
+from packtrain.core.config import PackConfig
 from packtrain.packer.stages.convert import convert
 from packtrain.packer.stages.materialize import materialize
 from packtrain.packer.stages.plan import plan

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shar
 from support.paths import MODELS
 from support.qwen_sizes import RELEASED, released_overrides
 
-from packtrain.packer.core.memory_plan import GIB, PlanInputs, parse_bytes, plan_memory
-from packtrain.packer.core.model_size import ModelDims, model_dims, param_counts, read_config
+from packtrain.core.memory_plan import GIB, PlanInputs, parse_bytes, plan_memory
+from packtrain.core.model_size import ModelDims, model_dims, param_counts, read_config
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"

@@ -135,7 +135,7 @@ spec.loader.exec_module(bench)
 bench.import_packtrain()
 for name in ("model", "attention", "config", "loss", "rope", "metrics", "batch"):
     importlib.import_module("packtrain.trainer." + name)
-importlib.import_module("packtrain.packer.core.families")
+importlib.import_module("packtrain.core.families")
 sys.path.insert(0, {str(HERE)!r})
 importlib.import_module("kernel_check")
 assert "av" not in {{k for k, v in sys.modules.items() if v is not None}}
@@ -150,7 +150,7 @@ print("imported")
 def test_bench_model_folder_is_the_shared_3b(shared_dir: Path) -> None:
     """The GPU run reads its model from the checkout (the shared folder does not travel): the same
     config, and the same special-token ids and vision settings as the shared model folder gives."""
-    from packtrain.packer.core.model_spec import model_spec
+    from packtrain.core.model_spec import model_spec
 
     ours, shared = HERE / "models" / "qwen2.5-vl-3b", shared_dir / "models" / "qwen2.5-vl"
     for name in ("config.json", "preprocessor_config.json"):

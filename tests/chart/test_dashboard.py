@@ -69,8 +69,8 @@ def exported_metric_names() -> set[str]:
     import torch
     from prometheus_client import CollectorRegistry
 
+    from packtrain.core import contract
     from packtrain.operator import metrics as operator_metrics
-    from packtrain.packer.core import contract
     from packtrain.trainer.metrics import TrainMetrics
 
     trainer = TrainMetrics(rank=0, device=torch.device("cpu"))

@@ -9,8 +9,8 @@ import re
 
 import pytest
 
+from packtrain.core import contract
 from packtrain.operator import metrics as operator_metrics
-from packtrain.packer.core import contract
 
 from .helm import CHART, render
 

@@ -9,9 +9,9 @@ import pytest
 import yaml
 from operator_fixtures import assert_golden
 
+from packtrain.core.errors import EXIT_CONFIG
 from packtrain.operator import builders
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
-from packtrain.packer.core.errors import EXIT_CONFIG
 
 DEFAULTS = builders.OperatorDefaults(
     packer_image="ghcr.io/packtrain/packer:test", trainer_image="ghcr.io/packtrain/trainer:test"
@@ -95,7 +95,7 @@ def test_pack_config_map_holds_only_the_packer_sections(packjob: dict[str, Any])
     assert cm["metadata"]["name"] == "demo-pack-config" and list(cm["data"]) == ["packjob.yaml"]
     doc = yaml.safe_load(cm["data"]["packjob.yaml"])
     assert doc["kind"] == "PackJob" and set(doc["spec"]) == {"source", "model", "packing"}
-    from packtrain.packer.core.config import PackConfig
+    from packtrain.core.config import PackConfig
 
     PackConfig.model_validate(doc["spec"])  # what `packtrain pack -c` will load
 

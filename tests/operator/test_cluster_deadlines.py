@@ -109,7 +109,7 @@ def test_waits_are_bounded(
 STEPPER = """
 import os, sys, time
 from prometheus_client import Gauge, start_http_server
-from packtrain.packer.core.contract import TRAIN_STEP
+from packtrain.core.contract import TRAIN_STEP
 port, go = int(sys.argv[1]), sys.argv[2]
 step = Gauge(TRAIN_STEP, "Optimizer steps completed.", ["rank"])
 start_http_server(port)

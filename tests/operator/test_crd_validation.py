@@ -17,6 +17,12 @@ import yaml
 from operator_fixtures import PACKJOB, SFTJOB
 from pydantic import ValidationError
 
+from packtrain.core.config import (
+    MAX_FRAMES_CEILING,
+    MAX_LENGTH_CEILING,
+    MAX_PIXELS_CEILING,
+    SEQUENCES_PER_SHARD_CEILING,
+)
 from packtrain.operator.api import (
     MOUNT_PATH_MESSAGE,
     OUTPUT_MOUNT_MESSAGE,
@@ -26,12 +32,6 @@ from packtrain.operator.api import (
     UNIQUE_MOUNTS_MESSAGE,
     PackJobSpec,
     SFTJobSpec,
-)
-from packtrain.packer.core.config import (
-    MAX_FRAMES_CEILING,
-    MAX_LENGTH_CEILING,
-    MAX_PIXELS_CEILING,
-    SEQUENCES_PER_SHARD_CEILING,
 )
 from packtrain.trainer.config import MAX_NUM_WORKERS
 

@@ -11,12 +11,12 @@ import pytest
 from operator_fixtures import PACKJOB, SFTJOB
 from test_status_mapping import T0, T1, T2, convert_pods, job, pod
 
+from packtrain.core.contract import NO_SAMPLES, TOO_MANY_REJECTED, pack_outcome_error
 from packtrain.operator import builders, logs, names
 from packtrain.operator import status as st
 from packtrain.operator.api import PackJobSpec, PackJobStatus, SFTJobSpec, SFTJobStatus
 from packtrain.operator.deadlines import Deadlines
 from packtrain.operator.view import CachedKube
-from packtrain.packer.core.contract import NO_SAMPLES, TOO_MANY_REJECTED, pack_outcome_error
 
 SPEC = PackJobSpec.model_validate(PACKJOB["spec"])
 DEFAULTS = builders.OperatorDefaults(packer_image="packer:test", trainer_image="trainer:test")

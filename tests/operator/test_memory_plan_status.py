@@ -12,9 +12,9 @@ from support.paths import MODELS
 from support.qwen_sizes import released_overrides
 from test_handlers import FakeKube, sft_step
 
+from packtrain.core.model_size import planning_config, read_config
 from packtrain.operator import status as st
 from packtrain.operator.status.pack import pack_status
-from packtrain.packer.core.model_size import planning_config, read_config
 
 SEVEN_B = released_overrides("7B")
 

@@ -15,10 +15,10 @@ from chart.helm import CHART
 from chart.helm import render as helm_render
 from helm_python.errors import HelmValuesError
 
+from packtrain.core.contract import PACK_STAGES
+from packtrain.core.errors import EXIT_CONFIG
 from packtrain.operator import builders, cli, render
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
-from packtrain.packer.core.contract import PACK_STAGES
-from packtrain.packer.core.errors import EXIT_CONFIG
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "examples" / "quickstart.yaml"

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 from test_handlers import FakeKube
 
+from packtrain.core.contract import TRAIN_DATA_WAIT
 from packtrain.operator import builders, handlers, names, progress
 from packtrain.operator import status as st
 from packtrain.operator.api import SFTJobStatus
 from packtrain.operator.deadlines import Deadlines, last_advance, scrape_error, training_stall
 from packtrain.operator.reasons import ConditionReason
-from packtrain.packer.core.contract import TRAIN_DATA_WAIT
 
 RUNNING = "2026-01-01T00:00:00Z"
 ADVANCED = "2026-01-01T01:00:00Z"

@@ -9,9 +9,9 @@ import media_factory as mf
 import pytest
 from support.paths import SHARED
 
-from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
-from packtrain.packer.core.contract import REJECT_REASONS
-from packtrain.packer.core.vision import VisionSpec, image_grid, probe_image
+from packtrain.core.config import ModelConfig, PackingConfig, SourceConfig
+from packtrain.core.contract import REJECT_REASONS
+from packtrain.core.vision import VisionSpec, image_grid, probe_image
 from packtrain.packer.sources.records import iter_records
 from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample
 

@@ -26,11 +26,11 @@ import pytest
 from support.pack_runner import run_in_process
 from support.paths import DEMO, MODELS
 
+from packtrain.core.config import PackConfig
+from packtrain.core.errors import ConfigError, MediaError, ShardFormatError
+from packtrain.core.pack.shards import MANIFEST, REJECTS, ShardReader, read_table
 from packtrain.packer import local, tools
 from packtrain.packer.cli import main as pack_main
-from packtrain.packer.core.config import PackConfig
-from packtrain.packer.core.errors import ConfigError, MediaError, ShardFormatError
-from packtrain.packer.core.pack.shards import MANIFEST, REJECTS, ShardReader, read_table
 from packtrain.packer.media.store import check_frames, decode_failure, video_frames
 from packtrain.packer.stages.materialize import materialize
 from packtrain.packer.stages.workdir import SHARD_REJECTS, PackRefused, refusal

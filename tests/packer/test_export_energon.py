@@ -19,9 +19,9 @@ from PIL import Image
 from support.pack_runner import run_in_process
 from support.paths import DATASETS, DEMO, MODELS
 
+from packtrain.core.config import PackConfig
+from packtrain.core.pack.shards import ShardReader
 from packtrain.packer.cli import main as pack_main
-from packtrain.packer.core.config import PackConfig
-from packtrain.packer.core.pack.shards import ShardReader
 from packtrain.packer.export_energon import export_energon
 
 TEXT = DATASETS / "text-sft"

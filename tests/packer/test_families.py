@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from support.paths import DEMO, MODELS
 
-from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.families import FAMILIES
-from packtrain.packer.core.model_spec import detect_family, family_for_model_type, get_family, model_spec
-from packtrain.packer.core.pack.integrity import grid_problem, model_facts
-from packtrain.packer.core.pack.schema import IGNORE_INDEX
+from packtrain.core.config import ModelConfig, PackingConfig, SourceConfig
+from packtrain.core.errors import ConfigError
+from packtrain.core.families import FAMILIES
+from packtrain.core.model_spec import detect_family, family_for_model_type, get_family, model_spec
+from packtrain.core.pack.integrity import grid_problem, model_facts
+from packtrain.core.pack.schema import IGNORE_INDEX
 from packtrain.packer.sources.raw import RawRecord
 from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
 
@@ -189,7 +189,7 @@ def test_qwen3_example_packs_and_verifies(shared_dir: Path, tmp_path: Path, name
     """examples/qwen3-vl.yaml's and examples/qwen3.5.yaml's model settings pack the demo images and
     videos into a pack that `pack verify` finds sound (one pad run per temporal group), in both media
     storage modes."""
-    from packtrain.packer.core.config import PackConfig, load_pack_config
+    from packtrain.core.config import PackConfig, load_pack_config
     from packtrain.packer.stages.convert import convert
     from packtrain.packer.stages.materialize import materialize
     from packtrain.packer.stages.plan import plan

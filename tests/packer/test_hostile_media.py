@@ -18,9 +18,9 @@ import media_factory as mf
 import pytest
 from support.paths import MODELS, REPO
 
-from packtrain.packer.core.config import ModelConfig, PackConfig, PackingConfig, SourceConfig
-from packtrain.packer.core.contract import REJECT_REASONS, RejectReason
-from packtrain.packer.core.errors import MediaError
+from packtrain.core.config import ModelConfig, PackConfig, PackingConfig, SourceConfig
+from packtrain.core.contract import REJECT_REASONS, RejectReason
+from packtrain.core.errors import MediaError
 from packtrain.packer.media.access import open_regular
 from packtrain.packer.sources.raw import RawRecord
 from packtrain.packer.sources.records import iter_records
@@ -260,7 +260,7 @@ _RSS_PROBE = textwrap.dedent(
     """
     import json, resource, sys, time
     from pathlib import Path
-    from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
+    from packtrain.core.config import ModelConfig, PackingConfig, SourceConfig
     from packtrain.packer.sources.records import iter_records
     from packtrain.packer.tokenize import SampleTokenizer
     path, model = sys.argv[1], sys.argv[2]

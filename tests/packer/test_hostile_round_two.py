@@ -16,8 +16,8 @@ import pytest
 from support.pack_runner import run_in_process
 from support.paths import MODELS
 
-from packtrain.packer.core.config import PackConfig
-from packtrain.packer.core.errors import ConfigError, MediaError
+from packtrain.core.config import PackConfig
+from packtrain.core.errors import ConfigError, MediaError
 from packtrain.packer.media.access import open_regular
 from packtrain.packer.sources.records import expand_paths
 
@@ -218,8 +218,8 @@ def test_a_shard_named_outside_the_pack_is_refused_everywhere(
 ) -> None:
     from pack_tamper import edit_manifest
 
-    from packtrain.packer.core.errors import ShardFormatError
-    from packtrain.packer.core.pack.shards import ShardReader
+    from packtrain.core.errors import ShardFormatError
+    from packtrain.core.pack.shards import ShardReader
     from packtrain.packer.export_energon import export_energon
     from packtrain.packer.tools import unpack
 
@@ -288,7 +288,7 @@ def _image_row(pack: Path) -> tuple[int, int]:
 
 
 def _dataset(pack: Path):  # noqa: ANN202 - the trainer's PackedDataset (torch imported lazily)
-    from packtrain.packer.core.model_spec import model_spec
+    from packtrain.core.model_spec import model_spec
     from packtrain.trainer.data import PackedDataset
 
     return PackedDataset(pack, model_spec(QWEN2), vocab_size=151936)
@@ -326,7 +326,7 @@ def test_rows_verify_refuses_the_trainer_refuses_before_allocating(
 
     from pack_tamper import copy_pack, tamper_row
 
-    from packtrain.packer.core.errors import PackIntegrityError
+    from packtrain.core.errors import PackIntegrityError
 
     bad = copy_pack(small_pack, tmp_path / "bad")
     shard, row = _image_row(bad)
@@ -344,8 +344,8 @@ def _media_blobs(pack: Path, shard: int, edit) -> None:  # noqa: ANN001
     """Apply `edit` to each blob of one media table and re-sign it, as an attacker would."""
     import pyarrow as pa
 
-    from packtrain.packer.core.pack.schema import MEDIA_SCHEMA
-    from packtrain.packer.core.pack.shards import canonical_json, read_table, write_table
+    from packtrain.core.pack.schema import MEDIA_SCHEMA
+    from packtrain.core.pack.shards import canonical_json, read_table, write_table
 
     manifest = json.loads((pack / "manifest.json").read_text())
     entry = manifest["shards"][shard]
@@ -385,7 +385,7 @@ def test_an_image_blob_in_a_format_outside_the_allow_list_neither_verifies_nor_t
 ) -> None:
     from pack_tamper import copy_pack, tamper_row
 
-    from packtrain.packer.core.errors import PackIntegrityError
+    from packtrain.core.errors import PackIntegrityError
 
     bad = copy_pack(small_pack, tmp_path / "bad")
     shard, row = _image_row(bad)
@@ -434,7 +434,7 @@ def _png_with_exif(path: Path, exif: bytes) -> Path:
 def test_an_exif_bomb_is_rejected_before_its_exif_is_parsed(tmp_path: Path) -> None:
     import time
 
-    from packtrain.packer.core.vision import MAX_IMAGE_METADATA_BYTES, probe_image
+    from packtrain.core.vision import MAX_IMAGE_METADATA_BYTES, probe_image
 
     small = _png_with_exif(tmp_path / "small.png", exif_bomb(4, orientation=6))
     assert probe_image(small.read_bytes()).width == 48  # orientation 6 still read: width and height swap
@@ -455,8 +455,8 @@ def test_an_exif_bomb_is_rejected_before_its_exif_is_parsed(tmp_path: Path) -> N
 
 
 def test_the_trainer_never_parses_an_exif_bomb_in_a_pack(tmp_path: Path) -> None:
-    from packtrain.packer.core.pixels import decode_rgb
-    from packtrain.packer.core.vision import MAX_IMAGE_METADATA_BYTES
+    from packtrain.core.pixels import decode_rgb
+    from packtrain.core.vision import MAX_IMAGE_METADATA_BYTES
 
     bomb = _png_with_exif(tmp_path / "bomb.png", exif_bomb(MAX_IMAGE_METADATA_BYTES // 8 + 1))
     with pytest.raises(MediaError, match="EXIF block of .* not parsed|metadata"):
@@ -582,8 +582,8 @@ def test_an_mp4_declaring_85m_samples_is_refused_before_ffmpeg_opens_it(tmp_path
     import io
     import time
 
-    from packtrain.packer.core.mp4_index import MAX_SAMPLES
-    from packtrain.packer.core.vision import probe_video
+    from packtrain.core.mp4_index import MAX_SAMPLES
+    from packtrain.core.vision import probe_video
 
     bomb = sample_count_bomb(tmp_path)
     assert len(bomb) < 4096
@@ -622,8 +622,8 @@ def test_an_mp4_with_100k_edits_is_refused_and_a_few_edits_are_not(tmp_path: Pat
     import io
     import time
 
-    from packtrain.packer.core.mp4_index import MAX_EDITS, check_mp4_index
-    from packtrain.packer.core.vision import probe_video
+    from packtrain.core.mp4_index import MAX_EDITS, check_mp4_index
+    from packtrain.core.vision import probe_video
 
     attack = edit_list(tmp_path, 100_000)
     assert len(attack) > 1_200_000
@@ -646,7 +646,7 @@ def test_the_mp4_reader_accepts_real_clips_and_refuses_boxes_past_their_parent(t
 
     from support.paths import DEMO
 
-    from packtrain.packer.core.mp4_index import check_mp4_index
+    from packtrain.core.mp4_index import check_mp4_index
 
     demos = sorted((DEMO / "mllm_demo_data").glob("*.mp4"))
     assert demos

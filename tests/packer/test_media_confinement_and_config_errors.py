@@ -17,11 +17,11 @@ from PIL import Image
 from support.pack_runner import run_in_process
 from support.paths import MODELS
 
+from packtrain.core.config import PackConfig
+from packtrain.core.errors import ConfigError
+from packtrain.core.pack.schema import MEDIA_SCHEMA
+from packtrain.core.pack.shards import MANIFEST, read_table, write_table
 from packtrain.packer.cli import main as pack_main
-from packtrain.packer.core.config import PackConfig
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.pack.schema import MEDIA_SCHEMA
-from packtrain.packer.core.pack.shards import MANIFEST, read_table, write_table
 from packtrain.packer.stages.convert import convert
 from packtrain.packer.stages.materialize import materialize
 from packtrain.packer.stages.plan import plan

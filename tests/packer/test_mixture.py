@@ -14,9 +14,9 @@ from pydantic import ValidationError
 from support.pack_runner import run_in_process
 from support.paths import DEMO, SHARED
 
+from packtrain.core.config import MixtureEntry, PackConfig
+from packtrain.core.pack.shards import MANIFEST
 from packtrain.packer.cli import main as pack_main
-from packtrain.packer.core.config import MixtureEntry, PackConfig
-from packtrain.packer.core.pack.shards import MANIFEST
 from packtrain.packer.sources.mixture import draw, take
 from packtrain.packer.sources.records import count_records
 from packtrain.packer.tools import summary_line, unpack, verify

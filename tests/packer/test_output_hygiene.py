@@ -17,8 +17,8 @@ import pytest
 from support.pack_runner import run_in_process
 from support.paths import MODELS
 
-from packtrain.packer.core.config import PackConfig
-from packtrain.packer.core.pack.shards import MANIFEST, remove_stale_temps
+from packtrain.core.config import PackConfig
+from packtrain.core.pack.shards import MANIFEST, remove_stale_temps
 from packtrain.packer.stages.convert import convert
 from packtrain.packer.stages.finalize import DUPLICATE_IDS
 from packtrain.packer.tools import verify

@@ -10,9 +10,9 @@ import pytest
 from support.pack_runner import run_in_process
 from support.paths import MODELS
 
+from packtrain.core.config import PackConfig
+from packtrain.core.pack.shards import MANIFEST
 from packtrain.packer.cli import main as pack_main
-from packtrain.packer.core.config import PackConfig
-from packtrain.packer.core.pack.shards import MANIFEST
 from packtrain.packer.stages.convert import convert
 from packtrain.packer.stages.materialize import materialize
 from packtrain.packer.stages.plan import plan
@@ -152,7 +152,7 @@ def test_convert_streams_rows_in_batches_with_identical_results(
 ) -> None:
     """Convert must not keep a worker's whole output as Python lists (~80 bytes a token, and one
     Arrow batch holds 2^31 tokens at most): rows go to record batches as they come."""
-    from packtrain.packer.core.pack.shards import read_table, sha256_file
+    from packtrain.core.pack.shards import read_table, sha256_file
 
     src = _write_jsonl(tmp_path / "d.jsonl", [_chat(i) for i in range(40)])
     single = tmp_path / "single"
@@ -181,7 +181,7 @@ def test_write_table_streams_the_same_bytes_as_table_bytes(tmp_path: Path) -> No
 
     import pyarrow as pa
 
-    from packtrain.packer.core.pack.shards import table_bytes, write_table
+    from packtrain.core.pack.shards import table_bytes, write_table
 
     table = pa.table({"a": pa.array([[1, 2], [3]], pa.list_(pa.int32())), "b": ["x", "y"]})
     digest = write_table(tmp_path / "t.arrow", table)
@@ -286,7 +286,7 @@ def test_bad_config_files_exit_2_with_a_message(
 
 @pytest.mark.parametrize("error", ["é" * 3000, "x\n" * 1500, "a" * 3000])
 def test_termination_message_stays_valid_json_under_the_limit(error: str) -> None:
-    from packtrain.packer.core.report import LIMIT, compact
+    from packtrain.core.report import LIMIT, compact
 
     text = compact({"stage": "convert", "error": error, "detail": {"k": list(range(2000))}})
     assert len(text.encode()) <= LIMIT
@@ -390,8 +390,8 @@ def test_media_lookup_by_shard_is_not_quadratic(tmp_path: Path) -> None:
     whole key column to Python and scan it on every call: O(media^2) per shard and epoch."""
     import time
 
-    from packtrain.packer.core.pack.schema import FORMAT_VERSION
-    from packtrain.packer.core.pack.shards import ShardReader, write_shard
+    from packtrain.core.pack.schema import FORMAT_VERSION
+    from packtrain.core.pack.shards import ShardReader, write_shard
 
     n = 20_000
     keys = [f"{i:064x}" for i in range(n)]

@@ -10,10 +10,10 @@ from pack_tamper import ROW_EDITS, copy_pack, edit_manifest, first_row, tamper_r
 from support.pack_runner import run_in_process
 from support.paths import DEMO, MODELS
 
+from packtrain.core.config import PackConfig
+from packtrain.core.pack.integrity import model_facts, stored_config_hash
+from packtrain.core.pack.shards import MANIFEST, REJECTS
 from packtrain.packer.cli import main as pack_main
-from packtrain.packer.core.config import PackConfig
-from packtrain.packer.core.pack.integrity import model_facts, stored_config_hash
-from packtrain.packer.core.pack.shards import MANIFEST, REJECTS
 
 QWEN2 = MODELS / "qwen2-vl"
 
@@ -219,7 +219,7 @@ def test_a_shard_with_other_columns_exits_2(
 ) -> None:
     import pyarrow as pa
 
-    from packtrain.packer.core.pack.shards import read_table, write_table
+    from packtrain.core.pack.shards import read_table, write_table
 
     bad = copy_pack(pack, tmp_path / "bad")
     manifest = json.loads((bad / MANIFEST).read_text())

@@ -26,8 +26,8 @@ from parquet_layouts import (
 )
 from support.pack_runner import run_in_process
 
-from packtrain.packer.core.config import PackConfig
-from packtrain.packer.core.pack.shards import ShardReader, read_table
+from packtrain.core.config import PackConfig
+from packtrain.core.pack.shards import ShardReader, read_table
 from packtrain.packer.sources.raw import SKIPPED
 from packtrain.packer.sources.records import iter_records
 from packtrain.packer.stages.workdir import PackRefused

@@ -8,8 +8,8 @@ import pytest
 from parquet_layouts import LLAVA_OV_SCHEMA, QWEN2, config, llava_ov_rows, write
 from support.pack_runner import run_in_process
 
-from packtrain.packer.core.config import PackConfig
-from packtrain.packer.core.model_spec import model_spec
+from packtrain.core.config import PackConfig
+from packtrain.core.model_spec import model_spec
 
 torch = pytest.importorskip("torch")
 

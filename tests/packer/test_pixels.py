@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from packtrain.packer.core.pixels import _numpy_resize, _torchvision_resize
+from packtrain.core.pixels import _numpy_resize, _torchvision_resize
 
 pytest.importorskip("torchvision")
 

@@ -13,9 +13,9 @@ import media_factory as mf
 import pytest
 from support.paths import SHARED
 
-from packtrain.packer.core.config import FieldMap, ModelConfig, PackingConfig, SourceConfig
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.pack.schema import IGNORE_INDEX
+from packtrain.core.config import FieldMap, ModelConfig, PackingConfig, SourceConfig
+from packtrain.core.errors import ConfigError
+from packtrain.core.pack.schema import IGNORE_INDEX
 from packtrain.packer.sources.raw import RawRecord
 from packtrain.packer.sources.records import expand_paths, iter_records
 from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample
@@ -222,7 +222,7 @@ def test_packer_imports_carry_no_torch() -> None:
     """Loading the tokenizer and converting a record must not pull torch into a packer worker."""
     code = (
         "import sys\n"
-        "from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig\n"
+        "from packtrain.core.config import ModelConfig, PackingConfig, SourceConfig\n"
         "from packtrain.packer.sources.records import iter_records\n"
         "from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample\n"
         f"tok = SampleTokenizer(SourceConfig(paths=['x']), ModelConfig(path={str(MODEL)!r}), "

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from packtrain.packer.core.contract import MAX_NESTING_DEPTH
+from packtrain.core.contract import MAX_NESTING_DEPTH
 from packtrain.packer.sources import records
 from packtrain.packer.sources.raw import SKIPPED, RawRecord
 from packtrain.packer.sources.records import iter_records
@@ -335,6 +335,6 @@ def test_a_100_mb_record_is_rejected_within_the_cap(tmp_path: Path, suffix: str)
 
 def test_reader_reject_reasons_are_registered() -> None:
     """Every reason the reader gives is in the one reject registry (README table, manifest checks)."""
-    from packtrain.packer.core.contract import REJECT_REASONS
+    from packtrain.core.contract import REJECT_REASONS
 
     assert {"bad_json", "bad_utf8", "malformed_record", "record_too_large"} <= REJECT_REASONS.keys()

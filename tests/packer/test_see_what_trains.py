@@ -15,7 +15,7 @@ from PIL import Image
 from support.paths import DEMO, MODELS
 from test_first_hour import one_line_error, packtrain
 
-from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
+from packtrain.core.config import ModelConfig, PackingConfig, SourceConfig
 from packtrain.packer.sources.raw import RawRecord
 from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
 from packtrain.packer.tools import TRAINED

@@ -10,10 +10,10 @@ import pytest
 from support.pack_runner import run_in_process
 from support.paths import DATASETS, DEMO, MODELS
 
+from packtrain.core.config import PackConfig
+from packtrain.core.errors import ShardFormatError
+from packtrain.core.pack.shards import MANIFEST, ShardReader
 from packtrain.packer.cli import main as pack_main
-from packtrain.packer.core.config import PackConfig
-from packtrain.packer.core.errors import ShardFormatError
-from packtrain.packer.core.pack.shards import MANIFEST, ShardReader
 from packtrain.packer.sources.records import iter_records
 from packtrain.packer.stages.convert import convert
 from packtrain.packer.stages.materialize import materialize

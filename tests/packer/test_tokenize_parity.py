@@ -19,7 +19,7 @@ import media_factory as mf
 import pytest
 from support.paths import DEMO, MODELS, SHARED
 
-from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
+from packtrain.core.config import ModelConfig, PackingConfig, SourceConfig
 from packtrain.packer.sources.raw import RawRecord
 from packtrain.packer.sources.records import iter_records
 from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample

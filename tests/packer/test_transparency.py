@@ -23,12 +23,12 @@ from PIL import Image
 from support.pack_runner import run_in_process
 from support.paths import MODELS
 
-from packtrain.packer.core.config import Alpha, PackConfig
-from packtrain.packer.core.errors import ConfigError, PackIntegrityError
-from packtrain.packer.core.pack.integrity import stored_config_hash
-from packtrain.packer.core.pack.shards import MANIFEST
-from packtrain.packer.core.pixels import decode_rgb, pack_alpha
-from packtrain.packer.core.vision import upright
+from packtrain.core.config import Alpha, PackConfig
+from packtrain.core.errors import ConfigError, PackIntegrityError
+from packtrain.core.pack.integrity import stored_config_hash
+from packtrain.core.pack.shards import MANIFEST
+from packtrain.core.pixels import decode_rgb, pack_alpha
+from packtrain.core.vision import upright
 from packtrain.packer.stages.workdir import check_output_config
 
 torch = pytest.importorskip("torch")
@@ -192,7 +192,7 @@ def packs(images: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
 def _trained_pixels(pack: Path, pixel_alpha: str = "white") -> dict[str, Any]:
     """Each media key's patches as the trainer's dataset decodes them, with a PixelSpec whose own
     alpha is `pixel_alpha` (the dataset must replace it with the pack's)."""
-    from packtrain.packer.core.model_spec import model_spec
+    from packtrain.core.model_spec import model_spec
     from packtrain.trainer.data import PackedDataset
     from packtrain.trainer.media import PixelSpec
 
@@ -239,7 +239,7 @@ def test_the_pack_decides_not_the_trainers_default(packs: dict[tuple[str, str], 
 
 
 def test_token_counts_do_not_depend_on_alpha(packs: dict[tuple[str, str], Path]) -> None:
-    from packtrain.packer.core.pack.shards import ShardReader
+    from packtrain.core.pack.shards import ShardReader
 
     rows = {}
     for alpha in ("white", "drop"):

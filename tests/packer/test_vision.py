@@ -12,8 +12,8 @@ from PIL import Image, ImageOps
 from support.pack_runner import run_in_process
 from support.paths import DEMO
 
-from packtrain.packer.core.errors import MediaError
-from packtrain.packer.core.vision import (
+from packtrain.core.errors import MediaError
+from packtrain.core.vision import (
     VisionSpec,
     probe_image,
     probe_video,
@@ -175,7 +175,7 @@ def test_header_only_probe_equals_what_read_video_pyav_decodes(tmp_path: Path) -
     applied), for every container, with and without FFmpeg's decoding probe."""
     import av
 
-    from packtrain.packer.core.pixels import sniff_container
+    from packtrain.core.pixels import sniff_container
 
     videos = [DEMO_MEDIA / n for n in ("1.mp4", "2.avi", "3.mp4", "4.mp4")]
     videos += [
@@ -220,7 +220,7 @@ def test_undecodable_video_is_counted_by_convert_and_rejected_by_materialize(tmp
     training by materialize (with shards keeping the original bytes too): one reject naming the file."""
     import json
 
-    from packtrain.packer.core.config import PackConfig
+    from packtrain.core.config import PackConfig
     from packtrain.packer.sources.records import iter_records
     from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
 
@@ -265,8 +265,8 @@ def test_decompression_bomb_is_refused_not_raised(tmp_path: Path, monkeypatch: p
 
 
 def test_vision_spec_reads_the_folder_and_config_overrides() -> None:
-    from packtrain.packer.core.config import ModelConfig
-    from packtrain.packer.core.model_spec import vision_spec
+    from packtrain.core.config import ModelConfig
+    from packtrain.core.model_spec import vision_spec
 
     models = DEMO_MEDIA.parents[2] / "models"
     spec = vision_spec(
@@ -290,7 +290,7 @@ def test_qwen3_sampling_video_size_and_timestamps_equal_transformers() -> None:
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
     from transformers.video_utils import VideoMetadata
 
-    from packtrain.packer.core.vision import VideoInfo, frame_timestamps, video_grid
+    from packtrain.core.vision import VideoInfo, frame_timestamps, video_grid
 
     base = VisionSpec(
         patch_size=16,

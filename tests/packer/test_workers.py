@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from support.paths import DATASETS, DEMO, MODELS
 
+from packtrain.core.config import PackConfig
+from packtrain.core.errors import ConfigError
 from packtrain.packer import local
 from packtrain.packer.cli import main as pack_main
-from packtrain.packer.core.config import PackConfig
-from packtrain.packer.core.errors import ConfigError
 from packtrain.packer.stages.convert import convert
 from packtrain.packer.stages.materialize import materialize
 from packtrain.packer.stages.plan import MIN_SHARD_SEQUENCES, plan, shard_size
@@ -62,7 +62,7 @@ _FORKED_RUN = """
 import importlib, json, os, sys
 from pathlib import Path
 from packtrain.packer import local
-from packtrain.packer.core.config import PackConfig
+from packtrain.core.config import PackConfig
 
 work = Path(sys.argv[1])
 cfg = PackConfig.model_validate(json.loads((work / "cfg.json").read_text()))

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from packtrain.packer.core.config import PackConfig
-from packtrain.packer.core.pack.shards import MANIFEST
+from packtrain.core.config import PackConfig
+from packtrain.core.pack.shards import MANIFEST
 from packtrain.packer.stages.convert import convert
 from packtrain.packer.stages.materialize import materialize
 from packtrain.packer.stages.plan import plan

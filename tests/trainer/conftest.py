@@ -12,7 +12,7 @@ import yaml
 from support.paths import DEMO, SHARED
 from vlm_fixtures import FOLDER, TINY
 
-from packtrain.packer.core.config import PackConfig
+from packtrain.core.config import PackConfig
 from packtrain.packer.stages.convert import convert
 from packtrain.packer.stages.materialize import materialize
 from packtrain.packer.stages.plan import plan

@@ -22,7 +22,7 @@ from vlm_fixtures import TINY  # noqa: E402
 
 from packtrain.trainer import distributed, lora, weights  # noqa: E402
 from packtrain.trainer.config import LoraSpec  # noqa: E402
-from packtrain.trainer.materialize import cast_frozen, local_part, materialize  # noqa: E402
+from packtrain.trainer.init_weights import cast_frozen, local_part, materialize  # noqa: E402
 from packtrain.trainer.model import VLMForTraining, build_model  # noqa: E402
 
 READ = {"bytes": 0}

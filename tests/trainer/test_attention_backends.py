@@ -403,7 +403,7 @@ def test_flex_packed_equals_each_sample_alone(family, shared_dir):
 
 
 def test_chosen_backend_is_a_metric_label():
-    from packtrain.packer.core.contract import TRAIN_INFO
+    from packtrain.core.contract import TRAIN_INFO
     from packtrain.trainer.metrics import TrainMetrics
 
     metrics = TrainMetrics(rank=0, device=CPU)

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from test_equivalence import _double_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from packtrain.packer.core.pack.schema import IGNORE_INDEX
+from packtrain.core.pack.schema import IGNORE_INDEX
 from packtrain.trainer.config import LOSS_CHUNK_TOKENS, TrainingSpec
 from packtrain.trainer.data import collate_packed
 from packtrain.trainer.loss import per_sample_sums, token_losses

@@ -17,7 +17,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 from vlm_fixtures import DEMO, FOLDER, spec
 
-from packtrain.packer.core.errors import ShardFormatError
+from packtrain.core.errors import ShardFormatError
 from packtrain.trainer.data import PackedDataset
 from packtrain.trainer.media import PixelSpec
 from packtrain.trainer.sampler import attention_cost, contiguous_plan, imbalance, plan_epoch
@@ -143,7 +143,7 @@ def _hard_images(folder):
 _RESIZED_BLOBS = """
 import json, sys
 from pathlib import Path
-from packtrain.packer.core.config import SourceConfig
+from packtrain.core.config import SourceConfig
 from packtrain.packer.media.access import MediaLimits
 from packtrain.packer.media.store import media_blob
 refs, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
@@ -162,7 +162,7 @@ def test_pixels_equal_the_processor_in_both_storage_modes(tmp_path, family):
     dropping transparency, so this is `model.alpha: drop` (`white`: tests/packer/test_transparency.py)."""
     from transformers import AutoProcessor
 
-    from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
+    from packtrain.core.config import ModelConfig, PackingConfig, SourceConfig
     from packtrain.packer.sources.raw import RawRecord
     from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
     from packtrain.trainer.media import media_pixels
@@ -225,7 +225,7 @@ def test_video_pixels_equal_the_processor_in_both_storage_modes(tmp_path, family
     from transformers import AutoProcessor
     from transformers.video_utils import load_video
 
-    from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
+    from packtrain.core.config import ModelConfig, PackingConfig, SourceConfig
     from packtrain.packer.media.access import MediaLimits
     from packtrain.packer.media.store import media_blob
     from packtrain.packer.sources.raw import RawRecord

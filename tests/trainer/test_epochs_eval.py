@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 from support.paths import SHARED
 
-from packtrain.packer.core.config import PackConfig
+from packtrain.core.config import PackConfig
 from packtrain.packer.stages.convert import convert
 from packtrain.packer.stages.materialize import materialize
 from packtrain.packer.stages.plan import plan

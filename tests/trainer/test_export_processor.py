@@ -16,8 +16,8 @@ from PIL import Image
 from support.paths import DEMO, MODELS
 from test_first_hour import TINY, packtrain
 
-from packtrain.packer.core.config import ModelConfig
-from packtrain.packer.core.model_spec import served_processor_configs
+from packtrain.core.config import ModelConfig
+from packtrain.core.model_spec import served_processor_configs
 from packtrain.packer.tools import unpack
 
 transformers = pytest.importorskip("transformers")

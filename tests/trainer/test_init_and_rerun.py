@@ -15,7 +15,7 @@ from conftest import job_spec, write_job
 from test_first_hour import chats, image_record, one_line_error, packtrain
 from vlm_fixtures import FOLDER
 
-from packtrain.packer.core.config import PackConfig
+from packtrain.core.config import PackConfig
 from packtrain.packer.stages.convert import convert
 from packtrain.packer.stages.materialize import materialize
 from packtrain.packer.stages.plan import plan

@@ -11,7 +11,7 @@ from PIL import Image
 from support.paths import MODELS
 from transformers import AutoImageProcessor
 
-from packtrain.packer.core.config import ModelConfig, PackingConfig, SourceConfig
+from packtrain.core.config import ModelConfig, PackingConfig, SourceConfig
 from packtrain.packer.sources.raw import RawRecord
 from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
 from packtrain.trainer.media import PixelSpec, image_pixels

@@ -16,11 +16,10 @@ import yaml
 from support.paths import MODELS
 from support.qwen_sizes import released_overrides
 
-from packtrain.packer.core.errors import EXIT_CONFIG, ConfigError
-from packtrain.packer.core.memory_plan import GIB, PlanInputs, parse_bytes, plan_memory, refusal
-from packtrain.packer.core.model_size import LoraShape, model_dims, planning_config, read_config
-from packtrain.trainer import cli
-from packtrain.trainer import plan as trainer_plan
+from packtrain.core.errors import EXIT_CONFIG, ConfigError
+from packtrain.core.memory_plan import GIB, PlanInputs, parse_bytes, plan_memory, refusal
+from packtrain.core.model_size import LoraShape, model_dims, planning_config, read_config
+from packtrain.trainer import cli, memory_check
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_memory_plan.py"
 SEVEN_B = released_overrides("7B")
@@ -79,7 +78,7 @@ def test_the_trainer_refuses_at_start_up_before_building_the_model(tmp_path, mon
     err = capsys.readouterr().err
     assert "per GPU" in err and "training.planCheck: false" in err
     skip = _job(tmp_path, {"planCheck": False})
-    assert trainer_plan.startup_refusal(cli.load_train_config(skip), 8, 8) is None
+    assert memory_check.startup_refusal(cli.load_train_config(skip), 8, 8) is None
 
 
 def test_options_move_the_plan_the_right_way():

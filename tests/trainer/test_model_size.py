@@ -1,4 +1,4 @@
-"""The core's parameter counts (`packer/core/model_size.py`, what the memory planner sizes a job
+"""The core's parameter counts (`core/model_size.py`, what the memory planner sizes a job
 with) equal `sum(p.numel())` of the real transformers models built on the meta device: every
 shared config (real sizes), the tiny test configs, the mixture-of-experts variants, and the
 trainable counts under `model.freeze` and `model.lora` as the trainer applies them.
@@ -16,8 +16,8 @@ import vlm_fixtures as fx
 from support.paths import MODELS
 from test_moe import MOE
 
-from packtrain.packer.core.families import FAMILIES
-from packtrain.packer.core.model_size import (
+from packtrain.core.families import FAMILIES
+from packtrain.core.model_size import (
     _TEXT_DEFAULTS,
     _VISION_DEFAULTS,
     LoraShape,

@@ -11,8 +11,8 @@ import pytest
 from conftest import job_spec, write_job
 from rich.console import Console
 
+from packtrain.core.contract import parse_summary
 from packtrain.operator.status import train_progress
-from packtrain.packer.core.contract import parse_summary
 from packtrain.trainer.cli import main
 from packtrain.trainer.progress import JsonLines, ProgressBar, follow, reporter_for
 

@@ -16,8 +16,8 @@ from test_equivalence import _double_batch
 from transformers import AutoModelForImageTextToText
 from vlm_fixtures import FOLDER, TINY, spec
 
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.pack.shards import ShardReader
+from packtrain.core.errors import ConfigError
+from packtrain.core.pack.shards import ShardReader
 from packtrain.trainer.config import load_train_config
 from packtrain.trainer.data import collate_packed, collate_padded, split_row
 from packtrain.trainer.loop import train

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from torchrun_job import free_port, torchrun_two_processes
 from transformers import AutoModelForImageTextToText
 
-from packtrain.packer.core.errors import ConfigError
+from packtrain.core.errors import ConfigError
 from packtrain.trainer import checkpoint, export
 from packtrain.trainer.config import load_train_config
 from packtrain.trainer.distributed import DistEnv

@@ -22,12 +22,12 @@ from conftest import job_spec, write_job
 from safetensors.torch import load_file, save_file
 from torchrun_job import torchrun_script
 
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.model_spec import family_for_model_type
+from packtrain.core.errors import ConfigError
+from packtrain.core.model_spec import family_for_model_type
 from packtrain.trainer import lora
 from packtrain.trainer.config import LoraSpec, load_train_config
+from packtrain.trainer.init_weights import cast_frozen, materialize
 from packtrain.trainer.loop import train
-from packtrain.trainer.materialize import cast_frozen, materialize
 from packtrain.trainer.model import build_model, load_config
 from packtrain.trainer.weights import INDEX
 

@@ -11,8 +11,8 @@ from conftest import job_spec, write_job
 from pack_tamper import ROW_EDITS, copy_pack, edit_manifest, tamper_row
 from vlm_fixtures import spec
 
-from packtrain.packer.core.errors import ShardFormatError
-from packtrain.packer.core.pack.shards import MANIFEST
+from packtrain.core.errors import ShardFormatError
+from packtrain.core.pack.shards import MANIFEST
 from packtrain.trainer import cli
 
 

@@ -17,7 +17,7 @@ import vlm_fixtures as fx
 from conftest import job_spec, write_job
 from test_attention_backends import varlen_2_12
 
-from packtrain.packer.core.errors import EXIT_CONFIG, ConfigError
+from packtrain.core.errors import EXIT_CONFIG, ConfigError
 from packtrain.trainer import cli
 from packtrain.trainer.attention import VarlenKernel, register_varlen
 from packtrain.trainer.data import collate_packed

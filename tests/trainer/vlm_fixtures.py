@@ -19,7 +19,7 @@ from PIL import Image
 from support.paths import DEMO, MODELS
 from transformers import AutoProcessor
 
-from packtrain.packer.core.model_spec import ModelSpec, model_spec
+from packtrain.core.model_spec import ModelSpec, model_spec
 from packtrain.trainer.media import PixelSpec, decode_video_frames, media_pixels
 
 TINY_TEXT = {

@@ -1,7 +1,7 @@
 """Generates grafana-dashboard.json beside this file: `python charts/packtrain/files/grafana_dashboard.py`.
 
 The metric names come from where they are defined: the trainer's from the pods' contract
-(`packtrain.packer.core.contract`), the operator's from `packtrain.operator.metrics`. METRICS
+(`packtrain.core.contract`), the operator's from `packtrain.operator.metrics`. METRICS
 only gives them the short keys the panels use; tests/chart/test_dashboard.py fails when the
 committed JSON differs from what this script generates, so a renamed metric reaches the JSON.
 """
@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from packtrain.core import contract
 from packtrain.operator import metrics as operator
-from packtrain.packer.core import contract
 
 METRICS: dict[str, str] = {
     "tokens_per_second": contract.TRAIN_TOKENS_PER_SECOND,

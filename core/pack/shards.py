@@ -29,8 +29,8 @@ from typing import Any, BinaryIO
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from packtrain.packer.core.errors import ShardFormatError
-from packtrain.packer.core.pack.schema import FORMAT_VERSION, MEDIA_SCHEMA, SEQUENCE_SCHEMA
+from packtrain.core.errors import ShardFormatError
+from packtrain.core.pack.schema import FORMAT_VERSION, MEDIA_SCHEMA, SEQUENCE_SCHEMA
 
 MANIFEST = "manifest.json"
 REJECTS = "rejects.jsonl"

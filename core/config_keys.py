@@ -15,10 +15,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.families import FAMILIES
-from packtrain.packer.core.model_size import deep_merge
-from packtrain.packer.core.spec_file import unknown_key
+from packtrain.core.errors import ConfigError
+from packtrain.core.families import FAMILIES
+from packtrain.core.model_size import deep_merge
+from packtrain.core.spec_file import unknown_key
 
 OVERRIDES = "model.configOverrides"
 _ARGUMENTS = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)

@@ -24,9 +24,9 @@ from typing import BinaryIO
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from packtrain.packer.core.contract import RejectReason
-from packtrain.packer.core.errors import MediaError
-from packtrain.packer.core.mp4_index import check_mp4_index
+from packtrain.core.contract import RejectReason
+from packtrain.core.errors import MediaError
+from packtrain.core.mp4_index import check_mp4_index
 
 MAX_ASPECT_RATIO = 200
 MAX_IMAGE_METADATA_BYTES = 1 << 20

@@ -37,8 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.model_size import LoraShape, ModelDims, ParamCounts, param_counts
+from packtrain.core.errors import ConfigError
+from packtrain.core.model_size import LoraShape, ModelDims, ParamCounts, param_counts
 
 GIB = 1 << 30
 RESERVE_BYTES = 2 * GIB  # CUDA context, cuBLAS workspaces, NCCL buffers

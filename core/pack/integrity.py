@@ -24,11 +24,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from packtrain.packer.core.config import MAX_FRAMES_CEILING, MAX_PIXELS_CEILING
-from packtrain.packer.core.families import FAMILIES
-from packtrain.packer.core.pack.schema import IGNORE_INDEX
-from packtrain.packer.core.pack.shards import ShardReader
-from packtrain.packer.core.pixels import IMAGE_FORMATS
+from packtrain.core.config import MAX_FRAMES_CEILING, MAX_PIXELS_CEILING
+from packtrain.core.families import FAMILIES
+from packtrain.core.pack.schema import IGNORE_INDEX
+from packtrain.core.pack.shards import ShardReader
+from packtrain.core.pixels import IMAGE_FORMATS
 
 
 @dataclass(frozen=True)

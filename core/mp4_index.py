@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from packtrain.packer.core.contract import RejectReason
-from packtrain.packer.core.errors import MediaError
+from packtrain.core.contract import RejectReason
+from packtrain.core.errors import MediaError
 
 MAX_SAMPLES = 1_000_000
 """Most samples (video frames, audio packets) all tracks of one file may declare together. One

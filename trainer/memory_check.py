@@ -1,7 +1,7 @@
 """The memory plan of a training job as the trainer sees it: `packtrain train --plan` and the
 start-up check every rank runs before it builds the model.
 
-The arithmetic is the core's (`packtrain.packer.core.memory_plan`), shared with the operator;
+The arithmetic is the core's (`packtrain.core.memory_plan`), shared with the operator;
 here the job's YAML, the pack's manifest and the machine fill in its inputs, and the result is
 printed as a table (rich) or JSON. Nothing here imports torch unless it asks the GPU its size.
 """
@@ -14,8 +14,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.memory_plan import (
+from packtrain.core.errors import ConfigError
+from packtrain.core.memory_plan import (
     GIB,
     MemoryPlan,
     PlanInputs,
@@ -25,7 +25,7 @@ from packtrain.packer.core.memory_plan import (
     plan_memory,
     refusal,
 )
-from packtrain.packer.core.model_size import ModelDims, model_dims, read_config
+from packtrain.core.model_size import ModelDims, model_dims, read_config
 from packtrain.trainer.config import SFTSpecCore
 
 # Checkpointing settings the table compares (decoder layers, vision blocks).

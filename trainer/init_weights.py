@@ -29,7 +29,7 @@ from peft.tuners.lora import LoraLayer
 from torch import nn
 from transformers import PreTrainedModel
 
-from packtrain.packer.core.errors import ConfigError
+from packtrain.core.errors import ConfigError
 from packtrain.trainer import param_groups
 from packtrain.trainer.lora import ADAPTER
 from packtrain.trainer.weights import Checkpoint, ReadStats, match_names

@@ -17,10 +17,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from packtrain.packer.core.config import MAX_FRAMES_CEILING, ModelConfig
-from packtrain.packer.core.errors import ConfigError, relative_note
-from packtrain.packer.core.families import FAMILIES, Family
-from packtrain.packer.core.vision import VisionSpec
+from packtrain.core.config import MAX_FRAMES_CEILING, ModelConfig
+from packtrain.core.errors import ConfigError, relative_note
+from packtrain.core.families import FAMILIES, Family
+from packtrain.core.vision import VisionSpec
 
 __all__ = [
     "FAMILIES",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Final
 
-from packtrain.packer.core.contract import RejectReason
+from packtrain.core.contract import RejectReason
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1  # anything not the user's input: see the log

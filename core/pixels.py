@@ -29,9 +29,9 @@ from typing import Any, cast, get_args
 import numpy as np
 from PIL import Image
 
-from packtrain.packer.core.config import Alpha
-from packtrain.packer.core.errors import PackIntegrityError
-from packtrain.packer.core.vision import upright
+from packtrain.core.config import Alpha
+from packtrain.core.errors import PackIntegrityError
+from packtrain.core.vision import upright
 
 ALPHA_BEFORE_THE_SETTING: Alpha = "drop"
 """How packs made before `model.alpha` existed treated transparency: `convert("RGB")` dropped it."""

@@ -15,8 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 from pydantic.alias_generators import to_camel
 
-from packtrain.packer.core.families import FAMILY_NAMES
-from packtrain.packer.core.spec_file import load_spec_section
+from packtrain.core.families import FAMILY_NAMES
+from packtrain.core.spec_file import load_spec_section
 
 
 class CamelModel(BaseModel):

@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from packtrain.packer.core.config import DEFAULT_MAX_REJECTED_FRACTION
-from packtrain.packer.core.contract import reject_fixes
+from packtrain.core.config import DEFAULT_MAX_REJECTED_FRACTION
+from packtrain.core.contract import reject_fixes
 
 TERMINATION_LOG = "/dev/termination-log"
 LIMIT = 4096  # the kubelet keeps at most 4 KiB of a termination message

@@ -16,7 +16,7 @@ from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from packtrain.packer.core.errors import ConfigError
+from packtrain.core.errors import ConfigError
 
 # The top-level keys of a Kubernetes object; any other key of a manifest is a slip.
 MANIFEST_KEYS = ("apiVersion", "kind", "metadata", "spec", "status")

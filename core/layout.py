@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from packtrain.packer.core.families import Family
+from packtrain.core.families import Family
 
 # The transformers versions whose processors write what the packer writes, for every family
 # (pyproject.toml declares the same floor; the parity tests run against the installed version).

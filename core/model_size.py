@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from packtrain.packer.core.errors import ConfigError
-from packtrain.packer.core.families import FAMILIES, ModuleLayout
+from packtrain.core.errors import ConfigError
+from packtrain.core.families import FAMILIES, ModuleLayout
 
 # Module kinds of the vision tower (`VisionDims.kind`) and the decoder (`ModelDims.text_kind`).
 VISION_KINDS = ("qwen2", "qwen2.5", "qwen3")
