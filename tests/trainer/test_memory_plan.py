@@ -72,7 +72,7 @@ def test_plan_reads_the_packs_max_length_and_asks_for_one_without(tmp_path, caps
 def test_the_trainer_refuses_at_start_up_before_building_the_model(tmp_path, monkeypatch, capsys):
     (tmp_path / "pack").mkdir()
     (tmp_path / "pack" / "manifest.json").write_text(json.dumps({"max_length": 8192}))
-    monkeypatch.setattr(trainer_plan, "device_memory", lambda: 80 * GIB)
+    monkeypatch.setattr(memory_check, "device_memory", lambda: 80 * GIB)
     monkeypatch.setattr("packtrain.trainer.loop.train", lambda *a, **k: pytest.fail("the model was built"))
     assert cli.main(["-c", str(_job(tmp_path))]) == EXIT_CONFIG
     err = capsys.readouterr().err
