@@ -150,7 +150,7 @@ def _kind_section(kind: type[PackJob] | type[SFTJob]) -> list[str]:
 
 def render_reference() -> str:
     lines = [
-        header("operator/api.py, core/config.py and trainer/config.py").rstrip("\n"),
+        header("operator/api/, core/config.py and trainer/config.py").rstrip("\n"),
         "# Spec reference",
         "",
         "Every field of a PackJob's and an SFTJob's `spec`, generated from the pydantic models",

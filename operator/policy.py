@@ -262,8 +262,8 @@ def _pack_gpus(spec: PackJobSpec, policy: Policy) -> float:
 
 
 class Settings(Protocol):
-    """What the check reads of the operator's settings (`builders.OperatorDefaults`), so this module
-    needs nothing of the builders, which import the `Policy` model from here."""
+    """What the check reads of the operator's settings (`settings.OperatorDefaults`), so this module
+    needs nothing of the settings, which import the `Policy` model from here."""
 
     @property
     def policy(self) -> Policy: ...

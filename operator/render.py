@@ -31,6 +31,7 @@ from packtrain.core.errors import EXIT_CONFIG
 from packtrain.operator import builders, handoff, policy
 from packtrain.operator.api import MAX_NAME_LENGTH, PackJobSpec, PackOutput, SFTJobSpec
 from packtrain.operator.manifests import Manifests, Named, load_manifests
+from packtrain.operator.settings import OperatorDefaults
 
 CHART = Path(__file__).resolve().parents[1] / "charts" / "packtrain"
 
@@ -142,7 +143,7 @@ def pack_claim(value: str) -> PackOutput:
 
 def render(
     path: Path,
-    defaults: builders.OperatorDefaults,
+    defaults: OperatorDefaults,
     namespace: str | None = None,
     pack_output: PackOutput | None = None,
     allow_unmounted: bool = False,
@@ -204,7 +205,7 @@ def _pack_of(spec: SFTJobSpec, packs: Sequence[Named]) -> PackJobSpec | None:
 def _children(
     found: Manifests,
     pack_specs: Mapping[str, PackJobSpec],
-    defaults: builders.OperatorDefaults,
+    defaults: OperatorDefaults,
     namespace: str | None,
 ) -> tuple[list[dict], list[str]]:
     """The children of every PackJob and SFTJob, and one line per job whose paths its pods cannot see."""
@@ -338,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     notes: list[str] = []  # warnings and notes, said before an error too
     try:
         values, app_version = chart_values(args.chart, args.values)
-        defaults = builders.OperatorDefaults.from_env(operator_env(values, app_version))
+        defaults = OperatorDefaults.from_env(operator_env(values, app_version))
         objects = render(args.file, defaults, args.namespace, args.pack_claim, args.allow_unmounted, notes)
     except (KeyError, TypeError) as exc:
         print(

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from packtrain.core.contract import TrainSummary
-from packtrain.trainer.batch import Batch
+from packtrain.trainer.data.batch import Batch
 from packtrain.trainer.distributed import all_reduce_max, all_reduce_sum
 from packtrain.trainer.metrics import ModelShape, TrainMetrics, step_flops
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from packtrain.trainer import distributed
-from packtrain.trainer.data import EvalDataset, loader
+from packtrain.trainer.data.packed import EvalDataset, loader
 
 
 def due(step: int, max_steps: int, every: int) -> bool:

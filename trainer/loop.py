@@ -17,18 +17,20 @@ from typing import Any
 import torch
 
 from packtrain.core.contract import TrainSummary
-from packtrain.trainer import checkpoint, distributed, export, param_groups
+from packtrain.trainer import distributed
 from packtrain.trainer.accounting import RunAccounting
-from packtrain.trainer.batch import Batch
 from packtrain.trainer.config import SFTSpecCore, TrainingSpec
-from packtrain.trainer.data import EvalDataset, PackedDataset
-from packtrain.trainer.data import loader as data_loader
+from packtrain.trainer.data.batch import Batch
+from packtrain.trainer.data.packed import EvalDataset, PackedDataset
+from packtrain.trainer.data.packed import loader as data_loader
 from packtrain.trainer.evaluate import due, evaluate
-from packtrain.trainer.linear_attention import linear_path
-from packtrain.trainer.loss import aux_objective, global_label_tokens, micro_batch_objective
 from packtrain.trainer.metrics import Stopwatch, TrainMetrics, device_peak_tflops
+from packtrain.trainer.model import param_groups
+from packtrain.trainer.model.linear_attention import linear_path
+from packtrain.trainer.model.loss import aux_objective, global_label_tokens, micro_batch_objective
 from packtrain.trainer.progress import JsonLines, Reporter
 from packtrain.trainer.recipe import Finished, Run, setup
+from packtrain.trainer.state import checkpoint, export
 
 
 def batches(dataset: PackedDataset, num_workers: int, prefetch: int, pin: bool) -> Iterator[Batch]:

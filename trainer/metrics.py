@@ -42,7 +42,7 @@ from packtrain.core.errors import ConfigError
 if TYPE_CHECKING:  # imported where used: the device benchmark reads the FLOPs model without it
     from prometheus_client import Gauge
 
-    from packtrain.trainer.batch import Batch
+    from packtrain.trainer.data.batch import Batch
 
 PEAK_BF16_TFLOPS = {  # dense, per GPU
     "H200": 989.0,

@@ -19,16 +19,16 @@ from transformers import PretrainedConfig
 from packtrain.core.errors import ConfigError
 from packtrain.core.model_spec import ModelSpec
 from packtrain.core.report import rejects_warning
-from packtrain.trainer import checkpoint, distributed, lora, param_groups
-from packtrain.trainer.attention import resolve_attention
+from packtrain.trainer import distributed
 from packtrain.trainer.config import DEFAULT_MAX_STEPS, SFTSpecCore
-from packtrain.trainer.data import EvalDataset, PackedDataset, eval_dataset
-from packtrain.trainer.export import MERGED_DIR
-from packtrain.trainer.init_weights import LoadReport, cast_frozen, materialize
-from packtrain.trainer.layout_check import check_pack_layout
-from packtrain.trainer.media import PixelSpec
+from packtrain.trainer.data.layout_check import check_pack_layout
+from packtrain.trainer.data.media import PixelSpec
+from packtrain.trainer.data.packed import EvalDataset, PackedDataset, eval_dataset
+from packtrain.trainer.data.sampler import PackTooSmall, Plan, imbalance, plan_epoch, total_steps
 from packtrain.trainer.metrics import ModelShape
-from packtrain.trainer.model import (
+from packtrain.trainer.model import lora, param_groups
+from packtrain.trainer.model.attention import resolve_attention
+from packtrain.trainer.model.build import (
     VLMForTraining,
     apply_layer_options,
     build_model,
@@ -38,8 +38,10 @@ from packtrain.trainer.model import (
     parameter_groups,
     pretrained_weights,
 )
-from packtrain.trainer.sampler import PackTooSmall, Plan, imbalance, plan_epoch, total_steps
-from packtrain.trainer.vision_check import require_vision_features
+from packtrain.trainer.model.init_weights import LoadReport, cast_frozen, materialize
+from packtrain.trainer.model.vision_check import require_vision_features
+from packtrain.trainer.state import checkpoint
+from packtrain.trainer.state.export import MERGED_DIR
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -13,10 +13,11 @@ from typing import Any
 
 from packtrain.operator import builders, policy
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
-from packtrain.operator.builders import DataSource, OperatorDefaults
+from packtrain.operator.builders import DataSource
 from packtrain.operator.children import ChildKind
 from packtrain.operator.deadlines import Stall
 from packtrain.operator.reasons import ConditionReason as R
+from packtrain.operator.settings import OperatorDefaults
 from packtrain.operator.status.conditions import TERMINAL
 from packtrain.operator.status.memory import memory_verdict
 from packtrain.operator.status.pods import pod_failure, terminated

@@ -70,9 +70,9 @@ def child(shape: str, case: str, max_length: int, steps: int, threads: int) -> d
     import gpu_bench
 
     gpu_bench.import_packtrain()
-    from packtrain.trainer import param_groups
-    from packtrain.trainer.loss import micro_batch_objective
-    from packtrain.trainer.model import VLMForTraining, build_model, checked_spec, load_config
+    from packtrain.trainer.model import param_groups
+    from packtrain.trainer.model.build import VLMForTraining, build_model, checked_spec, load_config
+    from packtrain.trainer.model.loss import micro_batch_objective
 
     torch.set_num_threads(threads)
     cfg = load_config(QWEN2_VL, SHAPES[shape])
@@ -116,7 +116,7 @@ def estimate_bytes(shape: str) -> int:
     gpu_bench.import_packtrain()
     import torch
 
-    from packtrain.trainer.model import build_model
+    from packtrain.trainer.model.build import build_model
 
     with torch.device("meta"):
         hf = build_model(QWEN2_VL, init="random", overrides=SHAPES[shape], device="meta")

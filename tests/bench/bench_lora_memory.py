@@ -41,10 +41,10 @@ def child(shape: str, case: str, max_length: int, steps: int, threads: int) -> d
     import torch
 
     gpu_bench.import_packtrain()
-    from packtrain.trainer import lora, param_groups
     from packtrain.trainer.config import LoraSpec
-    from packtrain.trainer.loss import micro_batch_objective
-    from packtrain.trainer.model import VLMForTraining, build_model, checked_spec, load_config
+    from packtrain.trainer.model import lora, param_groups
+    from packtrain.trainer.model.build import VLMForTraining, build_model, checked_spec, load_config
+    from packtrain.trainer.model.loss import micro_batch_objective
 
     torch.set_num_threads(threads)
     overrides = freeze_bench.SHAPES[shape]

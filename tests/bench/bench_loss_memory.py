@@ -64,7 +64,7 @@ def _child(
     import torch.nn.functional as F
 
     from packtrain.core.pack.schema import IGNORE_INDEX
-    from packtrain.trainer.loss import token_losses
+    from packtrain.trainer.model.loss import token_losses
 
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)

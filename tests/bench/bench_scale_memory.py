@@ -105,7 +105,7 @@ def generate_model(work: Path, hidden: int, layers: int, quick: bool) -> Path:
         return folder
     import torch
 
-    from packtrain.trainer.model import build_model
+    from packtrain.trainer.model.build import build_model
 
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -296,8 +296,9 @@ def rank_run(job: Path, out: Path) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from packtrain.trainer import checkpoint, distributed, loop
+    from packtrain.trainer import distributed, loop
     from packtrain.trainer.config import SFTSpecCore
+    from packtrain.trainer.state import checkpoint
 
     cfg = SFTSpecCore.model_validate(json.loads(job.read_text()))
     shard = json.loads((out / "bench.json").read_text())["export_shard_bytes"]
@@ -511,7 +512,7 @@ def planner_comparison(
 
 def estimate_mib(hidden: int, layers: int, quick: bool) -> float:
     """The single process's need: 16 bytes a parameter (fp32 weights, gradients, AdamW) + 2 GiB."""
-    from packtrain.trainer.model import build_model
+    from packtrain.trainer.model.build import build_model
 
     hf = build_model(SOURCE, init="random", overrides=overrides(hidden, layers, quick), device="meta")
     return (16 * sum(p.numel() for p in {id(p): p for p in hf.parameters()}.values())) / MIB + 2048

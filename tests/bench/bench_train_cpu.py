@@ -15,7 +15,7 @@ shows what padding costs once the body dominates, as it does for real models
 (see gpu_bench.py).
 
 `--family qwen3.5` trains a tiny Qwen3.5 (hybrid decoder) instead: its packed rows run the
-linear-attention layers once per sample (see trainer/linear_attention.py on CPU), the padded
+linear-attention layers once per sample (see trainer/model/linear_attention.py on CPU), the padded
 baseline once per padded row.
 
     python tests/bench/bench_train_cpu.py [--samples 300] [--steps 4] [--family qwen3.5]

@@ -58,14 +58,14 @@ def child(
     import gpu_bench
 
     gpu_bench.import_packtrain()
-    from packtrain.trainer.loss import micro_batch_objective
-    from packtrain.trainer.model import (
+    from packtrain.trainer.model.build import (
         VLMForTraining,
         apply_layer_options,
         build_model,
         checked_spec,
         load_config,
     )
+    from packtrain.trainer.model.loss import micro_batch_objective
 
     torch.set_num_threads(threads)
     sizes = gpu_bench.TINY if quick else MODEL

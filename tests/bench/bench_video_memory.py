@@ -69,7 +69,12 @@ def _status_kib(field: str) -> int:
 
 
 def _child(mode: str, path: str) -> None:
-    from packtrain.trainer.media import PixelSpec, decode_video_frames, media_pixels, video_pixels_from_frames
+    from packtrain.trainer.data.media import (
+        PixelSpec,
+        decode_video_frames,
+        media_pixels,
+        video_pixels_from_frames,
+    )
 
     data = Path(path).read_bytes()
     ref, spec = _ref(int(sys.argv[-1])), PixelSpec()

@@ -273,8 +273,8 @@ def _media(rows: list[dict[str, Any]], fam: Any) -> dict[str, torch.Tensor]:
 def collate_packed(rows: list[dict[str, Any]], fam: Any) -> Any:
     """What the trainer's `data.collate_packed` makes of these rows (the smoke test compares),
     without its media-decoding imports."""
-    from packtrain.trainer.batch import Batch, BatchInfo, ModelInputs
-    from packtrain.trainer.rope import packed_positions
+    from packtrain.trainer.data.batch import Batch, BatchInfo, ModelInputs
+    from packtrain.trainer.data.rope import packed_positions
 
     ids, labels, shifted, pos, lens, sample_ids = [], [], [], [], [], []
     for row in rows:
@@ -313,8 +313,8 @@ def collate_packed(rows: list[dict[str, Any]], fam: Any) -> Any:
 
 def collate_padded(samples: list[dict[str, Any]], fam: Any, pad_id: int) -> Any:
     """What the trainer's `data.collate_padded` makes of these samples: right-padded rows."""
-    from packtrain.trainer.batch import Batch, BatchInfo, ModelInputs
-    from packtrain.trainer.rope import sample_positions
+    from packtrain.trainer.data.batch import Batch, BatchInfo, ModelInputs
+    from packtrain.trainer.data.rope import sample_positions
 
     lengths = [len(s["input_ids"]) for s in samples]
     b, width = len(samples), max(lengths)
@@ -366,7 +366,7 @@ def padded_grad_accum(manifest: dict[str, Any], padded_batch: int) -> int:
 class Bench:
     def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
         from packtrain.trainer.metrics import GpuProbe, device_peak_tflops
-        from packtrain.trainer.model import checked_spec, load_config
+        from packtrain.trainer.model.build import checked_spec, load_config
 
         self.args, self.device = args, device
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -392,7 +392,7 @@ class Bench:
     def model(self, size: str, backend: str) -> tuple[Any, Any]:
         """A fresh random init (seed 0: every backend and the fp32 reference start from the same
         weights) wrapped as the trainer wraps it."""
-        from packtrain.trainer.model import VLMForTraining, apply_layer_options, build_model
+        from packtrain.trainer.model.build import VLMForTraining, apply_layer_options, build_model
 
         overrides = TINY if size == "tiny" else SIZES[size]
         hf = build_model(
@@ -408,9 +408,9 @@ class Bench:
 
     def train(self, core: Any, micro_batches: list[list[Any]]) -> dict[str, Any]:
         """Optimizer steps over `micro_batches` (a list per step) as the trainer's loop does them."""
-        from packtrain.trainer.loss import micro_batch_objective
         from packtrain.trainer.metrics import ModelShape, step_flops
-        from packtrain.trainer.model import parameter_groups
+        from packtrain.trainer.model.build import parameter_groups
+        from packtrain.trainer.model.loss import micro_batch_objective
 
         shape = ModelShape.from_model(core.hf, parameter_groups(core))
         optimizer = torch.optim.AdamW(core.parameters(), lr=1e-5)
@@ -549,7 +549,7 @@ def sample_losses(
 def without_isolation(batch: Any) -> Any:
     """The broken control: the same packed row as one causal sequence (no sample boundaries for
     any backend), positions still restarting per sample: what packing without isolation computes."""
-    from packtrain.trainer.batch import Batch
+    from packtrain.trainer.data.batch import Batch
 
     total = batch.inputs.input_ids.shape[1]
     cu = torch.tensor([0, total], dtype=torch.int32)
@@ -611,7 +611,7 @@ def equivalence(
 
 
 def available(backends: list[str], device: torch.device, dtype: torch.dtype) -> list[str]:
-    from packtrain.trainer.attention import resolve_attention
+    from packtrain.trainer.model.attention import resolve_attention
 
     out = []
     for name in backends:

@@ -1,9 +1,9 @@
 """Attention kernels on this GPU against fp32 references, before a benchmark trusts them.
 
 The packed path's speed rests on kernels no CPU test can run: torch's varlen FlashAttention
-(`trainer/attention.py` hands it grouped K/V as they are, relying on the kernel to handle H_kv < H_q
+(`trainer/model/attention.py` hands it grouped K/V as they are, relying on the kernel to handle H_kv < H_q
 in the forward and to sum dK/dV per group in the backward), compiled flex attention, and the vision
-tower's one call per block over every image, frame and window (`trainer/vision_attention.py`).
+tower's one call per block over every image, frame and window (`trainer/model/vision_attention.py`).
 Each is compared with a reference of the same inputs: outputs and input gradients of the kernel
 in bf16 must be within twice the error (RMS; 4x the max) of the same attention written out in
 plain PyTorch in bf16, both measured against fp32 (FlashAttention's own test criterion: a kernel
@@ -155,7 +155,7 @@ def check_varlen(kernel: Any, label: str, device: torch.device, lengths: tuple[i
 def _varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernel: Any, cu: torch.Tensor, longest: int
 ) -> Any:
-    from packtrain.trainer.attention import varlen_call
+    from packtrain.trainer.model.attention import varlen_call
 
     return varlen_call(kernel, q, k, v, cu, longest, causal=True, scale=None)
 
@@ -182,10 +182,13 @@ def peak_memory(device: torch.device) -> Iterator[dict[str, int | None]]:
 def check_gqa(kernel: Any, label: str, device: torch.device, lengths: tuple[int, ...]) -> dict[str, Any]:
     """Grouped K/V handed to the kernel as they are vs repeated to the query heads first (what a
     kernel without GQA needs): the same outputs and gradients, and what each costs in memory."""
-    from packtrain.trainer.attention import VarlenKernel, varlen_call
+    from packtrain.trainer.model.attention import VarlenKernel, varlen_call
 
     if "grouped_kv" not in inspect.signature(VarlenKernel.of).parameters:
-        reason = "trainer/attention.py's VarlenKernel has no grouped_kv switch: no native GQA path to compare"
+        reason = (
+            "trainer/model/attention.py's VarlenKernel has no grouped_kv switch: "
+            "no native GQA path to compare"
+        )
         return {
             "check": "native GQA vs K/V copies",
             "case": "-",
@@ -228,7 +231,7 @@ def check_flex(device: torch.device, lengths: tuple[int, ...]) -> dict[str, Any]
     backward; on CPU eager and forward only (torch has no CPU flex backward)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from packtrain.trainer.attention import compiled_flex, flex_block_mask
+    from packtrain.trainer.model.attention import compiled_flex, flex_block_mask
 
     cuda = device.type == "cuda"
     qkv, grad, cu = packed_qkv(lengths, 16, 2, 128, device)
@@ -275,7 +278,7 @@ VISION_NAMES = ("one_call_vision", "per_segment", "counting_calls", "ONE_CALL_BA
 def vision_model(device: torch.device, tiny: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """A random-init model (only its tower is run, frozen: gradients flow to the pixels alone),
     its grids and pixel patches."""
-    from packtrain.trainer.model import build_model
+    from packtrain.trainer.model.build import build_model
 
     overrides = gpu_bench.TINY if tiny else VISION_CUDA
     hf = build_model(gpu_bench.MODEL, init="random", overrides=overrides, attention="sdpa", device=device)
@@ -304,14 +307,14 @@ def check_vision(device: torch.device, tiny: bool, backends: list[str]) -> list[
     """One attention call per vision block vs transformers' call per image / frame / window, each
     backend in bf16, against the per-segment tower in fp32 (sdpa); and the calls counted."""
     try:
-        from packtrain.trainer import vision_attention as va
+        from packtrain.trainer.model import vision_attention as va
     except ImportError:
         va = None
     missing = [n for n in VISION_NAMES if va is None or not hasattr(va, n)]
     if missing:
-        reason = f"trainer/vision_attention.py lacks {', '.join(missing)}: no one-call vision attention"
+        reason = f"trainer/model/vision_attention.py lacks {', '.join(missing)}: no one-call vision attention"
         return [{"check": "one-call vision", "case": "-", "kernel": "-", "passed": None, "skipped": reason}]
-    from packtrain.trainer.attention import register_flex
+    from packtrain.trainer.model.attention import register_flex
 
     hf, grids, pixels = vision_model(device, tiny)
     depth = len(hf.model.visual.blocks)
@@ -368,7 +371,7 @@ def _forward_only(fn: Callable[[torch.Tensor], torch.Tensor], pixels: torch.Tens
 
 def varlen_kernel(device: torch.device) -> tuple[Any, str]:
     """torch's varlen kernel on CUDA; elsewhere (or in a torch without it) the per-sequence stand-in."""
-    from packtrain.trainer.attention import VarlenKernel, torch_varlen_kernel, varlen_available
+    from packtrain.trainer.model.attention import VarlenKernel, torch_varlen_kernel, varlen_available
 
     if device.type == "cuda" and varlen_available():
         return torch_varlen_kernel(), "torch varlen_attn"
@@ -379,7 +382,7 @@ def varlen_kernel(device: torch.device) -> tuple[Any, str]:
 def run_checks(device: torch.device, tiny: bool, write: Callable[[], None], report: dict[str, Any]) -> None:
     """Each check in turn, its results written as soon as it ends (a timeout keeps what ran); a
     check that raises is recorded as failed with its error."""
-    from packtrain.trainer.attention import available_backends, register_varlen
+    from packtrain.trainer.model.attention import available_backends, register_varlen
 
     kernel, label = varlen_kernel(device)
     register_varlen(kernel)  # the vision tower's varlen delegates to this registration

@@ -133,7 +133,7 @@ spec = importlib.util.spec_from_file_location("gpu_bench", {str(HERE / "gpu_benc
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
 bench.import_packtrain()
-for name in ("model", "attention", "config", "loss", "rope", "metrics", "batch"):
+for name in ("model.build", "model.attention", "config", "model.loss", "data.rope", "metrics", "data.batch"):
     importlib.import_module("packtrain.trainer." + name)
 importlib.import_module("packtrain.core.families")
 sys.path.insert(0, {str(HERE)!r})
@@ -164,7 +164,7 @@ def test_kernel_check_fails_a_kernel_that_crosses_sequences() -> None:
     one causal sequence) fails every layout, the per-sequence reference passes them."""
     import torch
 
-    from packtrain.trainer.attention import VarlenKernel
+    from packtrain.trainer.model.attention import VarlenKernel
 
     check = load("kernel_check")
 
@@ -204,8 +204,8 @@ def test_gpu_bench_batches_are_the_trainers(shared_dir: Path) -> None:
     must be exactly what the trainer's collators build from the same rows."""
     import torch
 
-    from packtrain.trainer import data
-    from packtrain.trainer.model import checked_spec, load_config
+    from packtrain.trainer.data import packed as data
+    from packtrain.trainer.model.build import checked_spec, load_config
 
     bench = load("gpu_bench")
     config = load_config(bench.MODEL, bench.TINY)

@@ -19,8 +19,9 @@ import yaml
 from cluster.controlplane import ControlPlane, free_port
 from cluster.waiting import wait_for
 
-from packtrain.operator import builders, policy
+from packtrain.operator import policy
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
+from packtrain.operator.settings import OperatorDefaults
 
 from .helm import manifest_objects, render
 from .policy_cases import BASE_POLICY, HOSTILE, manifest
@@ -113,7 +114,7 @@ def test_image_regexes_agree_with_the_operator() -> None:
         for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
         if "value" in e
     }
-    defaults = builders.OperatorDefaults.from_env(env)
+    defaults = OperatorDefaults.from_env(env)
     decided = {}
     for image in [*IMAGES, "a+b(c)|[d]{e}^$.f", "ab(c)|[d]{e}^$.f", "a+b(c)|[d]{e}^$xf"]:
         ours = policy.image_allowed(image, defaults.policy, (defaults.packer_image, defaults.trainer_image))
@@ -128,11 +129,11 @@ def test_image_regexes_agree_with_the_operator() -> None:
 # On the local API server
 
 
-def operator_defaults(release: dict[str, Any]) -> builders.OperatorDefaults:
+def operator_defaults(release: dict[str, Any]) -> OperatorDefaults:
     """What the operator installed by this release would enforce: its Deployment's environment."""
     deployment = next(o for o in manifest_objects(release) if o["kind"] == "Deployment")
     env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
-    return builders.OperatorDefaults.from_env({e["name"]: e["value"] for e in env if "value" in e})
+    return OperatorDefaults.from_env({e["name"]: e["value"] for e in env if "value" in e})
 
 
 def apply(cluster: ControlPlane, namespace: str, doc: dict[str, Any]) -> tuple[bool, str]:

@@ -30,6 +30,7 @@ from support.import_graph import PACKAGE_DIRS, imports_of, module_file
 from packtrain.operator import builders
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
 from packtrain.operator.commands import PACK_STAGES, pack_stage_command, train_command
+from packtrain.operator.settings import OperatorDefaults
 
 from .helm import REPO, render
 
@@ -394,9 +395,7 @@ def _pack_commands() -> list[list[str]]:
     )
     commands = []
     for stage in PACK_STAGES:
-        commands += _container_commands(
-            builders.pack_job("p", "ml", spec, stage, builders.OperatorDefaults())
-        )
+        commands += _container_commands(builders.pack_job("p", "ml", spec, stage, OperatorDefaults()))
     return commands
 
 
@@ -413,7 +412,7 @@ def _train_commands() -> list[list[str]]:
             }
         )
         job = builders.training_job(
-            "t", "ml", spec, builders.data_source(spec, None, None), builders.OperatorDefaults()
+            "t", "ml", spec, builders.data_source(spec, None, None), OperatorDefaults()
         )
         commands += _container_commands(job)
     return commands
@@ -429,7 +428,7 @@ def test_builders_use_the_command_functions() -> None:
 
 def test_pack_commands_run_in_the_packer_image() -> None:
     loaded = run_in_image("packer", _pack_commands())
-    assert "packtrain.packer.cli" in loaded and "packtrain.trainer.model" not in loaded
+    assert "packtrain.packer.cli" in loaded and "packtrain.trainer.model.build" not in loaded
 
 
 def test_train_commands_run_in_the_trainer_image() -> None:

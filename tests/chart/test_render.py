@@ -16,8 +16,8 @@ import yaml
 
 from packtrain.operator import builders, crdgen, rbac
 from packtrain.operator.api import GROUP, KINDS, PackJobSpec, SFTJobSpec
-from packtrain.operator.builders import OperatorDefaults
 from packtrain.operator.deadlines import Deadlines
+from packtrain.operator.settings import OperatorDefaults
 
 from .helm import (
     CHART,
@@ -402,16 +402,12 @@ def _sft_spec() -> SFTJobSpec:
 
 def _pytorch_job() -> Manifest:
     spec = _sft_spec()
-    return builders.pytorch_job(
-        "run", "ml", spec, builders.data_source(spec, None, None), builders.OperatorDefaults()
-    )
+    return builders.pytorch_job("run", "ml", spec, builders.data_source(spec, None, None), OperatorDefaults())
 
 
 def _train_job() -> Manifest:
     spec = _sft_spec().model_copy(update={"backend": "trainjob"})
-    return builders.train_job(
-        "run", "ml", spec, builders.data_source(spec, None, None), builders.OperatorDefaults()
-    )
+    return builders.train_job("run", "ml", spec, builders.data_source(spec, None, None), OperatorDefaults())
 
 
 def _pack_job() -> Manifest:
@@ -422,7 +418,7 @@ def _pack_job() -> Manifest:
             "output": {"claimName": "out"},
         }
     )
-    return builders.pack_job("pack", "ml", spec, "plan", builders.OperatorDefaults())
+    return builders.pack_job("pack", "ml", spec, "plan", OperatorDefaults())
 
 
 def _crd_sources() -> dict[str, Manifest]:

@@ -1,1 +1,1 @@
-"""The local Kubernetes control plane for tests (see README, "Local control plane for tests")."""
+"""The local Kubernetes control plane for tests (see tests/cluster/README.md)."""

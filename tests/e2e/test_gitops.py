@@ -43,7 +43,7 @@ REPLACE = "Force=true,Replace=true"
 DATA_CLAIM = "packtrain-data"
 PACK_TIMEOUT = 300
 TRAIN_TIMEOUT = 480
-# The message of the CRDs' immutability rules (operator/api.py), as the API server returns it.
+# The message of the CRDs' immutability rules (operator/api/common.py), as the API server returns it.
 IMMUTABLE = "spec.{field} is immutable: delete the {kind} and create it again to change it"
 
 

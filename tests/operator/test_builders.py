@@ -12,8 +12,9 @@ from operator_fixtures import assert_golden
 from packtrain.core.errors import EXIT_CONFIG
 from packtrain.operator import builders
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
+from packtrain.operator.settings import OperatorDefaults
 
-DEFAULTS = builders.OperatorDefaults(
+DEFAULTS = OperatorDefaults(
     packer_image="ghcr.io/packtrain/packer:test", trainer_image="ghcr.io/packtrain/trainer:test"
 )
 K8S = "1.34.0"
@@ -186,10 +187,10 @@ def test_defaults_from_env() -> None:
         "PACKTRAIN_GPU_NODE_SELECTOR": '{"pool": "h100"}',
         "PACKTRAIN_GPU_TOLERATIONS": "[]",
     }
-    d = builders.OperatorDefaults.from_env(env)
+    d = OperatorDefaults.from_env(env)
     assert d.packer_image == "registry.local/packer:1"
     assert d.trainer_image.startswith("ghcr.io/packtrain/trainer:")
     assert d.gpu_node_selector == {"pool": "h100"} and d.gpu_tolerations == []
     assert d.cpu_node_selector == {"packtrain.dev/pool": "cpu"}
     with pytest.raises(ValueError, match="PACKTRAIN_CPU_TOLERATIONS must be JSON"):
-        builders.OperatorDefaults.from_env({"PACKTRAIN_CPU_TOLERATIONS": "key=x"})
+        OperatorDefaults.from_env({"PACKTRAIN_CPU_TOLERATIONS": "key=x"})

@@ -296,17 +296,16 @@ def test_mount_paths_outside_the_image_pass(path: str) -> None:
 def test_every_mount_the_operator_adds_is_refused_as_the_output_mount() -> None:
     """The reserved folders cover the builders' own mounts, in packer and trainer pods alike."""
     from packtrain.operator import builders
+    from packtrain.operator.settings import OperatorDefaults
 
     pack = PackJobSpec.model_validate(_spec("PackJob", _mounted_at("/datasets")))
     sft = SFTJobSpec.model_validate(_spec("SFTJob", _set("volumes.model", {"claimName": "models"})))
     data = builders.data_source(sft, pack, None)
     pods = [
-        builders.pack_job("p", "ns", pack, "convert", builders.OperatorDefaults())["spec"]["template"][
-            "spec"
-        ],
-        builders.pytorch_job("s", "ns", sft, data, builders.OperatorDefaults())["spec"][
-            "pytorchReplicaSpecs"
-        ]["Master"]["template"]["spec"],
+        builders.pack_job("p", "ns", pack, "convert", OperatorDefaults())["spec"]["template"]["spec"],
+        builders.pytorch_job("s", "ns", sft, data, OperatorDefaults())["spec"]["pytorchReplicaSpecs"][
+            "Master"
+        ]["template"]["spec"],
     ]
     own = {m["mountPath"] for pod in pods for m in pod["containers"][0]["volumeMounts"]}
     own -= {pack.output.mount_path, data.mount_path, "/datasets"}  # the CR's own claims

@@ -14,8 +14,9 @@ from test_handlers import FakeKube, sft_step
 from packtrain.operator import builders
 from packtrain.operator import status as st
 from packtrain.operator.api import PackJobSpec, SFTJobSpec, SFTJobStatus
+from packtrain.operator.settings import OperatorDefaults
 
-DEFAULTS = builders.OperatorDefaults(
+DEFAULTS = OperatorDefaults(
     packer_image="ghcr.io/packtrain/packer:test", trainer_image="ghcr.io/packtrain/trainer:test"
 )
 NOW = "2026-01-01T00:00:00Z"

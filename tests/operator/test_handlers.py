@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 from kubernetes.client.rest import ApiException
 
-from packtrain.operator import builders, handlers, names, progress, rbac
+from packtrain.operator import handlers, names, progress, rbac
 from packtrain.operator.api import GROUP, VERSION
+from packtrain.operator.settings import OperatorDefaults
 
-DEFAULTS = builders.OperatorDefaults(packer_image="packer:test", trainer_image="trainer:test")
+DEFAULTS = OperatorDefaults(packer_image="packer:test", trainer_image="trainer:test")
 RESOURCES = {
     "Job": ("batch", "jobs"),
     "ConfigMap": ("", "configmaps"),
@@ -255,7 +256,7 @@ def scrape_progress(kube: FakeKube, namespace: str, name: str) -> dict[str, Any]
 
     async def run() -> dict[str, Any] | None:
         async with scrape.session() as client:
-            return await progress.update_progress(kube, client, namespace, name, handlers.now)  # type: ignore[arg-type]
+            return await progress.update_progress(kube, client, namespace, name, handlers.common.now)  # type: ignore[arg-type]
 
     return asyncio.run(run())
 
@@ -343,7 +344,7 @@ def test_a_refused_child_fails_the_packjob_with_the_servers_message(
     assert failed["status"] == "True" and failed["reason"] == "ChildRefused"
     assert failed["message"].startswith(f"the API server refused to create Job demo-convert ({code} ")
     assert "exceeded quota: no-jobs" in failed["message"] and "re-create the PackJob" in failed["message"]
-    event = handlers.st.transition_event(None, None, status)
+    event = handlers.common.st.transition_event(None, None, status)
     assert event is not None and event[:2] == ("Warning", "ChildRefused")
     assert step(kube, packjob) == status  # terminal: nothing is retried
 

@@ -16,10 +16,11 @@ from packtrain.operator import builders, logs, names
 from packtrain.operator import status as st
 from packtrain.operator.api import PackJobSpec, PackJobStatus, SFTJobSpec, SFTJobStatus
 from packtrain.operator.deadlines import Deadlines
+from packtrain.operator.settings import OperatorDefaults
 from packtrain.operator.view import CachedKube
 
 SPEC = PackJobSpec.model_validate(PACKJOB["spec"])
-DEFAULTS = builders.OperatorDefaults(packer_image="packer:test", trainer_image="trainer:test")
+DEFAULTS = OperatorDefaults(packer_image="packer:test", trainer_image="trainer:test")
 LATER = "2026-01-01T02:00:00Z"  # two hours after T0
 
 
@@ -333,15 +334,15 @@ def test_queued_children_are_created_suspended_with_the_queue_label() -> None:
 
 def test_finished_jobs_ttl_and_deadlines_come_from_the_chart() -> None:
     env = {"PACKTRAIN_JOB_TTL_SECONDS": "600", "PACKTRAIN_DEADLINES": json.dumps({"stallSeconds": 60})}
-    d = builders.OperatorDefaults.from_env(env)
+    d = OperatorDefaults.from_env(env)
     assert d.job_ttl_seconds == 600 and d.deadlines == Deadlines(stall=60)
     assert builders.pack_job("demo", "ml", SPEC, "plan", d)["spec"]["ttlSecondsAfterFinished"] == 600
-    kept = builders.OperatorDefaults.from_env({"PACKTRAIN_JOB_TTL_SECONDS": "null"})
+    kept = OperatorDefaults.from_env({"PACKTRAIN_JOB_TTL_SECONDS": "null"})
     assert "ttlSecondsAfterFinished" not in builders.pack_job("demo", "ml", SPEC, "plan", kept)["spec"]
     with pytest.raises(ValueError, match="unknown deadline"):
-        builders.OperatorDefaults.from_env({"PACKTRAIN_DEADLINES": json.dumps({"waitSeconds": 1})})
+        OperatorDefaults.from_env({"PACKTRAIN_DEADLINES": json.dumps({"waitSeconds": 1})})
     with pytest.raises(ValueError, match="positive"):
-        builders.OperatorDefaults.from_env({"PACKTRAIN_DEADLINES": json.dumps({"stallSeconds": 0})})
+        OperatorDefaults.from_env({"PACKTRAIN_DEADLINES": json.dumps({"stallSeconds": 0})})
 
 
 def test_no_gpus_runs_on_the_cpu_pool() -> None:
@@ -351,7 +352,11 @@ def test_no_gpus_runs_on_the_cpu_pool() -> None:
     ptj = builders.training_job("x", "ml", spec, builders.DataSource("c", "/data", "/data/p"), DEFAULTS)
     pod_spec = ptj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     assert pod_spec["nodeSelector"] == {"packtrain.dev/pool": "cpu"} and "tolerations" not in pod_spec
-    assert pod_spec["containers"][0]["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}}
+    # A trainer pod always has a memory limit (its request where none is set): a leak is an OOM kill.
+    assert pod_spec["containers"][0]["resources"] == {
+        "requests": {"cpu": "1", "memory": "2Gi"},
+        "limits": {"memory": "2Gi"},
+    }
 
 
 # The cached view

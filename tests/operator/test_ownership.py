@@ -298,8 +298,8 @@ def test_a_waiting_parent_is_rechecked_until_it_stops_waiting(packjob: dict[str,
         },
     )
     waiting = step(kube, packjob)
-    handlers._track_leftovers(memo, "packjobs", packjob["metadata"], waiting)
+    handlers.common._track_leftovers(memo, "packjobs", packjob["metadata"], waiting)
     assert memo.leftovers == {("packjobs", "ml", "demo")}
     del kube.objects[("configmaps", "ml", "demo-pack-config")]
-    handlers._track_leftovers(memo, "packjobs", packjob["metadata"], step(kube, packjob))
+    handlers.common._track_leftovers(memo, "packjobs", packjob["metadata"], step(kube, packjob))
     assert memo.leftovers == set()

@@ -20,8 +20,9 @@ from operator_fixtures import PACKJOB, SFTJOB
 
 from packtrain.operator import builders
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
+from packtrain.operator.settings import OperatorDefaults
 
-DEFAULTS = builders.OperatorDefaults(packer_image="packer:test", trainer_image="trainer:test")
+DEFAULTS = OperatorDefaults(packer_image="packer:test", trainer_image="trainer:test")
 
 # Baseline: capabilities a container may add; restricted narrows it to NET_BIND_SERVICE.
 RESTRICTED_ADD_CAPABILITIES = {"NET_BIND_SERVICE"}
@@ -134,7 +135,7 @@ def _specs() -> tuple[PackJobSpec, SFTJobSpec]:
     return PackJobSpec.model_validate(pack), SFTJobSpec.model_validate(SFTJOB["spec"])
 
 
-def built_pods(defaults: builders.OperatorDefaults = DEFAULTS) -> Iterator[tuple[str, dict[str, Any]]]:
+def built_pods(defaults: OperatorDefaults = DEFAULTS) -> Iterator[tuple[str, dict[str, Any]]]:
     """(where, pod template) of every pod the operator creates: three pack stages, PyTorchJob replicas."""
     pack, sft = _specs()
     for stage in ("convert", "plan", "materialize"):
@@ -198,7 +199,7 @@ def test_identity_and_default_requests_come_from_the_operator_settings() -> None
         "PACKTRAIN_CPU_RESOURCES": '{"requests": {"cpu": "250m", "memory": "1Gi"}, "limits": {"memory": '
         '"4Gi"}}',
     }
-    defaults = builders.OperatorDefaults.from_env(env)
+    defaults = OperatorDefaults.from_env(env)
     pack, _ = _specs()
     pack = pack.model_copy(update={"workers": pack.workers.model_copy(update={"resources": None})})
     pod = builders.pack_job("demo", "ml", pack, "convert", defaults)["spec"]["template"]["spec"]
@@ -214,9 +215,9 @@ def test_identity_and_default_requests_come_from_the_operator_settings() -> None
         "limits": {"memory": "4Gi"},
     }
     with pytest.raises(ValueError, match="run_as_user must be a positive integer"):
-        builders.OperatorDefaults.from_env({"PACKTRAIN_RUN_AS_USER": "0"})
+        OperatorDefaults.from_env({"PACKTRAIN_RUN_AS_USER": "0"})
     with pytest.raises(ValueError, match="cpu_resources must be a container `resources`"):
-        builders.OperatorDefaults.from_env({"PACKTRAIN_CPU_RESOURCES": '{"requests": {"cpu": "lots"}}'})
+        OperatorDefaults.from_env({"PACKTRAIN_CPU_RESOURCES": '{"requests": {"cpu": "lots"}}'})
 
 
 def test_spec_resources_keep_their_own_values_and_gain_requests() -> None:
@@ -287,7 +288,7 @@ def test_the_chart_values_set_the_identity_and_default_requests() -> None:
         for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
         if "value" in e
     }
-    defaults = builders.OperatorDefaults.from_env(env)
+    defaults = OperatorDefaults.from_env(env)
     pack, _ = _specs()
     pack = pack.model_copy(update={"workers": pack.workers.model_copy(update={"resources": None})})
     pod = builders.pack_job("demo", "ml", pack, "plan", defaults)["spec"]["template"]["spec"]

@@ -18,20 +18,21 @@ from cluster_operator import condition, create, events, get, jobs, wait_for
 from operator_fixtures import PACKJOB, SFTJOB
 from test_handlers import FakeKube
 
-from packtrain.operator import builders, handlers, policy
+from packtrain.operator import handlers, policy
 from packtrain.operator import status as st
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
+from packtrain.operator.settings import OperatorDefaults
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULTS = builders.OperatorDefaults(packer_image="ghcr.io/packtrain/packer:1", trainer_image="trainer:1")
+DEFAULTS = OperatorDefaults(packer_image="ghcr.io/packtrain/packer:1", trainer_image="trainer:1")
 
 
 def spec_of(doc: dict[str, Any]) -> PackJobSpec | SFTJobSpec:
     return (PackJobSpec if doc["kind"] == "PackJob" else SFTJobSpec).model_validate(doc["spec"])
 
 
-def defaults_with(**values: Any) -> builders.OperatorDefaults:
-    return builders.OperatorDefaults.from_env(
+def defaults_with(**values: Any) -> OperatorDefaults:
+    return OperatorDefaults.from_env(
         {
             "PACKTRAIN_PACKER_IMAGE": DEFAULTS.packer_image,
             "PACKTRAIN_TRAINER_IMAGE": DEFAULTS.trainer_image,
@@ -44,7 +45,7 @@ def test_the_fixtures_and_the_quickstart_pass_the_default_policy() -> None:
     assert policy.check(spec_of(PACKJOB), DEFAULTS) == []
     assert policy.check(spec_of(SFTJOB), DEFAULTS) == []
     for doc in yaml.safe_load_all((REPO / "examples" / "quickstart.yaml").read_text()):
-        assert policy.check(spec_of(doc), builders.OperatorDefaults()) == [], doc["kind"]
+        assert policy.check(spec_of(doc), OperatorDefaults()) == [], doc["kind"]
     # The operator's own images, named explicitly, are allowed.
     named = manifest("PackJob", {"workers": {"image": DEFAULTS.packer_image}})
     assert policy.check(spec_of(named), DEFAULTS) == []
@@ -133,9 +134,9 @@ def test_a_packer_pod_may_request_cpu_memory_storage_and_hugepages() -> None:
 
 def test_bad_policy_values_are_a_configuration_error() -> None:
     with pytest.raises(ValueError, match="PACKTRAIN_POLICY"):
-        builders.OperatorDefaults.from_env({"PACKTRAIN_POLICY": json.dumps({"allowTolerance": True})})
+        OperatorDefaults.from_env({"PACKTRAIN_POLICY": json.dumps({"allowTolerance": True})})
     with pytest.raises(ValueError, match="PACKTRAIN_POLICY"):
-        builders.OperatorDefaults.from_env({"PACKTRAIN_POLICY": json.dumps({"maxPackWorkers": 0})})
+        OperatorDefaults.from_env({"PACKTRAIN_POLICY": json.dumps({"maxPackWorkers": 0})})
 
 
 def test_operator_fails_a_violating_packjob_without_creating_anything() -> None:

@@ -19,6 +19,7 @@ from packtrain.core.contract import PACK_STAGES
 from packtrain.core.errors import EXIT_CONFIG
 from packtrain.operator import builders, cli, render
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
+from packtrain.operator.settings import OperatorDefaults
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
@@ -70,7 +71,7 @@ def test_operator_env_is_what_the_chart_gives_the_operator(name: str, tmp_path: 
     assert parsed(render.operator_env(values, app_version)) == parsed(deployment_env(VALUE_SETS[name]))
 
 
-def expected_quickstart(defaults: builders.OperatorDefaults) -> list[dict[str, Any]]:
+def expected_quickstart(defaults: OperatorDefaults) -> list[dict[str, Any]]:
     """What the operator's builders make of the quickstart (its SFTJob as if the PackJob succeeded)."""
     pack_doc, sft_doc = yaml.safe_load_all(QUICKSTART.read_text())
     pack = PackJobSpec.model_validate(pack_doc["spec"])
@@ -88,7 +89,7 @@ def expected_quickstart(defaults: builders.OperatorDefaults) -> list[dict[str, A
 def test_quickstart_renders_what_the_builders_produce(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["render", str(QUICKSTART), LOCAL_PATHS]) == 0
     out = capsys.readouterr().out
-    defaults = builders.OperatorDefaults.from_env(deployment_env({}))
+    defaults = OperatorDefaults.from_env(deployment_env({}))
     assert list(yaml.safe_load_all(out)) == expected_quickstart(defaults)
     assert "packjob.yaml: |" in out  # config files stay readable
     kinds = [(d["kind"], d["metadata"]["name"]) for d in yaml.safe_load_all(out)]
@@ -235,7 +236,7 @@ def test_other_objects_are_printed_unchanged(tmp_path: Path, capsys: pytest.Capt
     path.write_text(yaml.safe_dump_all([claim, *yaml.safe_load_all(QUICKSTART.read_text())], sort_keys=False))
     assert cli.main(["render", str(path), LOCAL_PATHS]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
-    defaults = builders.OperatorDefaults.from_env(deployment_env({}))
+    defaults = OperatorDefaults.from_env(deployment_env({}))
     assert docs == [claim, *expected_quickstart(defaults)]
 
 

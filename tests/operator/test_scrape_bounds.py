@@ -235,7 +235,7 @@ def _round(cluster: Cluster, limit: int) -> list[dict[str, Any] | None]:
                 client,
                 [("ml", name) for name in sorted(cluster.jobs)],
                 asyncio.Semaphore(limit),
-                handlers.now,
+                handlers.common.now,
             )
 
     return asyncio.run(run())

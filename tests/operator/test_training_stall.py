@@ -11,11 +11,12 @@ import pytest
 from test_handlers import FakeKube
 
 from packtrain.core.contract import TRAIN_DATA_WAIT
-from packtrain.operator import builders, handlers, names, progress
+from packtrain.operator import handlers, names, progress
 from packtrain.operator import status as st
 from packtrain.operator.api import SFTJobStatus
 from packtrain.operator.deadlines import Deadlines, last_advance, scrape_error, training_stall
 from packtrain.operator.reasons import ConditionReason
+from packtrain.operator.settings import OperatorDefaults
 
 RUNNING = "2026-01-01T00:00:00Z"
 ADVANCED = "2026-01-01T01:00:00Z"
@@ -173,9 +174,7 @@ def test_the_fail_deadline_fails_a_stall_and_zero_never_does() -> None:
     with pytest.raises(ValueError, match="trainingStallFailSeconds must be longer than trainingStallSeconds"):
         Deadlines.from_dict({"trainingStallSeconds": 600, "trainingStallFailSeconds": 600})
     env = {"PACKTRAIN_DEADLINES": json.dumps({"trainingStallSeconds": 5, "trainingStallFailSeconds": 30})}
-    assert builders.OperatorDefaults.from_env(env).deadlines == Deadlines(
-        training_stall=5, training_stall_fail=30
-    )
+    assert OperatorDefaults.from_env(env).deadlines == Deadlines(training_stall=5, training_stall_fail=30)
 
 
 # The scrape's status patch
@@ -248,7 +247,7 @@ def running_sftjob(sftjob: dict[str, Any], now: str) -> tuple[DeletingKube, dict
     sftjob["metadata"]["resourceVersion"] = "1"
     kube = DeletingKube()
     kube.put("sftjobs", sftjob)
-    handlers.reconcile_sftjob(kube, sftjob, builders.OperatorDefaults())  # type: ignore[arg-type]
+    handlers.reconcile_sftjob(kube, sftjob, OperatorDefaults())  # type: ignore[arg-type]
     child = kube.objects[("pytorchjobs", "ml", "demo-sft")]
     child["metadata"]["uid"] = "pytorchjob-uid"  # the API server's, which the in-memory one does not assign
     child["status"] = {"conditions": [{"type": "Running", "status": "True", "reason": "PyTorchJobRunning"}]}
@@ -261,7 +260,7 @@ def running_sftjob(sftjob: dict[str, Any], now: str) -> tuple[DeletingKube, dict
             "status": {"phase": "Running", "podIP": "10.0.0.5"},
         }
     ]
-    status = handlers.reconcile_sftjob(kube, sftjob, builders.OperatorDefaults())  # type: ignore[arg-type]
+    status = handlers.reconcile_sftjob(kube, sftjob, OperatorDefaults())  # type: ignore[arg-type]
     running = st.get_condition(status["conditions"], "Running")
     assert status["phase"] == "Running" and running is not None and running["status"] == "True"
     status["conditions"] = [{**c, "lastTransitionTime": now} for c in status["conditions"]]
@@ -273,8 +272,8 @@ def test_a_stalled_sftjob_turns_degraded_with_a_warning_and_clears(
     sftjob: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kube, body = running_sftjob(sftjob, RUNNING)
-    monkeypatch.setattr(handlers, "now", lambda: LATER)
-    status = handlers.reconcile_sftjob(kube, copy.deepcopy(body), builders.OperatorDefaults())  # type: ignore[arg-type]
+    monkeypatch.setattr(handlers.sftjob, "now", lambda: LATER)
+    status = handlers.reconcile_sftjob(kube, copy.deepcopy(body), OperatorDefaults())  # type: ignore[arg-type]
     degraded = st.get_condition(status["conditions"], "Degraded")
     assert status["phase"] == "Running" and degraded is not None and degraded["status"] == "True"
     assert (
@@ -287,7 +286,7 @@ def test_a_stalled_sftjob_turns_degraded_with_a_warning_and_clears(
         **body,
         "status": {**status, "progress": {**status["progress"], "step": 121, "lastAdvanceTime": LATER}},
     }
-    cleared = handlers.reconcile_sftjob(kube, moved, builders.OperatorDefaults())  # type: ignore[arg-type]
+    cleared = handlers.reconcile_sftjob(kube, moved, OperatorDefaults())  # type: ignore[arg-type]
     assert st.get_condition(cleared["conditions"], "Degraded")["status"] == "False"  # type: ignore[index]
     SFTJobStatus.model_validate(status)
 
@@ -301,10 +300,10 @@ def test_a_stall_past_the_fail_deadline_fails_and_deletes_the_training_job_once_
     child_uid = kube.objects[("pytorchjobs", "ml", "demo-sft")]["metadata"]["uid"]
     body["status"]["progress"]["updatedAt"] = MUCH_LATER
     kube.put("sftjobs", body)
-    monkeypatch.setattr(handlers, "now", lambda: MUCH_LATER)
+    monkeypatch.setattr(handlers.sftjob, "now", lambda: MUCH_LATER)
     posted: list[tuple[str, str]] = []
     monkeypatch.setattr(kopf, "event", lambda body, type, reason, message: posted.append((type, reason)))
-    handlers.write_status(kopf.Memo(kube=kube, defaults=builders.OperatorDefaults()), "sftjobs", body)
+    handlers.write_status(kopf.Memo(kube=kube, defaults=OperatorDefaults()), "sftjobs", body)
     written = kube.objects[("sftjobs", "ml", "demo-sft")]["status"]
     failed = st.get_condition(written["conditions"], "Failed")
     assert (
@@ -317,7 +316,7 @@ def test_a_stall_past_the_fail_deadline_fails_and_deletes_the_training_job_once_
     assert kube.uids == [child_uid]  # pinned to the PyTorchJob that was checked (a delete precondition)
     # Terminal now: a later event neither creates the training job again nor deletes anything more.
     handlers.write_status(
-        kopf.Memo(kube=kube, defaults=builders.OperatorDefaults()),
+        kopf.Memo(kube=kube, defaults=OperatorDefaults()),
         "sftjobs",
         kube.objects[("sftjobs", "ml", "demo-sft")],
     )
@@ -330,7 +329,7 @@ def test_a_restart_between_the_failed_write_and_the_delete_still_deletes(sftjob:
         body["status"]["conditions"], st.Outcome("Failed", "TrainingStalled", "stuck"), MUCH_LATER, 1
     )
     body = {**body, "status": {**body["status"], "phase": "Failed", "conditions": failed}}
-    assert handlers.reconcile_sftjob(kube, body, builders.OperatorDefaults()) == body["status"]  # type: ignore[arg-type]
+    assert handlers.reconcile_sftjob(kube, body, OperatorDefaults()) == body["status"]  # type: ignore[arg-type]
     assert kube.deleted == ["pytorchjobs/demo-sft"]
 
 
@@ -341,9 +340,9 @@ def test_after_an_operator_outage_a_stale_reading_degrades_without_failing_or_de
     import kopf
 
     kube, body = running_sftjob(sftjob, RUNNING)  # last read at LATER, step 120 unchanged since ADVANCED
-    monkeypatch.setattr(handlers, "now", lambda: MUCH_LATER)
+    monkeypatch.setattr(handlers.sftjob, "now", lambda: MUCH_LATER)
     monkeypatch.setattr(kopf, "event", lambda body, type, reason, message: None)
-    handlers.write_status(kopf.Memo(kube=kube, defaults=builders.OperatorDefaults()), "sftjobs", body)
+    handlers.write_status(kopf.Memo(kube=kube, defaults=OperatorDefaults()), "sftjobs", body)
     written = kube.objects[("sftjobs", "ml", "demo-sft")]["status"]
     degraded = st.get_condition(written["conditions"], "Degraded")
     assert (

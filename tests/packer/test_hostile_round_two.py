@@ -289,7 +289,7 @@ def _image_row(pack: Path) -> tuple[int, int]:
 
 def _dataset(pack: Path):  # noqa: ANN202 - the trainer's PackedDataset (torch imported lazily)
     from packtrain.core.model_spec import model_spec
-    from packtrain.trainer.data import PackedDataset
+    from packtrain.trainer.data.packed import PackedDataset
 
     return PackedDataset(pack, model_spec(QWEN2), vocab_size=151936)
 
@@ -607,7 +607,7 @@ def test_materialize_and_the_trainer_refuse_a_sample_count_bomb(tmp_path: Path) 
     import io
 
     from packtrain.packer.media.store import check_frames
-    from packtrain.trainer.media import decode_video_frames
+    from packtrain.trainer.data.media import decode_video_frames
 
     bomb = sample_count_bomb(tmp_path)
     with pytest.raises(MediaError) as exc:

@@ -16,8 +16,8 @@ torch = pytest.importorskip("torch")
 
 @pytest.mark.parametrize("storage", ["original", "resized"])
 def test_trainer_reads_every_sequence_of_a_parquet_pack(tmp_path: Path, storage: str) -> None:
-    from packtrain.trainer.data import PackedDataset
-    from packtrain.trainer.media import PixelSpec
+    from packtrain.trainer.data.media import PixelSpec
+    from packtrain.trainer.data.packed import PackedDataset
 
     data = write(tmp_path / "ov.parquet", llava_ov_rows(12), LLAVA_OV_SCHEMA, row_group_size=4)
     cfg = config([data])

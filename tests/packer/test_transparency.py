@@ -135,7 +135,7 @@ def test_white_is_what_the_processor_makes_of_an_in_memory_image(images: dict[st
     """transformers' image processor given the PIL image (as at inference): the same `pixel_values`."""
     from transformers import AutoProcessor
 
-    from packtrain.trainer.media import PixelSpec, media_pixels
+    from packtrain.trainer.data.media import PixelSpec, media_pixels
 
     processor = AutoProcessor.from_pretrained(str(QWEN2)).image_processor
     spec = PixelSpec.from_folder(QWEN2)
@@ -193,8 +193,8 @@ def _trained_pixels(pack: Path, pixel_alpha: str = "white") -> dict[str, Any]:
     """Each media key's patches as the trainer's dataset decodes them, with a PixelSpec whose own
     alpha is `pixel_alpha` (the dataset must replace it with the pack's)."""
     from packtrain.core.model_spec import model_spec
-    from packtrain.trainer.data import PackedDataset
-    from packtrain.trainer.media import PixelSpec
+    from packtrain.trainer.data.media import PixelSpec
+    from packtrain.trainer.data.packed import PackedDataset
 
     spec = dataclasses.replace(PixelSpec.from_folder(QWEN2), alpha=pixel_alpha)
     ds = PackedDataset(pack, model_spec(QWEN2), spec)
@@ -207,7 +207,7 @@ def _trained_pixels(pack: Path, pixel_alpha: str = "white") -> dict[str, Any]:
 
 def _reference_pixels(path: Path, alpha: str, ref: dict[str, Any]) -> Any:
     """The reference RGB at the source size, then the trainer's resize, normalize and patchify."""
-    from packtrain.trainer.media import PixelSpec, image_pixels
+    from packtrain.trainer.data.media import PixelSpec, image_pixels
 
     buf = io.BytesIO()
     Image.fromarray(REFERENCE[alpha](path), "RGB").save(buf, format="PNG")

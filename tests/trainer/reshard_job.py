@@ -23,9 +23,10 @@ sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "trainer")]
 
 from vlm_fixtures import FOLDER, TINY  # noqa: E402
 
-from packtrain.trainer import checkpoint, distributed, export  # noqa: E402
-from packtrain.trainer.model import VLMForTraining, build_model  # noqa: E402
+from packtrain.trainer import distributed  # noqa: E402
+from packtrain.trainer.model.build import VLMForTraining, build_model  # noqa: E402
 from packtrain.trainer.recipe import lr_lambda  # noqa: E402
+from packtrain.trainer.state import checkpoint, export  # noqa: E402
 
 FROZEN = "hf.model.visual.patch_embed."  # frozen: never in a checkpoint
 

@@ -20,10 +20,11 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 from vlm_fixtures import TINY  # noqa: E402
 
-from packtrain.trainer import distributed, lora, weights  # noqa: E402
+from packtrain.trainer import distributed  # noqa: E402
 from packtrain.trainer.config import LoraSpec  # noqa: E402
-from packtrain.trainer.init_weights import cast_frozen, local_part, materialize  # noqa: E402
-from packtrain.trainer.model import VLMForTraining, build_model  # noqa: E402
+from packtrain.trainer.model import lora, weights  # noqa: E402
+from packtrain.trainer.model.build import VLMForTraining, build_model  # noqa: E402
+from packtrain.trainer.model.init_weights import cast_frozen, local_part, materialize  # noqa: E402
 
 READ = {"bytes": 0}
 

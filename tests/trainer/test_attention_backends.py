@@ -19,17 +19,17 @@ import torch.nn.functional as F
 import vlm_fixtures as fx
 from test_equivalence import _double_batch
 
-from packtrain.trainer import attention as attn
-from packtrain.trainer.attention import (
+from packtrain.trainer.data.packed import collate_packed
+from packtrain.trainer.model import attention as attn
+from packtrain.trainer.model.attention import (
     VarlenKernel,
     block_causal_mask,
     register_varlen,
     resolve_attention,
     varlen_attention,
 )
-from packtrain.trainer.data import collate_packed
-from packtrain.trainer.loss import per_sample_sums
-from packtrain.trainer.model import VLMForTraining, build_model
+from packtrain.trainer.model.build import VLMForTraining, build_model
+from packtrain.trainer.model.loss import per_sample_sums
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 ALL = {"varlen": True, "flash": True, "flex": True}

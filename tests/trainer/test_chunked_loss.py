@@ -26,9 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from packtrain.core.pack.schema import IGNORE_INDEX
 from packtrain.trainer.config import LOSS_CHUNK_TOKENS, TrainingSpec
-from packtrain.trainer.data import collate_packed
-from packtrain.trainer.loss import per_sample_sums, token_losses
-from packtrain.trainer.model import VLMForTraining, build_model
+from packtrain.trainer.data.packed import collate_packed
+from packtrain.trainer.model.build import VLMForTraining, build_model
+from packtrain.trainer.model.loss import per_sample_sums, token_losses
 
 FP32_UNIT = 2.0**-24
 

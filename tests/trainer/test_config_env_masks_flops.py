@@ -8,12 +8,12 @@ import vlm_fixtures as fx
 from conftest import job_spec, write_job
 from pydantic import ValidationError
 
-from packtrain.trainer.attention import block_causal_mask, resolve_attention
 from packtrain.trainer.config import SFTSpecCore, load_train_config
-from packtrain.trainer.data import collate_packed
+from packtrain.trainer.data.packed import collate_packed
 from packtrain.trainer.distributed import resolve_env
 from packtrain.trainer.metrics import GpuProbe, ModelShape, TrainMetrics, step_flops
-from packtrain.trainer.model import VLMForTraining, build_model, parameter_groups
+from packtrain.trainer.model.attention import block_causal_mask, resolve_attention
+from packtrain.trainer.model.build import VLMForTraining, build_model, parameter_groups
 
 
 def test_sftjob_manifest_and_bare_spec_load_the_same(tmp_path):
@@ -125,7 +125,7 @@ def test_no_gpu_means_no_gpu_metrics():
 
 def test_epoch_plan_and_resume_position_are_pure_functions_of_the_layout():
     """The epoch plan (cost balancing, order, resume position) lives in one module and needs no pack."""
-    from packtrain.trainer.sampler import (
+    from packtrain.trainer.data.sampler import (
         Layout,
         Position,
         after,

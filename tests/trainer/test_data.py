@@ -18,9 +18,9 @@ from torch.utils.data import DataLoader
 from vlm_fixtures import DEMO, FOLDER, spec
 
 from packtrain.core.errors import ShardFormatError
-from packtrain.trainer.data import PackedDataset
-from packtrain.trainer.media import PixelSpec
-from packtrain.trainer.sampler import attention_cost, contiguous_plan, imbalance, plan_epoch
+from packtrain.trainer.data.media import PixelSpec
+from packtrain.trainer.data.packed import PackedDataset
+from packtrain.trainer.data.sampler import attention_cost, contiguous_plan, imbalance, plan_epoch
 
 
 def _dataset(pack, **kw):
@@ -165,7 +165,7 @@ def test_pixels_equal_the_processor_in_both_storage_modes(tmp_path, family):
     from packtrain.core.config import ModelConfig, PackingConfig, SourceConfig
     from packtrain.packer.sources.raw import RawRecord
     from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
-    from packtrain.trainer.media import media_pixels
+    from packtrain.trainer.data.media import media_pixels
 
     names = _hard_images(tmp_path / "img")
     tok = SampleTokenizer(
@@ -230,7 +230,7 @@ def test_video_pixels_equal_the_processor_in_both_storage_modes(tmp_path, family
     from packtrain.packer.media.store import media_blob
     from packtrain.packer.sources.raw import RawRecord
     from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
-    from packtrain.trainer.media import media_pixels
+    from packtrain.trainer.data.media import media_pixels
 
     video = DEMO / "mllm_demo_data" / "4.mp4"
     budget = 24 * 32 * 32 * 8 if family == "qwen3-vl" else 24 * 28 * 28  # all frames vs per frame

@@ -19,12 +19,12 @@ from packtrain.packer.stages.convert import convert
 from packtrain.packer.stages.materialize import materialize
 from packtrain.packer.stages.plan import plan
 from packtrain.trainer.config import DEFAULT_MAX_STEPS, SFTSpecCore, TrainingSpec, load_train_config
-from packtrain.trainer.data import EvalDataset, PackedDataset, collate_packed, eval_dataset
+from packtrain.trainer.data.media import PixelSpec
+from packtrain.trainer.data.packed import EvalDataset, PackedDataset, collate_packed, eval_dataset
+from packtrain.trainer.data.sampler import Layout, carve_eval, eval_micro_batches, plan_epoch, total_steps
 from packtrain.trainer.evaluate import due, evaluate
 from packtrain.trainer.loop import batches, train
-from packtrain.trainer.media import PixelSpec
-from packtrain.trainer.model import VLMForTraining, build_model
-from packtrain.trainer.sampler import Layout, carve_eval, eval_micro_batches, plan_epoch, total_steps
+from packtrain.trainer.model.build import VLMForTraining, build_model
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 import vlm_fixtures as fx
 
-from packtrain.trainer.batch import Batch
-from packtrain.trainer.data import collate_packed
-from packtrain.trainer.loss import per_sample_sums
-from packtrain.trainer.model import VLMForTraining, build_model
+from packtrain.trainer.data.batch import Batch
+from packtrain.trainer.data.packed import collate_packed
+from packtrain.trainer.model.build import VLMForTraining, build_model
+from packtrain.trainer.model.loss import per_sample_sums
 
 TOL = 1e-6  # fp64; Qwen3.5 ~2e-7: its RMSNorms and delta rule compute in fp32 inside (transformers)
 

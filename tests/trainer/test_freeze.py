@@ -19,12 +19,12 @@ from torchrun_job import torchrun_two_processes
 from transformers import AutoConfig, AutoModelForImageTextToText
 
 from packtrain.operator.api import SFTJobSpec
-from packtrain.trainer import param_groups
-from packtrain.trainer.checkpoint import saved_state
 from packtrain.trainer.config import SFTSpecCore, TrainingSpec, load_train_config
-from packtrain.trainer.data import collate_packed
+from packtrain.trainer.data.packed import collate_packed
 from packtrain.trainer.loop import train
-from packtrain.trainer.model import VLMForTraining, build_model
+from packtrain.trainer.model import param_groups
+from packtrain.trainer.model.build import VLMForTraining, build_model
+from packtrain.trainer.state.checkpoint import saved_state
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "sftjob-freeze-vit.yaml"

@@ -130,7 +130,7 @@ def test_a_pack_too_small_for_one_step_names_its_reject_share(tmp_path):
 
 
 def test_a_pack_without_rejects_says_so_when_too_small(pack_dir, tmp_path):
-    from packtrain.trainer.sampler import PackTooSmall
+    from packtrain.trainer.data.sampler import PackTooSmall
 
     counts = json.loads((pack_dir / "manifest.json").read_text())["counts"]
     assert counts["rejected"] == 0

@@ -19,12 +19,12 @@ from torchrun_job import torchrun_two_processes
 from transformers import AutoModelForImageTextToText
 
 from packtrain.operator.api import SFTJobSpec
-from packtrain.trainer import lora
-from packtrain.trainer.checkpoint import saved_state
 from packtrain.trainer.config import LoraSpec, load_train_config
-from packtrain.trainer.data import collate_packed
+from packtrain.trainer.data.packed import collate_packed
 from packtrain.trainer.loop import train
-from packtrain.trainer.model import VLMForTraining, build_model
+from packtrain.trainer.model import lora
+from packtrain.trainer.model.build import VLMForTraining, build_model
+from packtrain.trainer.state.checkpoint import saved_state
 
 REPO = Path(__file__).resolve().parents[2]
 EXACT = 1e-10  # fp64: packed and unpacked differ only by summation order

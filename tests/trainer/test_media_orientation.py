@@ -14,7 +14,7 @@ from transformers import AutoImageProcessor
 from packtrain.core.config import ModelConfig, PackingConfig, SourceConfig
 from packtrain.packer.sources.raw import RawRecord
 from packtrain.packer.tokenize import SampleTokenizer, TokenizedSample
-from packtrain.trainer.media import PixelSpec, image_pixels
+from packtrain.trainer.data.media import PixelSpec, image_pixels
 
 MODEL = MODELS / "qwen2-vl"
 ORIENTATION = 0x0112

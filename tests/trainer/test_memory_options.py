@@ -9,9 +9,9 @@ import vlm_fixtures as fx
 from test_equivalence import _double_batch, _grads, _reference, _rel
 
 from packtrain.trainer.config import SFTSpecCore
-from packtrain.trainer.data import collate_packed
-from packtrain.trainer.loss import per_sample_sums
-from packtrain.trainer.model import VLMForTraining, apply_layer_options, build_model
+from packtrain.trainer.data.packed import collate_packed
+from packtrain.trainer.model.build import VLMForTraining, apply_layer_options, build_model
+from packtrain.trainer.model.loss import per_sample_sums
 
 SPEC = {"data": {"path": "/packs/x"}, "model": {"path": "/models/x"}}
 

@@ -26,9 +26,9 @@ from packtrain.core.model_size import (
     model_dims,
     param_counts,
 )
-from packtrain.trainer import lora, param_groups
 from packtrain.trainer.config import LORA_TARGET_MODULES, LoraSpec
-from packtrain.trainer.model import load_config
+from packtrain.trainer.model import lora, param_groups
+from packtrain.trainer.model.build import load_config
 
 SHARED_CONFIGS = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5")
 # Freeze / LoRA cases: (freeze, LoraSpec keyword arguments or None).

@@ -15,10 +15,10 @@ import transformers
 import vlm_fixtures as fx
 from test_equivalence import _double_batch
 
-from packtrain.trainer.data import collate_packed, collate_padded, split_row
-from packtrain.trainer.linear_attention import isolate_linear_attention
-from packtrain.trainer.loss import per_sample_sums
-from packtrain.trainer.model import Router, VLMForTraining
+from packtrain.trainer.data.packed import collate_packed, collate_padded, split_row
+from packtrain.trainer.model.build import Router, VLMForTraining
+from packtrain.trainer.model.linear_attention import isolate_linear_attention
+from packtrain.trainer.model.loss import per_sample_sums
 
 MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 CASES = {
@@ -108,7 +108,7 @@ def test_packed_equals_padded_with_the_router_aux_loss_over_real_tokens(case, sh
 
 
 def test_dense_models_have_no_router(shared_dir):
-    from packtrain.trainer.model import build_model
+    from packtrain.trainer.model.build import build_model
 
     model = build_model(fx.FOLDER["qwen3.5"], init="random", overrides=fx.TINY["qwen3.5"])
     assert Router.of(model) is None
@@ -116,7 +116,7 @@ def test_dense_models_have_no_router(shared_dir):
 
 def test_the_flops_model_counts_the_experts_a_token_runs(shared_dir):
     from packtrain.trainer.metrics import ModelShape
-    from packtrain.trainer.model import parameter_groups
+    from packtrain.trainer.model.build import parameter_groups
 
     model, _ = _moe_model("qwen3.5-moe")
     counts = parameter_groups(model)
@@ -128,7 +128,7 @@ def test_the_flops_model_counts_the_experts_a_token_runs(shared_dir):
 
 
 def test_the_step_objective_weighs_each_micro_batch_aux_loss_by_its_label_tokens():
-    from packtrain.trainer.loss import aux_objective
+    from packtrain.trainer.model.loss import aux_objective
 
     aux = [torch.tensor(2.0), torch.tensor(4.0)]
     tokens = [30, 10]

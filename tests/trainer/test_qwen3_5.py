@@ -16,20 +16,20 @@ import torch
 import vlm_fixtures as fx
 from test_equivalence import _double_batch
 
-from packtrain.trainer import lora, param_groups
-from packtrain.trainer.batch import Batch
 from packtrain.trainer.config import LoraSpec
-from packtrain.trainer.data import collate_packed
-from packtrain.trainer.linear_attention import (
+from packtrain.trainer.data.batch import Batch
+from packtrain.trainer.data.packed import collate_packed
+from packtrain.trainer.metrics import ModelShape, step_flops
+from packtrain.trainer.model import lora, param_groups
+from packtrain.trainer.model.build import VLMForTraining, build_model, parameter_groups
+from packtrain.trainer.model.linear_attention import (
     isolate_linear_attention,
     linear_layers,
     linear_path,
     reference_kernels,
     resolve_linear,
 )
-from packtrain.trainer.loss import per_sample_sums
-from packtrain.trainer.metrics import ModelShape, step_flops
-from packtrain.trainer.model import VLMForTraining, build_model, parameter_groups
+from packtrain.trainer.model.loss import per_sample_sums
 
 FAMILY = "qwen3.5"
 LINEAR_PARAMS = ("conv1d", "A_log", "dt_bias", "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")

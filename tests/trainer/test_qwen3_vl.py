@@ -19,11 +19,11 @@ from vlm_fixtures import FOLDER, TINY, spec
 from packtrain.core.errors import ConfigError
 from packtrain.core.pack.shards import ShardReader
 from packtrain.trainer.config import load_train_config
-from packtrain.trainer.data import collate_packed, collate_padded, split_row
+from packtrain.trainer.data.packed import collate_packed, collate_padded, split_row
+from packtrain.trainer.data.rope import sample_positions
 from packtrain.trainer.loop import train
-from packtrain.trainer.loss import per_sample_sums
-from packtrain.trainer.model import VLMForTraining, build_model, checked_spec, load_config
-from packtrain.trainer.rope import sample_positions
+from packtrain.trainer.model.build import VLMForTraining, build_model, checked_spec, load_config
+from packtrain.trainer.model.loss import per_sample_sums
 
 FAMILY = "qwen3-vl"
 
@@ -121,8 +121,8 @@ def test_a_family_that_is_not_the_folder_is_refused(shared_dir):
 
 
 def test_lora_in_the_vision_tower_reaches_the_deepstack_mergers(shared_dir):
-    from packtrain.trainer import lora
     from packtrain.trainer.config import LoraSpec
+    from packtrain.trainer.model import lora
 
     model = build_model(FOLDER[FAMILY], init="random", overrides=TINY[FAMILY])
     lora.apply(model, LoraSpec(vision=True, targetModules=["linear_fc1", "linear_fc2"]), FOLDER[FAMILY])

@@ -10,12 +10,12 @@ from transformers import AutoModelForImageTextToText
 from vlm_fixtures import FOLDER, TINY
 from vlm_fixtures import spec as family_spec
 
-from packtrain.trainer.checkpoint import saved_state
 from packtrain.trainer.config import load_train_config
-from packtrain.trainer.data import PackedDataset
+from packtrain.trainer.data.media import PixelSpec
+from packtrain.trainer.data.packed import PackedDataset
 from packtrain.trainer.loop import batches, train
-from packtrain.trainer.media import PixelSpec
-from packtrain.trainer.model import build_model, load_config
+from packtrain.trainer.model.build import build_model, load_config
+from packtrain.trainer.state.checkpoint import saved_state
 
 
 def test_dataloader_does_not_draw_from_the_global_rng(pack_dir):
@@ -169,8 +169,8 @@ def test_flex_backend_is_causal_in_the_padded_baseline(shared_dir):
     model; it must still attend causally (as SDPA does), not bidirectionally over the row."""
     import vlm_fixtures as fx
 
-    from packtrain.trainer.data import collate_padded, split_row
-    from packtrain.trainer.model import VLMForTraining
+    from packtrain.trainer.data.packed import collate_padded, split_row
+    from packtrain.trainer.model.build import VLMForTraining
 
     family = "qwen2-vl"
     samples = fx.demo_samples(family)

@@ -7,9 +7,9 @@ import pytest
 import torch
 import vlm_fixtures as fx
 
-from packtrain.trainer.data import collate_packed, collate_padded, shift_labels, split_row
-from packtrain.trainer.model import build_model
-from packtrain.trainer.rope import sample_positions
+from packtrain.trainer.data.packed import collate_packed, collate_padded, shift_labels, split_row
+from packtrain.trainer.data.rope import sample_positions
+from packtrain.trainer.model.build import build_model
 
 
 @pytest.fixture(scope="module", params=fx.FAMILIES)

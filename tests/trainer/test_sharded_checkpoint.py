@@ -22,11 +22,11 @@ from torchrun_job import free_port, torchrun_two_processes
 from transformers import AutoModelForImageTextToText
 
 from packtrain.core.errors import ConfigError
-from packtrain.trainer import checkpoint, export
 from packtrain.trainer.config import load_train_config
+from packtrain.trainer.data.sampler import Layout, plan_epoch, position_state, resume_position
 from packtrain.trainer.distributed import DistEnv
 from packtrain.trainer.loop import train
-from packtrain.trainer.sampler import Layout, plan_epoch, position_state, resume_position
+from packtrain.trainer.state import checkpoint, export
 
 JOB = Path(reshard_job.__file__)
 SHARD = 4_000_000  # bytes: the tiny model's 39 MB embedding alone in a shard, the rest around it
@@ -212,7 +212,7 @@ def test_another_global_batch_resumes_at_epoch_boundaries_and_refuses_between():
 
 
 def _at(epoch: int, index: int):
-    from packtrain.trainer.sampler import Position
+    from packtrain.trainer.data.sampler import Position
 
     return Position(epoch, index)
 

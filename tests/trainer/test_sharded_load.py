@@ -24,12 +24,12 @@ from torchrun_job import torchrun_script
 
 from packtrain.core.errors import ConfigError
 from packtrain.core.model_spec import family_for_model_type
-from packtrain.trainer import lora
 from packtrain.trainer.config import LoraSpec, load_train_config
-from packtrain.trainer.init_weights import cast_frozen, materialize
 from packtrain.trainer.loop import train
-from packtrain.trainer.model import build_model, load_config
-from packtrain.trainer.weights import INDEX
+from packtrain.trainer.model import lora
+from packtrain.trainer.model.build import build_model, load_config
+from packtrain.trainer.model.init_weights import cast_frozen, materialize
+from packtrain.trainer.model.weights import INDEX
 
 WORKER = Path(__file__).with_name("sharded_load_worker.py")
 WORLDS = (1, 2, 4)

@@ -36,8 +36,8 @@ def test_tampered_rows_exit_2_naming_shard_and_row(name, pack_dir, tmp_path, cap
 
 
 def test_one_tampered_row_is_named_exactly(pack_dir, tmp_path):
-    from packtrain.trainer.data import PackedDataset
-    from packtrain.trainer.media import PixelSpec
+    from packtrain.trainer.data.media import PixelSpec
+    from packtrain.trainer.data.packed import PackedDataset
 
     bad = copy_pack(pack_dir, tmp_path / "bad")
     shard_file = tamper_row(bad, 1, 3, ROW_EDITS["labels all -100"][0])

@@ -14,11 +14,11 @@ from safetensors.torch import load_file
 from torchrun_job import free_port, torchrun_two_processes
 from transformers import AutoModelForImageTextToText
 
-from packtrain.trainer.checkpoint import saved_state
 from packtrain.trainer.cli import main
 from packtrain.trainer.config import load_train_config
 from packtrain.trainer.loop import train
-from packtrain.trainer.model import build_model
+from packtrain.trainer.model.build import build_model
+from packtrain.trainer.state.checkpoint import saved_state
 
 
 def _summary(capsys: pytest.CaptureFixture[str]) -> dict:

@@ -11,7 +11,12 @@ import av
 import numpy as np
 import torch
 
-from packtrain.trainer.media import PixelSpec, decode_video_frames, media_pixels, video_pixels_from_frames
+from packtrain.trainer.data.media import (
+    PixelSpec,
+    decode_video_frames,
+    media_pixels,
+    video_pixels_from_frames,
+)
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_video_memory.py"
 

@@ -19,10 +19,10 @@ from test_attention_backends import varlen_2_12
 
 from packtrain.core.errors import EXIT_CONFIG, ConfigError
 from packtrain.trainer import cli
-from packtrain.trainer.attention import VarlenKernel, register_varlen
-from packtrain.trainer.data import collate_packed
-from packtrain.trainer.model import VLMForTraining, build_model, load_config
-from packtrain.trainer.vision_check import (
+from packtrain.trainer.data.packed import collate_packed
+from packtrain.trainer.model.attention import VarlenKernel, register_varlen
+from packtrain.trainer.model.build import VLMForTraining, build_model, load_config
+from packtrain.trainer.model.vision_check import (
     MIN_TRANSFORMERS,
     base_model_class,
     check_vision_features,

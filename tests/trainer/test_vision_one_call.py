@@ -15,10 +15,10 @@ import vlm_fixtures as fx
 from test_attention_backends import varlen_2_12
 from test_equivalence import _double_batch
 
-from packtrain.trainer.attention import VarlenKernel, register_backend, register_varlen
-from packtrain.trainer.data import collate_packed
-from packtrain.trainer.model import VLMForTraining, build_model
-from packtrain.trainer.vision_attention import counting_calls, one_call_vision, per_segment, vision_name
+from packtrain.trainer.data.packed import collate_packed
+from packtrain.trainer.model.attention import VarlenKernel, register_backend, register_varlen
+from packtrain.trainer.model.build import VLMForTraining, build_model
+from packtrain.trainer.model.vision_attention import counting_calls, one_call_vision, per_segment, vision_name
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
 BACKENDS = ("sdpa", "flex", "varlen")

@@ -20,7 +20,7 @@ from support.paths import DEMO, MODELS
 from transformers import AutoProcessor
 
 from packtrain.core.model_spec import ModelSpec, model_spec
-from packtrain.trainer.media import PixelSpec, decode_video_frames, media_pixels
+from packtrain.trainer.data.media import PixelSpec, decode_video_frames, media_pixels
 
 TINY_TEXT = {
     "hidden_size": 64,

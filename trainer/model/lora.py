@@ -19,8 +19,8 @@ from transformers import PreTrainedModel
 
 from packtrain.core.errors import ConfigError
 from packtrain.core.families import ModuleLayout
-from packtrain.trainer import param_groups
 from packtrain.trainer.config import LoraSpec
+from packtrain.trainer.model import param_groups
 
 ADAPTER = "default"
 

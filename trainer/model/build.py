@@ -26,18 +26,18 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from packtrain.core.errors import ConfigError
 from packtrain.core.model_size import deep_merge
 from packtrain.core.model_spec import ModelSpec, family_for_model_type, model_spec
-from packtrain.trainer.attention import HF_IMPLEMENTATION, attention_kwargs, register_backend
-from packtrain.trainer.batch import ModelInputs
 from packtrain.trainer.config import LOSS_CHUNK_TOKENS
-from packtrain.trainer.init_weights import materialize, parameters_on_meta
-from packtrain.trainer.linear_attention import (
+from packtrain.trainer.data.batch import ModelInputs
+from packtrain.trainer.model.attention import HF_IMPLEMENTATION, attention_kwargs, register_backend
+from packtrain.trainer.model.init_weights import materialize, parameters_on_meta
+from packtrain.trainer.model.linear_attention import (
     SEGMENTS,
     has_linear_attention,
     isolate_linear_attention,
     resolve_linear,
 )
-from packtrain.trainer.loss import token_losses
-from packtrain.trainer.vision_attention import one_call_vision
+from packtrain.trainer.model.loss import token_losses
+from packtrain.trainer.model.vision_attention import one_call_vision
 
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
 

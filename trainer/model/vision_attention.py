@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from packtrain.trainer.attention import (
+from packtrain.trainer.model.attention import (
     HF_IMPLEMENTATION,
     VARLEN_NAME,
     compiled_flex,

@@ -30,9 +30,9 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from packtrain.core.errors import ConfigError
-from packtrain.trainer import param_groups
-from packtrain.trainer.lora import ADAPTER
-from packtrain.trainer.weights import Checkpoint, ReadStats, match_names
+from packtrain.trainer.model import param_groups
+from packtrain.trainer.model.lora import ADAPTER
+from packtrain.trainer.model.weights import Checkpoint, ReadStats, match_names
 
 PEFT_WRAPPED = ".base_layer"  # where PEFT moves the wrapped layer's own parameters
 

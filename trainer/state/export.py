@@ -35,9 +35,9 @@ from transformers.core_model_loading import revert_weight_conversion
 
 from packtrain.core.config import ModelConfig
 from packtrain.core.model_spec import served_processor_configs
-from packtrain.trainer import lora
 from packtrain.trainer.config import TrainModelSpec
 from packtrain.trainer.distributed import DistEnv, barrier
+from packtrain.trainer.model import lora
 
 SHARD_BYTES = 5 * 10**9  # the largest safetensors file of an export (one bigger tensor gets its own)
 MERGED_DIR = "final-merged"

@@ -44,8 +44,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from packtrain.core.errors import ConfigError
+from packtrain.trainer.data.sampler import Layout, plan_epoch
 from packtrain.trainer.distributed import DistEnv, barrier
-from packtrain.trainer.sampler import Layout, plan_epoch
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 DONE = "trainer.pt"
