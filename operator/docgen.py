@@ -22,9 +22,9 @@ from pydantic_core import core_schema
 
 from packtrain.core.config import DEFAULT_MAX_REJECTED_FRACTION, PACK_CLUSTER_KEYS
 from packtrain.core.contract import REJECT_FIXES, REJECT_REASONS, RejectReason
+from packtrain.core.sft_config import SFT_CLUSTER_KEYS
 from packtrain.operator.api import API_VERSION, PackJob, SFTJob
 from packtrain.operator.crdgen import structural
-from packtrain.trainer.config import SFT_CLUSTER_KEYS
 
 COMMAND = "packtrain docs --out docs"
 REFERENCE = "reference.md"
@@ -150,7 +150,7 @@ def _kind_section(kind: type[PackJob] | type[SFTJob]) -> list[str]:
 
 def render_reference() -> str:
     lines = [
-        header("operator/api/, core/config.py and trainer/config.py").rstrip("\n"),
+        header("operator/api/, core/config.py and core/sft_config.py").rstrip("\n"),
         "# Spec reference",
         "",
         "Every field of a PackJob's and an SFTJob's `spec`, generated from the pydantic models",

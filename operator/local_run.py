@@ -29,7 +29,9 @@ from rich.table import Table
 from rich.text import Text
 
 from packtrain.core.errors import EXIT_CONFIG, EXIT_INTERRUPTED
+from packtrain.core.progress import ProgressBar, follow
 from packtrain.core.report import rejects_warning
+from packtrain.core.sft_config import check_model_overrides
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
 from packtrain.operator.builders import (
     PACK_CONFIG_FILE,
@@ -40,8 +42,6 @@ from packtrain.operator.builders import (
 )
 from packtrain.operator.commands import pack_stage_command, train_command
 from packtrain.operator.manifests import Named, invalid, load_manifests
-from packtrain.trainer.config import check_model_overrides
-from packtrain.trainer.progress import ProgressBar, follow
 
 console = Console(stderr=True)
 

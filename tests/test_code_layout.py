@@ -78,6 +78,19 @@ def test_the_packer_and_the_core_depend_on_nothing_above_them() -> None:
     assert not wrong, "\n".join(sorted(wrong))
 
 
+def test_the_operator_does_not_import_the_trainer() -> None:
+    """The operator reads the SFTJob models and the progress view from the core; it starts the
+    trainer by module name (`packtrain train`, torchrun's `-m packtrain.trainer`), never imports it."""
+    wrong = sorted(
+        f"{module} imports {dep}"
+        for module in MODULES
+        if module.startswith("packtrain.operator")
+        for dep in _imports(module, lazy=True)
+        if dep.startswith("packtrain.trainer")
+    )
+    assert not wrong, "\n".join(wrong)
+
+
 def test_no_import_cycles() -> None:
     """Module-level imports form no cycle (a cycle makes import order matter and hides layering)."""
     graph = {m: _imports(m, lazy=False) for m in MODULES}

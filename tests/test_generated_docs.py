@@ -12,9 +12,9 @@ from pydantic import BaseModel
 
 from packtrain.core.config import PACK_CLUSTER_KEYS
 from packtrain.core.contract import REJECT_FIXES, REJECT_REASONS, RejectReason
+from packtrain.core.sft_config import SFT_CLUSTER_KEYS
 from packtrain.operator import cli, docgen
 from packtrain.operator.api import PackJob, PackJobSpec, SFTJob, SFTJobSpec
-from packtrain.trainer.config import SFT_CLUSTER_KEYS
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"

@@ -15,11 +15,11 @@ from support.paths import MODELS
 from test_first_hour import QWEN2, TINY, chats, one_line_error, packtrain
 
 from packtrain.core.config import PACK_CLUSTER_KEYS, PackConfig
+from packtrain.core.sft_config import SFT_CLUSTER_KEYS, SFTSpecCore
 from packtrain.operator import handlers
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
 from packtrain.operator.manifests import load_manifests
 from packtrain.operator.settings import OperatorDefaults
-from packtrain.trainer.config import SFT_CLUSTER_KEYS, SFTSpecCore
 
 API = "packtrain.dev/v1alpha1"
 DEFAULTS = OperatorDefaults(packer_image="packer:test", trainer_image="trainer:test")

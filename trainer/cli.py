@@ -24,8 +24,8 @@ from packtrain.core.errors import (
     ConfigError,
     ShardFormatError,
 )
-from packtrain.trainer.config import load_train_config
-from packtrain.trainer.progress import LOG_FORMATS, reporter_for
+from packtrain.core.progress import LOG_FORMATS, reporter_for
+from packtrain.core.sft_config import load_train_config
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from packtrain.core.contract import TrainSummary
+from packtrain.core.progress import JsonLines, Reporter
+from packtrain.core.sft_config import SFTSpecCore, TrainingSpec
 from packtrain.trainer import distributed
 from packtrain.trainer.accounting import RunAccounting
-from packtrain.trainer.config import SFTSpecCore, TrainingSpec
 from packtrain.trainer.data.batch import Batch
 from packtrain.trainer.data.packed import EvalDataset, PackedDataset
 from packtrain.trainer.data.packed import loader as data_loader
@@ -28,7 +29,6 @@ from packtrain.trainer.metrics import Stopwatch, TrainMetrics, device_peak_tflop
 from packtrain.trainer.model import param_groups
 from packtrain.trainer.model.linear_attention import linear_path
 from packtrain.trainer.model.loss import aux_objective, global_label_tokens, micro_batch_objective
-from packtrain.trainer.progress import JsonLines, Reporter
 from packtrain.trainer.recipe import Finished, Run, setup
 from packtrain.trainer.state import checkpoint, export
 

@@ -26,7 +26,7 @@ from packtrain.core.memory_plan import (
     refusal,
 )
 from packtrain.core.model_size import ModelDims, model_dims, read_config
-from packtrain.trainer.config import SFTSpecCore
+from packtrain.core.sft_config import SFTSpecCore
 
 # Checkpointing settings the table compares (decoder layers, vision blocks).
 CHECKPOINTING = {"none": (False, False), "decoder": (True, False), "decoder + vision": (True, True)}

@@ -19,8 +19,8 @@ from transformers import PretrainedConfig
 from packtrain.core.errors import ConfigError
 from packtrain.core.model_spec import ModelSpec
 from packtrain.core.report import rejects_warning
+from packtrain.core.sft_config import DEFAULT_MAX_STEPS, SFTSpecCore
 from packtrain.trainer import distributed
-from packtrain.trainer.config import DEFAULT_MAX_STEPS, SFTSpecCore
 from packtrain.trainer.data.layout_check import check_pack_layout
 from packtrain.trainer.data.media import PixelSpec
 from packtrain.trainer.data.packed import EvalDataset, PackedDataset, eval_dataset

@@ -8,6 +8,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from packtrain.core.config import CamelModel
+from packtrain.core.sft_config import DataSpec, TrainingSpec, TrainModelSpec
 from packtrain.operator.api.common import (
     QUANTITY_PATTERN,
     Blocked,
@@ -17,7 +18,6 @@ from packtrain.operator.api.common import (
     SubPath,
     immutable_rules,
 )
-from packtrain.trainer.config import DataSpec, TrainingSpec, TrainModelSpec
 
 SFTPhase = Literal["Pending", "WaitingForData", "Running", "Succeeded", "Failed", "Suspended"]
 Backend = Literal["pytorchjob", "trainjob"]

@@ -41,7 +41,7 @@ def child(shape: str, case: str, max_length: int, steps: int, threads: int) -> d
     import torch
 
     gpu_bench.import_packtrain()
-    from packtrain.trainer.config import LoraSpec
+    from packtrain.core.sft_config import LoraSpec
     from packtrain.trainer.model import lora, param_groups
     from packtrain.trainer.model.build import VLMForTraining, build_model, checked_spec, load_config
     from packtrain.trainer.model.loss import micro_batch_objective

@@ -296,8 +296,8 @@ def rank_run(job: Path, out: Path) -> None:
     import torch
 
     torch.set_num_threads(1)
+    from packtrain.core.sft_config import SFTSpecCore
     from packtrain.trainer import distributed, loop
-    from packtrain.trainer.config import SFTSpecCore
     from packtrain.trainer.state import checkpoint
 
     cfg = SFTSpecCore.model_validate(json.loads(job.read_text()))

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shar
 from support.paths import MODELS
 from support.synth import generate_dataset
 
-from packtrain.trainer.config import SFTSpecCore
+from packtrain.core.sft_config import SFTSpecCore
 from packtrain.trainer.loop import train
 
 MODEL = MODELS / "qwen2-vl"

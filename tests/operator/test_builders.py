@@ -153,7 +153,7 @@ def test_train_config_map_resolves_data_and_metrics(sftjob: dict[str, Any], pack
     doc = yaml.safe_load(cm["data"]["sftjob.yaml"])
     assert doc["spec"]["data"]["path"] == "/data/packs/demo" and doc["spec"]["data"]["packJobRef"] is None
     assert doc["spec"]["training"]["metricsPort"] == 9400
-    from packtrain.trainer.config import SFTSpecCore
+    from packtrain.core.sft_config import SFTSpecCore
 
     SFTSpecCore.model_validate(doc["spec"])  # what `packtrain train -c` will load
 

@@ -23,6 +23,7 @@ from packtrain.core.config import (
     MAX_PIXELS_CEILING,
     SEQUENCES_PER_SHARD_CEILING,
 )
+from packtrain.core.sft_config import MAX_NUM_WORKERS
 from packtrain.operator.api import (
     MOUNT_PATH_MESSAGE,
     OUTPUT_MOUNT_MESSAGE,
@@ -33,7 +34,6 @@ from packtrain.operator.api import (
     PackJobSpec,
     SFTJobSpec,
 )
-from packtrain.trainer.config import MAX_NUM_WORKERS
 
 REPO = Path(__file__).resolve().parents[2]
 Edit = Callable[[dict[str, Any]], None]

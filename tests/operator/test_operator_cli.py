@@ -42,7 +42,7 @@ def test_operator_arguments() -> None:
 def test_no_torch_in_the_operator_import_graph() -> None:
     code = (
         "import sys, packtrain.operator.cli, packtrain.operator.handlers, packtrain.operator.crdgen, "
-        "packtrain.trainer.config, packtrain.operator.local_run, packtrain.operator.render; "
+        "packtrain.core.sft_config, packtrain.operator.local_run, packtrain.operator.render; "
         "bad = [m for m in ('torch', 'torchvision', 'transformers') if m in sys.modules]; "
         "assert not bad, bad"
     )

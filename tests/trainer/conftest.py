@@ -78,7 +78,7 @@ def write_job(path: Path, spec: dict[str, Any]) -> Path:
 
 def straight_and_resumed(spec: dict[str, Any], tmp_path: Path) -> tuple[dict, dict, Path]:
     """Train `spec` straight to the end, then again from only its step-2 checkpoint (an interrupted run)."""
-    from packtrain.trainer.config import load_train_config
+    from packtrain.core.sft_config import load_train_config
     from packtrain.trainer.loop import train
 
     straight = train(load_train_config(write_job(tmp_path / "a.yaml", spec)), log=lambda _: None)

@@ -20,8 +20,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 from vlm_fixtures import TINY  # noqa: E402
 
+from packtrain.core.sft_config import LoraSpec  # noqa: E402
 from packtrain.trainer import distributed  # noqa: E402
-from packtrain.trainer.config import LoraSpec  # noqa: E402
 from packtrain.trainer.model import lora, weights  # noqa: E402
 from packtrain.trainer.model.build import VLMForTraining, build_model  # noqa: E402
 from packtrain.trainer.model.init_weights import cast_frozen, local_part, materialize  # noqa: E402

@@ -25,7 +25,7 @@ from test_equivalence import _double_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from packtrain.core.pack.schema import IGNORE_INDEX
-from packtrain.trainer.config import LOSS_CHUNK_TOKENS, TrainingSpec
+from packtrain.core.sft_config import LOSS_CHUNK_TOKENS, TrainingSpec
 from packtrain.trainer.data.packed import collate_packed
 from packtrain.trainer.model.build import VLMForTraining, build_model
 from packtrain.trainer.model.loss import per_sample_sums, token_losses

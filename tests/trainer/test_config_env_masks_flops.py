@@ -8,7 +8,7 @@ import vlm_fixtures as fx
 from conftest import job_spec, write_job
 from pydantic import ValidationError
 
-from packtrain.trainer.config import SFTSpecCore, load_train_config
+from packtrain.core.sft_config import SFTSpecCore, load_train_config
 from packtrain.trainer.data.packed import collate_packed
 from packtrain.trainer.distributed import resolve_env
 from packtrain.trainer.metrics import GpuProbe, ModelShape, TrainMetrics, step_flops

@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 from support.paths import SHARED
 
 from packtrain.core.config import PackConfig
+from packtrain.core.sft_config import DEFAULT_MAX_STEPS, SFTSpecCore, TrainingSpec, load_train_config
 from packtrain.packer.stages.convert import convert
 from packtrain.packer.stages.materialize import materialize
 from packtrain.packer.stages.plan import plan
-from packtrain.trainer.config import DEFAULT_MAX_STEPS, SFTSpecCore, TrainingSpec, load_train_config
 from packtrain.trainer.data.media import PixelSpec
 from packtrain.trainer.data.packed import EvalDataset, PackedDataset, collate_packed, eval_dataset
 from packtrain.trainer.data.sampler import Layout, carve_eval, eval_micro_batches, plan_epoch, total_steps

@@ -18,8 +18,8 @@ from test_equivalence import _double_batch, _grads, _reference, _rel
 from torchrun_job import torchrun_two_processes
 from transformers import AutoConfig, AutoModelForImageTextToText
 
+from packtrain.core.sft_config import SFTSpecCore, TrainingSpec, load_train_config
 from packtrain.operator.api import SFTJobSpec
-from packtrain.trainer.config import SFTSpecCore, TrainingSpec, load_train_config
 from packtrain.trainer.data.packed import collate_packed
 from packtrain.trainer.loop import train
 from packtrain.trainer.model import param_groups

@@ -16,10 +16,10 @@ from test_first_hour import chats, image_record, one_line_error, packtrain
 from vlm_fixtures import FOLDER
 
 from packtrain.core.config import PackConfig
+from packtrain.core.sft_config import load_train_config
 from packtrain.packer.stages.convert import convert
 from packtrain.packer.stages.materialize import materialize
 from packtrain.packer.stages.plan import plan
-from packtrain.trainer.config import load_train_config
 from packtrain.trainer.loop import train
 
 QWEN2 = FOLDER["qwen2-vl"]

@@ -8,7 +8,7 @@ import torch
 import vlm_fixtures as fx
 from test_equivalence import _double_batch, _grads, _reference, _rel
 
-from packtrain.trainer.config import SFTSpecCore
+from packtrain.core.sft_config import SFTSpecCore
 from packtrain.trainer.data.packed import collate_packed
 from packtrain.trainer.model.build import VLMForTraining, apply_layer_options, build_model
 from packtrain.trainer.model.loss import per_sample_sums

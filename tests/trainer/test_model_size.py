@@ -26,7 +26,7 @@ from packtrain.core.model_size import (
     model_dims,
     param_counts,
 )
-from packtrain.trainer.config import LORA_TARGET_MODULES, LoraSpec
+from packtrain.core.sft_config import LORA_TARGET_MODULES, LoraSpec
 from packtrain.trainer.model import lora, param_groups
 from packtrain.trainer.model.build import load_config
 

@@ -12,9 +12,9 @@ from conftest import job_spec, write_job
 from rich.console import Console
 
 from packtrain.core.contract import parse_summary
+from packtrain.core.progress import JsonLines, ProgressBar, follow, reporter_for
 from packtrain.operator.status import train_progress
 from packtrain.trainer.cli import main
-from packtrain.trainer.progress import JsonLines, ProgressBar, follow, reporter_for
 
 # The summary's keys, in order: the operator and `packtrain run` read this line.
 SUMMARY_KEYS = [

@@ -16,7 +16,7 @@ import torch
 import vlm_fixtures as fx
 from test_equivalence import _double_batch
 
-from packtrain.trainer.config import LoraSpec
+from packtrain.core.sft_config import LoraSpec
 from packtrain.trainer.data.batch import Batch
 from packtrain.trainer.data.packed import collate_packed
 from packtrain.trainer.metrics import ModelShape, step_flops

@@ -18,7 +18,7 @@ from vlm_fixtures import FOLDER, TINY, spec
 
 from packtrain.core.errors import ConfigError
 from packtrain.core.pack.shards import ShardReader
-from packtrain.trainer.config import load_train_config
+from packtrain.core.sft_config import load_train_config
 from packtrain.trainer.data.packed import collate_packed, collate_padded, split_row
 from packtrain.trainer.data.rope import sample_positions
 from packtrain.trainer.loop import train
@@ -121,7 +121,7 @@ def test_a_family_that_is_not_the_folder_is_refused(shared_dir):
 
 
 def test_lora_in_the_vision_tower_reaches_the_deepstack_mergers(shared_dir):
-    from packtrain.trainer.config import LoraSpec
+    from packtrain.core.sft_config import LoraSpec
     from packtrain.trainer.model import lora
 
     model = build_model(FOLDER[FAMILY], init="random", overrides=TINY[FAMILY])

@@ -10,7 +10,7 @@ from transformers import AutoModelForImageTextToText
 from vlm_fixtures import FOLDER, TINY
 from vlm_fixtures import spec as family_spec
 
-from packtrain.trainer.config import load_train_config
+from packtrain.core.sft_config import load_train_config
 from packtrain.trainer.data.media import PixelSpec
 from packtrain.trainer.data.packed import PackedDataset
 from packtrain.trainer.loop import batches, train

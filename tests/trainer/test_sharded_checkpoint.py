@@ -22,7 +22,7 @@ from torchrun_job import free_port, torchrun_two_processes
 from transformers import AutoModelForImageTextToText
 
 from packtrain.core.errors import ConfigError
-from packtrain.trainer.config import load_train_config
+from packtrain.core.sft_config import load_train_config
 from packtrain.trainer.data.sampler import Layout, plan_epoch, position_state, resume_position
 from packtrain.trainer.distributed import DistEnv
 from packtrain.trainer.loop import train

@@ -24,7 +24,7 @@ from torchrun_job import torchrun_script
 
 from packtrain.core.errors import ConfigError
 from packtrain.core.model_spec import family_for_model_type
-from packtrain.trainer.config import LoraSpec, load_train_config
+from packtrain.core.sft_config import LoraSpec, load_train_config
 from packtrain.trainer.loop import train
 from packtrain.trainer.model import lora
 from packtrain.trainer.model.build import build_model, load_config

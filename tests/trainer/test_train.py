@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from torchrun_job import free_port, torchrun_two_processes
 from transformers import AutoModelForImageTextToText
 
+from packtrain.core.sft_config import load_train_config
 from packtrain.trainer.cli import main
-from packtrain.trainer.config import load_train_config
 from packtrain.trainer.loop import train
 from packtrain.trainer.model.build import build_model
 from packtrain.trainer.state.checkpoint import saved_state

@@ -26,7 +26,7 @@ from packtrain.core.pack.integrity import ModelFacts, grid_problem, ref_problem,
 from packtrain.core.pack.schema import IGNORE_INDEX
 from packtrain.core.pack.shards import ShardReader
 from packtrain.core.pixels import pack_alpha
-from packtrain.trainer.config import DataSpec
+from packtrain.core.sft_config import DataSpec
 from packtrain.trainer.data.batch import Batch, BatchInfo, ModelInputs
 from packtrain.trainer.data.media import PixelSpec, media_pixels
 from packtrain.trainer.data.rope import packed_positions, sample_positions

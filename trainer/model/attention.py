@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from packtrain.trainer.config import Attention
+    from packtrain.core.sft_config import Attention
 
 FLEX_NAME = "packtrain_flex"
 VARLEN_NAME = "packtrain_varlen"

@@ -26,7 +26,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from packtrain.core.errors import ConfigError
 from packtrain.core.model_size import deep_merge
 from packtrain.core.model_spec import ModelSpec, family_for_model_type, model_spec
-from packtrain.trainer.config import LOSS_CHUNK_TOKENS
+from packtrain.core.sft_config import LOSS_CHUNK_TOKENS
 from packtrain.trainer.data.batch import ModelInputs
 from packtrain.trainer.model.attention import HF_IMPLEMENTATION, attention_kwargs, register_backend
 from packtrain.trainer.model.init_weights import materialize, parameters_on_meta

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from packtrain.core.errors import ConfigError
 from packtrain.core.families import ModuleLayout
-from packtrain.trainer.config import LoraSpec
+from packtrain.core.sft_config import LoraSpec
 from packtrain.trainer.model import param_groups
 
 ADAPTER = "default"

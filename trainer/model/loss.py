@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from packtrain.core.pack.schema import IGNORE_INDEX
-from packtrain.trainer.config import LOSS_CHUNK_TOKENS
+from packtrain.core.sft_config import LOSS_CHUNK_TOKENS
 
 
 def token_losses(

@@ -18,7 +18,7 @@ from torch import nn
 from packtrain.core.errors import ConfigError
 from packtrain.core.families import ModuleLayout
 from packtrain.core.model_spec import family_for_model_type
-from packtrain.trainer.config import Module
+from packtrain.core.sft_config import Module
 
 MODULES: tuple[Module, ...] = get_args(Module)
 

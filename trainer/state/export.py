@@ -35,7 +35,7 @@ from transformers.core_model_loading import revert_weight_conversion
 
 from packtrain.core.config import ModelConfig
 from packtrain.core.model_spec import served_processor_configs
-from packtrain.trainer.config import TrainModelSpec
+from packtrain.core.sft_config import TrainModelSpec
 from packtrain.trainer.distributed import DistEnv, barrier
 from packtrain.trainer.model import lora
 

@@ -1,4 +1,5 @@
-"""Configuration models of the trainer.
+"""The pydantic models of an SFTJob spec (the PackJob's are `config.py`), in the core because the
+trainer runs them and the operator embeds them in its CRD, and neither imports the other.
 
 The same YAML runs locally (`packtrain train -c job.yaml`) and on a cluster: the
 operator embeds `SFTSpecCore`'s sections in the `SFTJob` CRD, so every field is

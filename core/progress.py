@@ -5,7 +5,8 @@ attention backend it chose), `event` (resumed, ...), `step` (each finished step'
 metrics), `close`. `JsonLines` writes one JSON object per line, for logs and for the pods
 (`--log-format json`); `ProgressBar` draws step/steps, loss, tokens/s and ETA with rich. `follow`
 replays a trainer's JSON lines into any reporter, so `packtrain run` draws the same bar from the
-trainer it starts. The final summary line is printed by the entry point, in every format.
+trainer it starts (in the core: the trainer draws it and the operator's `packtrain run` follows it).
+The final summary line is printed by the entry point, in every format.
 Torch-free: the operator's local runner imports it.
 """
 
