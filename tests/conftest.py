@@ -16,3 +16,18 @@ def shared_dir() -> Path:
     if not SHARED.is_dir():
         pytest.fail(f"fixture data not found at {SHARED}: tests need the shared folder beside the checkout")
     return SHARED
+
+
+# Under pytest-xdist (`.ci/run` runs `-n 2 --dist loadgroup`): each test file stays on one worker,
+# so its module-scoped packs and models are built once, and every test that needs the local control
+# plane or the built images shares one worker, so each is started once.
+_SHARED_ONCE = ("kube_cluster", "built_images", "prometheus_tools")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        shared = any(name in getattr(item, "fixturenames", ()) for name in _SHARED_ONCE)
+        group = "cluster" if shared else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))

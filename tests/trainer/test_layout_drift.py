@@ -18,31 +18,13 @@ from pathlib import Path
 import pytest
 import yaml
 from support.paths import DEMO, MODELS
+from vlm_fixtures import TINY
 
 from packtrain.core.families import FAMILIES
 from packtrain.core.layout import family_layout
 
 PACKTRAIN = str(Path(sys.executable).parent / "packtrain")
 QWEN3 = MODELS / "qwen3-vl"
-TINY_QWEN3 = {
-    "text_config": {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 32,
-        "rope_scaling": {"rope_type": "default", "mrope_interleaved": True, "mrope_section": [6, 5, 5]},
-    },
-    "vision_config": {
-        "depth": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_heads": 2,
-        "out_hidden_size": 64,
-        "deepstack_visual_indexes": [0],
-    },
-}
 OLD_LAYOUT_SHIM = """
 from transformers.models.qwen3_vl import processing_qwen3_vl as qwen3
 from transformers.processing_utils import ProcessorMixin
@@ -97,7 +79,12 @@ def video_pack(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _train(tmp: Path, pack: Path, shim: Path | None = None) -> subprocess.CompletedProcess:
     spec = {
         "data": {"path": str(pack), "numWorkers": 0},
-        "model": {"path": str(QWEN3), "family": "qwen3-vl", "init": "random", "configOverrides": TINY_QWEN3},
+        "model": {
+            "path": str(QWEN3),
+            "family": "qwen3-vl",
+            "init": "random",
+            "configOverrides": TINY["qwen3-vl"],
+        },
         "training": {"maxSteps": 1, "outputDir": str(tmp / "run")},
     }
     job = tmp / "sft.yaml"
@@ -167,5 +154,5 @@ def test_the_declared_transformers_floor_is_the_one_the_probes_name() -> None:
 
     from packtrain.core.layout import TRANSFORMERS_FLOOR
 
-    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
     assert f"transformers>={TRANSFORMERS_FLOOR}" in project["dependencies"]
