@@ -13,7 +13,6 @@ Missing config keys take the transformers config classes' defaults (`_TEXT_DEFAU
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, fields
@@ -22,6 +21,8 @@ from typing import Any
 
 from packtrain.core.errors import ConfigError
 from packtrain.core.families import FAMILIES, ModuleLayout
+from packtrain.core.model_folder import ModelFolder
+from packtrain.core.model_folder import deep_merge as deep_merge  # re-exported: the trainer merges with it
 
 # Module kinds of the vision tower (`VisionDims.kind`) and the decoder (`ModelDims.text_kind`).
 VISION_KINDS = ("qwen2", "qwen2.5", "qwen3")
@@ -447,27 +448,10 @@ def param_counts(d: ModelDims, freeze: Iterable[str] = (), lora: LoraShape | Non
     )
 
 
-def deep_merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """`overrides` merged into `base`, nested dicts key by key (how model.configOverrides apply)."""
-    out = dict(base)
-    for key, value in overrides.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 def read_config(folder: str | Path, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """A model folder's config.json with `overrides` merged; ConfigError naming what is missing."""
-    path = Path(folder) / "config.json"
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(
-            f"cannot read {path} ({exc}): point model.path at a Hugging Face model folder"
-        ) from exc
-    return deep_merge(raw, overrides or {})
+    """A model folder's config.json with `overrides` merged; ConfigError naming what is missing
+    (`ModelFolder.config`: pass that where the folder is read for more than this)."""
+    return ModelFolder(folder, overrides).config
 
 
 _TEXT_KEYS = frozenset(

@@ -11,7 +11,6 @@ the chat template the packer renders with.
 from __future__ import annotations
 
 import importlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,12 +19,22 @@ from typing import Any
 from packtrain.core.config import MAX_FRAMES_CEILING, ModelConfig
 from packtrain.core.errors import ConfigError, relative_note
 from packtrain.core.families import FAMILIES, Family
+from packtrain.core.model_folder import (
+    IMAGE_PROCESSOR_FILE,
+    TOKENIZER_FILES,
+    VIDEO_PROCESSOR_FILE,
+    ModelFolder,
+    family_for_model_type,
+    get_family,
+)
+from packtrain.core.model_folder import read_json as _read_json
 from packtrain.core.vision import VisionSpec
 
 __all__ = [
     "FAMILIES",
     "Family",
     "LoadedModel",
+    "ModelFolder",
     "ModelSpec",
     "TokenIds",
     "detect_family",
@@ -37,29 +46,9 @@ __all__ = [
 ]
 
 
-def get_family(name: str) -> Family:
-    """The registry entry named `name`; ConfigError lists the known ones."""
-    family = FAMILIES.get(name)
-    if family is None:
-        raise ConfigError(f"model.family {name!r} is not one of {sorted(FAMILIES)}")
-    return family
-
-
-def family_for_model_type(model_type: str | None) -> Family:
-    """The entry whose HF `model_type` (config.json) is `model_type`."""
-    for family in FAMILIES.values():
-        if family.model_type == model_type:
-            return family
-    known = sorted(f.model_type for f in FAMILIES.values())
-    raise ConfigError(f"model_type {model_type!r} is not a supported family (known: {', '.join(known)})")
-
-
 def detect_family(folder: str | Path) -> Family:
     """The family of a model folder, from its config.json `model_type`."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{folder}: no config.json to tell the model family from; set model.family")
-    return family_for_model_type(_read_json(path).get("model_type"))
+    return ModelFolder(folder).detected_family()
 
 
 @dataclass(frozen=True)
@@ -85,30 +74,24 @@ class ModelSpec:
     vision: VisionSpec
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "added_tokens.json")
-"""Where the special tokens are read from (at least one must be in the model folder)."""
-
-
-def _added_tokens(folder: Path) -> dict[str, int]:
+def _added_tokens(folder: ModelFolder) -> dict[str, int]:
     """Special-token text -> id from the folder's tokenizer files (the same tables the tokenizer loads)."""
     found: dict[str, int] = {}
-    path = folder / "tokenizer.json"
-    if path.is_file():
-        for tok in _read_json(path).get("added_tokens") or []:
+    files = folder.tokenizer_files
+    if "tokenizer.json" in files:
+        for tok in folder.json_file("tokenizer.json").get("added_tokens") or []:
             if (
                 isinstance(tok, dict)
                 and isinstance(tok.get("content"), str)
                 and isinstance(tok.get("id"), int)
             ):
                 found[tok["content"]] = tok["id"]
-    path = folder / "tokenizer_config.json"
-    if path.is_file():
-        for key, tok in (_read_json(path).get("added_tokens_decoder") or {}).items():
+    if "tokenizer_config.json" in files:
+        for key, tok in (folder.json_file("tokenizer_config.json").get("added_tokens_decoder") or {}).items():
             if isinstance(tok, dict) and isinstance(tok.get("content"), str) and str(key).isdigit():
                 found[tok["content"]] = int(key)
-    path = folder / "added_tokens.json"
-    if path.is_file():
-        found.update({k: v for k, v in _read_json(path).items() if isinstance(v, int)})
+    if "added_tokens.json" in files:
+        found.update({k: v for k, v in folder.json_file("added_tokens.json").items() if isinstance(v, int)})
     return found
 
 
@@ -120,10 +103,12 @@ _CONFIG_ID_KEYS = {
 }
 
 
-def token_ids(folder: Path, family: Family) -> TokenIds:
+def token_ids(model: Path | ModelFolder, family: Family) -> TokenIds:
     """The family's special-token ids as the folder's tokenizer defines them, checked against config.json."""
-    added = _added_tokens(folder)
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+    model = model if isinstance(model, ModelFolder) else ModelFolder(model)
+    folder = model.path
+    added = _added_tokens(model)
+    if not model.tokenizer_files:
         raise ConfigError(
             f"{folder}: no tokenizer files (expected {', '.join(TOKENIZER_FILES)}); point model.path at "
             "the model's own folder (the one with config.json and the tokenizer)"
@@ -136,8 +121,7 @@ def token_ids(folder: Path, family: Family) -> TokenIds:
                 "point model.path at the model's own folder"
             )
         ids[role] = added[text]
-    path = folder / "config.json"
-    config = _read_json(path) if path.is_file() else {}
+    config = model.config_json
     for role, key in _CONFIG_ID_KEYS.items():
         value = config.get(key)
         if isinstance(value, int) and value != ids[role]:
@@ -149,28 +133,26 @@ def token_ids(folder: Path, family: Family) -> TokenIds:
 
 
 def model_spec(
-    folder: str | Path, family: str | Family | None = None, cfg: ModelConfig | None = None
+    folder: str | Path | ModelFolder, family: str | Family | None = None, cfg: ModelConfig | None = None
 ) -> ModelSpec:
-    """The registry entry bound to `folder` (family from config.json when not given); cheap, torch-free."""
-    path = Path(folder)
+    """The registry entry bound to `folder` (family from config.json when not given); cheap, torch-free.
+
+    A `ModelFolder` is read through (its family, model.family's, unless `family` is given), so a
+    caller that holds one reads config.json once however many readers ask."""
+    if isinstance(folder, ModelFolder):
+        model = folder if family is None else ModelFolder(folder.path, folder.overrides, _name(family))
+    else:
+        model = ModelFolder(folder, family=None if family is None else _name(family))
+    path = model.path
     if not path.is_dir():
         raise ConfigError(f"model.path: {path} is not a folder{relative_note(path)}")
-    fam = (
-        detect_family(path)
-        if family is None
-        else family
-        if isinstance(family, Family)
-        else get_family(family)
-    )
-    config = path / "config.json"
-    model_type = _read_json(config).get("model_type") if config.is_file() else None
-    if model_type is not None and model_type != fam.model_type:
-        raise ConfigError(
-            f"model.family is {fam.name} but {path}/config.json is a {model_type!r} model; set model.family "
-            f"to {', '.join(f.name for f in FAMILIES.values() if f.model_type == model_type) or 'its family'}"
-        )
+    fam = model.family
     settings = cfg if cfg is not None else ModelConfig(family=fam.name, path=str(path))
-    return ModelSpec(fam, path, token_ids(path, fam), vision_spec(path, settings, fam))
+    return ModelSpec(fam, path, token_ids(model, fam), vision_spec(model, settings, fam))
+
+
+def _name(family: str | Family) -> str:
+    return family.name if isinstance(family, Family) else family
 
 
 @dataclass(frozen=True)
@@ -194,16 +176,6 @@ class LoadedModel:
     @property
     def ids(self) -> TokenIds:
         return self.spec.token_ids
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: cannot read JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    return data
 
 
 def _read_template(path: Path, key: str) -> str:
@@ -242,7 +214,7 @@ def _pixels(config: dict[str, Any], key: str, size_key: str) -> int | None:
     return int(value) if value is not None else None
 
 
-def vision_spec(folder: Path, cfg: ModelConfig, family: Family | None = None) -> VisionSpec:
+def vision_spec(folder: Path | ModelFolder, cfg: ModelConfig, family: Family | None = None) -> VisionSpec:
     """Vision settings: explicit config first, then the folder's processor configs, then the family's
     defaults.
 
@@ -250,12 +222,11 @@ def vision_spec(folder: Path, cfg: ModelConfig, family: Family | None = None) ->
     image processor's bounds, as `AutoProcessor` does for these folders.
     """
     fam = family or get_family(cfg.family)
-    pre_path = folder / "preprocessor_config.json"
-    pre = _read_json(pre_path) if pre_path.is_file() else {}
-    vid_path = folder / "video_preprocessor_config.json"
-    vid = _read_json(vid_path) if vid_path.is_file() else pre
-    model_path = folder / "config.json"
-    vision_config = (_read_json(model_path) if model_path.is_file() else {}).get("vision_config") or {}
+    model = folder if isinstance(folder, ModelFolder) else ModelFolder(folder)
+    files = model.processor_files
+    pre = model.json_file(IMAGE_PROCESSOR_FILE) if IMAGE_PROCESSOR_FILE in files else {}
+    vid = model.json_file(VIDEO_PROCESSOR_FILE) if VIDEO_PROCESSOR_FILE in files else pre
+    vision_config = model.config_json.get("vision_config") or {}
     min_px = cfg.min_pixels or _pixels(pre, "min_pixels", "shortest_edge") or fam.min_pixels
     max_px = cfg.max_pixels or _pixels(pre, "max_pixels", "longest_edge") or fam.max_pixels
     tps = vision_config.get("tokens_per_second") if fam.time_scaled_rope else None
@@ -354,9 +325,6 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         reserved_tokens=frozenset(family.reserved_tokens) | frozenset(vision),
         render=_renderer(tokenizer, template),
     )
-
-
-IMAGE_PROCESSOR_FILE, VIDEO_PROCESSOR_FILE = "preprocessor_config.json", "video_preprocessor_config.json"
 
 
 def processor_settings(spec: VisionSpec) -> tuple[dict[str, Any], dict[str, Any]]:

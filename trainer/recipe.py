@@ -17,6 +17,7 @@ import torch
 from transformers import PretrainedConfig
 
 from packtrain.core.errors import ConfigError
+from packtrain.core.model_folder import ModelFolder
 from packtrain.core.model_spec import ModelSpec
 from packtrain.core.report import rejects_warning
 from packtrain.core.sft_config import DEFAULT_MAX_STEPS, SFTSpecCore
@@ -131,19 +132,19 @@ def setup(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> R
     torch.manual_seed(t.seed)
     dtype = resolve_dtype(t.dtype, device)
     backend = resolve_attention(t.attention, device, dtype=dtype)
-    config = load_config(cfg.model.path, cfg.model.config_overrides)
+    # model.path read once: config.json, its family, tokenizer and processor files, weights.
+    folder = ModelFolder(cfg.model.path, cfg.model.config_overrides, cfg.model.family)
+    config = load_config(folder)
     require_vision_features(config)  # before the model is built: vision features must reach it
-    weights = pretrained_weights(cfg.model.path, cfg.model.init)  # no weights: refused unless init: random
-    data = _setup_data(
-        cfg.data.path, cfg, env, config, checked_spec(cfg.model.path, config, cfg.model.family)
-    )
+    weights = pretrained_weights(folder, cfg.model.init)  # no weights: refused unless init: random
+    data = _setup_data(cfg.data.path, cfg, env, config, checked_spec(folder, config))
     done = _finished(cfg, data)
     if done is not None:
         step = checkpoint.step_of(done)
         return Finished(
             done, step, data.dataset, data.evaluation, backend, _imbalance(data), init_used(weights)
         )
-    built = _setup_model(cfg, env, device, dtype, backend, weights)
+    built = _setup_model(cfg, env, device, dtype, backend, weights, (folder, config))
     optimizer, scheduler = _setup_optimizer(cfg, built.model, data.max_steps)
     step, resumed_from = _resume(cfg, env, built.model, optimizer, scheduler, data)
     return Run(
@@ -230,18 +231,21 @@ def _setup_model(
     dtype: torch.dtype,
     backend: str,
     weights: Path | None,
+    model_config: tuple[ModelFolder, PretrainedConfig],
 ) -> Model:
     """The model built empty (on the meta device), with adapters, layer options and frozen parts
     applied, then parallelized and only then given its weights: each rank allocates and reads
-    only what it holds (see `materialize`).
+    only what it holds (see `materialize`). `model_config`: model.path as `setup` read it, and the
+    transformers config made of it (the model is built from these, not from a second reading).
 
     Mixed precision: trainable weights and AdamW state stay fp32 (bf16 weights would round most
     small updates away); matmuls run in `dtype` under autocast. Frozen weights may be bf16."""
     t = cfg.training
+    folder, config = model_config
     hf = build_model(
-        cfg.model.path,
+        folder,
         init=cfg.model.init,
-        overrides=cfg.model.config_overrides,
+        config=config,
         dtype=torch.float32,
         attention=backend,
         seed=t.seed,

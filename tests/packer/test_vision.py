@@ -244,7 +244,7 @@ def test_undecodable_video_is_counted_by_convert_and_rejected_by_materialize(tmp
             {
                 "source": {"paths": [str(dataset)]},
                 "model": {"path": str(model)},
-                "packing": {"maxLength": 4096, "mediaStorage": storage},
+                "packing": {"maxLength": 4096, "mediaStorage": storage, "maxRejectedFraction": 0.5},
             }
         )
         tok = SampleTokenizer(cfg.source, cfg.model, cfg.packing)

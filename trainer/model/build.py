@@ -1,16 +1,15 @@
 """Building Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 with `transformers`, and the packed forward.
 
-`build_model` reads the folder's config.json (merged with overrides) and builds the model
-empty; `materialize` then loads the real weights when present (or when `init: pretrained`),
-else initialises randomly from the config. `VLMForTraining` wraps the Hugging Face model so DDP/FSDP see a
-single forward: vision features are computed first (each image/frame isolated
-by `grid_thw`), then the language model runs on the packed row with the
+`build_model` builds the model from the folder's config.json (merged with overrides, read once
+by `core.model_folder.ModelFolder`) empty; `materialize` then loads the real weights when present
+(or when `init: pretrained`), else initialises randomly from the config. `VLMForTraining` wraps
+the Hugging Face model so DDP/FSDP see a single forward: vision features are computed first (each
+image/frame isolated by `grid_thw`), then the language model runs on the packed row with the
 backend's isolation arguments, and the loss is computed on label tokens only.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from packtrain.core.errors import ConfigError
-from packtrain.core.model_size import deep_merge
+from packtrain.core.model_folder import ModelFolder
 from packtrain.core.model_spec import ModelSpec, family_for_model_type, model_spec
 from packtrain.core.sft_config import LOSS_CHUNK_TOKENS
 from packtrain.trainer.data.batch import ModelInputs
@@ -39,27 +38,37 @@ from packtrain.trainer.model.linear_attention import (
 from packtrain.trainer.model.loss import token_losses
 from packtrain.trainer.model.vision_attention import one_call_vision
 
-WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+
+def _model_folder(folder: str | Path | ModelFolder, overrides: dict[str, Any] | None = None) -> ModelFolder:
+    return folder if isinstance(folder, ModelFolder) else ModelFolder(folder, overrides)
 
 
-def has_weights(folder: str | Path) -> bool:
-    return any(any(Path(folder).glob(g)) for g in WEIGHT_GLOBS)
+def has_weights(folder: str | Path | ModelFolder) -> bool:
+    return _model_folder(folder).has_weights
 
 
-def load_config(folder: str | Path, overrides: dict[str, Any] | None = None) -> PretrainedConfig:
-    """config.json deep-merged with `overrides` (config.json key names), as a transformers config."""
-    raw = json.loads((Path(folder) / "config.json").read_text())
-    raw = deep_merge(raw, overrides or {})
+def load_config(
+    folder: str | Path | ModelFolder, overrides: dict[str, Any] | None = None
+) -> PretrainedConfig:
+    """config.json deep-merged with `overrides` (config.json key names; a `ModelFolder` carries its
+    own), as a transformers config."""
+    model = _model_folder(folder, overrides)
+    model.loaded_config()  # an unreadable config.json raises what reading it raised
+    raw = dict(model.config)
     model_type = raw.pop("model_type", None)
     family_for_model_type(model_type)  # a ConfigError naming the supported families
     return AutoConfig.for_model(model_type, **raw)
 
 
-def checked_spec(folder: str | Path, config: PretrainedConfig, family: str | None = None) -> ModelSpec:
+def checked_spec(
+    folder: str | Path | ModelFolder, config: PretrainedConfig, family: str | None = None
+) -> ModelSpec:
     """The folder's family registry entry (what the pack was counted with), checked against the
     model config the trainer builds (config.json plus overrides): a pack and a model that disagree
-    on token ids or patch geometry would train on misplaced vision features."""
+    on token ids or patch geometry would train on misplaced vision features. A `ModelFolder`
+    brings its own family (model.family) and the config.json it already read."""
     spec = model_spec(folder, family)
+    folder = folder.name if isinstance(folder, ModelFolder) else folder
     if config.model_type != spec.family.model_type:
         raise ConfigError(
             f"model.family is {spec.family.name} but {folder} holds a {config.model_type} model; "
@@ -84,18 +93,19 @@ def checked_spec(folder: str | Path, config: PretrainedConfig, family: str | Non
     return spec
 
 
-def pretrained_weights(folder: str | Path, init: str) -> Path | None:
+def pretrained_weights(folder: str | Path | ModelFolder, init: str) -> Path | None:
     """The folder whose weights `init` loads, or None for `random`. `auto` and `pretrained` both need
     the weights there: a model trains from random init only when the spec says `init: random`, never
-    because the weights were forgotten."""
+    because the weights were forgotten. A `ModelFolder` lists its weight files once."""
     if init == "random":
         return None
-    if not has_weights(folder):
+    model = _model_folder(folder)
+    if not model.has_weights:
         raise ConfigError(
-            f"no weights in {folder}: put the safetensors there, or set model.init: random to train from "
-            "scratch"
+            f"no weights in {model.name}: put the safetensors there, or set model.init: random to train "
+            "from scratch"
         )
-    return Path(folder)
+    return model.path
 
 
 def init_used(weights: Path | None) -> str:
@@ -104,10 +114,11 @@ def init_used(weights: Path | None) -> str:
 
 
 def build_model(
-    folder: str | Path,
+    folder: str | Path | ModelFolder,
     *,
     init: str = "auto",
     overrides: dict[str, Any] | None = None,
+    config: PretrainedConfig | None = None,
     dtype: torch.dtype = torch.float32,
     attention: str = "sdpa",
     seed: int = 0,
@@ -119,19 +130,21 @@ def build_model(
     weights or a random init seeded by `seed` (see `materialize`).
 
     Training builds it `empty`, adds adapters, freezes and shards it, and only then materialises
-    it, so each rank allocates and reads only its own shards."""
-    config = load_config(folder, overrides)
+    it, so each rank allocates and reads only its own shards. `folder` may be the run's `ModelFolder`
+    (its overrides, and its config.json read once) and `config` the `load_config` already made of it."""
+    model_folder = _model_folder(folder, overrides)
+    config = load_config(model_folder) if config is None else config
     model_class: type[PreTrainedModel] = getattr(
         transformers, family_for_model_type(config.model_type).model_class
     )
     impl = HF_IMPLEMENTATION[attention]
     register_backend(attention)
-    weights = pretrained_weights(folder, init)
+    weights = pretrained_weights(model_folder, init)
     with parameters_on_meta():  # rotary buffers are computed for real, in fp32, as transformers keeps them
         # What AutoModel's `from_config` calls once it has picked the class.
         model = model_class._from_config(config, attn_implementation=impl, dtype=dtype)
     if weights is not None:
-        model.config.name_or_path = str(folder)  # as from_pretrained records it
+        model.config.name_or_path = model_folder.name  # as from_pretrained records it
     # Hybrid decoders (Qwen3.5): each linear-attention layer restarts its conv and recurrent state
     # at every packed sample's first token; fla kernels on CUDA when installed, else per sample.
     isolate_linear_attention(model, resolve_linear(device))
