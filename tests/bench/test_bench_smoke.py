@@ -133,9 +133,10 @@ spec = importlib.util.spec_from_file_location("gpu_bench", {str(HERE / "gpu_benc
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
 bench.import_packtrain()
-for name in ("model.build", "model.attention", "config", "model.loss", "data.rope", "metrics", "data.batch"):
+for name in ("model.build", "model.attention", "model.loss", "data.rope", "metrics", "data.batch"):
     importlib.import_module("packtrain.trainer." + name)
 importlib.import_module("packtrain.core.families")
+importlib.import_module("packtrain.core.sft_config")
 sys.path.insert(0, {str(HERE)!r})
 importlib.import_module("kernel_check")
 assert "av" not in {{k for k, v in sys.modules.items() if v is not None}}
