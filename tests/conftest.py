@@ -19,9 +19,10 @@ def shared_dir() -> Path:
 
 
 # Under pytest-xdist (`.ci/run` runs `-n 2 --dist loadgroup`): each test file stays on one worker,
-# so its module-scoped packs and models are built once, and every test that needs the local control
-# plane or the built images shares one worker, so each is started once.
-_SHARED_ONCE = ("kube_cluster", "built_images", "prometheus_tools")
+# so its module-scoped packs and models are built once, and every test that needs a local control
+# plane (the shared one or an end-to-end one, whose pods share this machine's network) or the built
+# images runs on one worker, one at a time.
+_SHARED_ONCE = ("kube_cluster", "e2e", "built_images", "prometheus_tools")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -274,6 +274,7 @@ def test_corrupt_media_is_rejected_listed_and_counted(e2e: Harness, tmp_path: Pa
     # dataset where this machine has it, as they read the quickstart's ../shared.
     expected = _write_corrupt_dataset(tmp_path / "corrupt-src")
     body = _packjob("corrupt", source={"paths": [str(tmp_path / "corrupt-src" / "data.json")]})
+    body["spec"]["packing"]["maxRejectedFraction"] = 1.0  # 3 of 5 rejected on purpose
     e2e.cp.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(body))
     assert e2e.wait_phase("packjobs", ns, "corrupt", ("Succeeded", "Failed"), PACK_TIMEOUT) == "Succeeded", (
         e2e.diagnostics(ns)

@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import yaml
+from cluster.controlplane import free_port
 from support.paths import DEMO
 from test_first_hour import QWEN2, TINY, chats, image_record, one_line_error, packtrain
 
@@ -66,6 +67,8 @@ def test_packtrain_run_tells_the_loss_before_it_trains(tmp_path: Path) -> None:
                 "data": {"packJobRef": "lossy", "numWorkers": 0},
                 "model": {"path": str(QWEN2), "init": "random", "configOverrides": TINY},
                 "training": {"maxSteps": 1},
+                # Not the default 9400: an end-to-end trainer on this machine may hold that one.
+                "metricsPort": free_port(),
                 "resources": {"nodes": 1, "gpusPerNode": 0},
                 "volumes": {"checkpoints": {"claimName": "ck"}},
             },
