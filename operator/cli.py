@@ -148,32 +148,20 @@ def run_operator(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_crds(args: argparse.Namespace) -> int:
+def run_generated(args: argparse.Namespace) -> int:
+    """`packtrain crds` / `packtrain docs`: write the files generated from the models, or with
+    `--check` name the stale ones (exit 1)."""
     from pathlib import Path
 
-    from packtrain.operator import crdgen
+    from packtrain.operator import crdgen, docgen
 
+    generator = docgen if args.command == "docs" else crdgen
     if args.check:
-        stale = crdgen.stale(Path(args.out))
+        stale = generator.stale(Path(args.out))
         for path in stale:
-            print(f"{path} is out of date: run `packtrain crds --out {args.out}`", file=sys.stderr)
+            print(f"{path} is out of date: run `packtrain {args.command} --out {args.out}`", file=sys.stderr)
         return 1 if stale else 0
-    for path in crdgen.write_all(args.out):
-        print(path)
-    return 0
-
-
-def run_docs(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from packtrain.operator import docgen
-
-    if args.check:
-        stale = docgen.stale(Path(args.out))
-        for path in stale:
-            print(f"{path} is out of date: run `packtrain docs --out {args.out}`", file=sys.stderr)
-        return 1 if stale else 0
-    for path in docgen.write_all(args.out):
+    for path in generator.write_all(args.out):
         print(path)
     return 0
 
@@ -204,9 +192,7 @@ def _dispatch(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     if args.command == "operator":
         return run_operator(args)
-    if args.command == "docs":
-        return run_docs(args)
-    return run_crds(args)
+    return run_generated(args)
 
 
 if __name__ == "__main__":
