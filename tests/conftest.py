@@ -18,17 +18,30 @@ def shared_dir() -> Path:
     return SHARED
 
 
-# Under pytest-xdist (`.ci/run` runs `-n 2 --dist loadgroup`): each test file stays on one worker,
-# so its module-scoped packs and models are built once, and every test that needs a local control
-# plane (the shared one or an end-to-end one, whose pods share this machine's network) or the built
-# images runs on one worker, one at a time.
-_SHARED_ONCE = ("kube_cluster", "e2e", "built_images", "prometheus_tools")
+# `.ci/run` runs the suite as two pytest processes at once, one per core: `--part cluster` (every
+# test that needs a local control plane, the shared one or an end-to-end one whose pods share this
+# machine's network, or the built images: one at a time, as ever) and `--part rest` (the others).
+_CLUSTER_FIXTURES = ("kube_cluster", "e2e", "built_images", "prometheus_tools")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--part",
+        choices=("cluster", "rest"),
+        default=None,
+        help="run only the tests that need a control plane or the images (cluster), or only the others "
+        "(rest) (default: all)",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.pluginmanager.hasplugin("xdist"):
+    part = config.getoption("part")
+    if part is None:
         return
+    keep, drop = [], []
     for item in items:
-        shared = any(name in getattr(item, "fixturenames", ()) for name in _SHARED_ONCE)
-        group = "cluster" if shared else item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+        cluster = any(name in getattr(item, "fixturenames", ()) for name in _CLUSTER_FIXTURES)
+        (keep if cluster == (part == "cluster") else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+    items[:] = keep
