@@ -224,8 +224,10 @@ class ModelConfig(CamelModel):
         }
     )
 
-    family: FamilyName = Field(
-        "qwen2-vl", description="The model family (its chat template, vision tokens, rope)."
+    family: FamilyName | None = Field(
+        None,
+        description="The model family (its chat template, vision tokens, rope); default: the one "
+        "model.path's config.json names (its model_type), qwen2-vl for a folder without config.json.",
     )
     path: str = Field(..., description="Folder with tokenizer, chat template and preprocessor config.")
     chat_template: str | None = Field(None, description="Path to a Jinja template overriding the folder's.")

@@ -9,7 +9,6 @@ when it starts. Importing a config class loads no model code (nor torch where it
 from __future__ import annotations
 
 import inspect
-import json
 from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 
 from packtrain.core.errors import ConfigError
 from packtrain.core.families import FAMILIES
+from packtrain.core.model_folder import read_json
 from packtrain.core.model_size import deep_merge
 from packtrain.core.spec_file import unknown_key
 
@@ -82,7 +82,7 @@ def check_config_overrides(overrides: Mapping[str, Any], family: str | None, fol
     if not overrides:
         return
     try:
-        base = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+        base = read_json(Path(folder) / "config.json")
     except (OSError, ValueError):
         base = {}
     model_type = base.get("model_type") if isinstance(base, dict) else None

@@ -191,6 +191,7 @@ class RejectReason(StrEnum):
     ASPECT_RATIO = "aspect_ratio"
     TEMPLATE_ERROR = "template_error"
     OVERLONG = "overlong"
+    UNSPLITTABLE_TEXT = "unsplittable_text"
     INTERNAL_ERROR = "internal_error"
 
 
@@ -210,20 +211,38 @@ in memory whole: a line is read in bounded pieces, an array item scanned chunk b
 samples are far smaller (media are files, not inline), so this only stops a hostile record from
 taking a worker's memory."""
 
+MAX_RECORD_VALUES = 1 << 20
+"""Most JSON values (containers and their elements) a record may hold, JSON held in its string
+fields included; more is a `record_too_large` reject.
+
+Counted on the text before it is parsed: a parsed value costs some 60-100 bytes, so 64 MiB of `{},`
+would take a worker 1.6 GiB. A real sample holds a few hundred."""
+
+MAX_UNSPLIT_CHARS = 1 << 20
+"""Longest run of text the tokenizer must take whole (one pre-token: letters, spaces or symbols with
+no break between them) in a long text, which is otherwise tokenized piece by piece; longer is an
+`unsplittable_text` reject. Tokenizing such a run costs up to ~270 bytes a character; real text
+breaks every few dozen characters."""
+
 REJECT_REASONS: dict[RejectReason, str] = {
-    RejectReason.BAD_JSON: f"a line or array item is not valid JSON or nests deeper than {MAX_NESTING_DEPTH} "
-    "levels; where a JSON array itself breaks, the rest of the file is one reject",
+    RejectReason.BAD_JSON: "a line or array item is not valid JSON, or it (or JSON held in one of its string "
+    f"fields: tools, a function call, its arguments) nests deeper than {MAX_NESTING_DEPTH} levels; where a "
+    "JSON array itself breaks, the rest of the file is one reject",
     RejectReason.BAD_UTF8: "a line or array item is not valid UTF-8, or has a lone surrogate escape",
     RejectReason.RECORD_TOO_LARGE: f"one record's JSON text is over {MAX_RECORD_BYTES >> 20} MiB "
-    "(contract.MAX_RECORD_BYTES), or a Parquet row decodes to more than 2 GiB (from the footer or its "
-    "dictionaries); counted, not read",
+    f"(contract.MAX_RECORD_BYTES) or holds over {MAX_RECORD_VALUES} JSON values (its string fields' JSON "
+    "included), or a Parquet row decodes to more than 2 GiB (from the footer or its dictionaries); "
+    "counted, not parsed",
     RejectReason.BAD_PARQUET: "a Parquet file's footer, a row group or a row does not decode (a file that "
     "cannot be opened is one reject, a row group that fails one reject per row it declares)",
     RejectReason.MALFORMED_RECORD: "the record is not a conversation this packer can read (see detail)",
     RejectReason.EMPTY_CONVERSATION: "no turns, or nothing to train on",
     RejectReason.PLACEHOLDER_MISMATCH: "image/video placeholders in the text and the listed media do not "
     "pair up",
-    RejectReason.RESERVED_TOKEN: "text contains a turn or vision control token of the model",
+    RejectReason.RESERVED_TOKEN: "a text field the chat template renders (content, reasoning, function "
+    "calls, tool results, the system prompt, tool definitions) contains a turn or vision control token of "
+    "the model, or reasoning a thinking template renders contains a think tag (it would end the block "
+    "that wraps the reasoning early)",
     RejectReason.REMOTE_MEDIA: "a media reference is a URL (http://, s3://, file://, data: ...); only local "
     "files are read",
     RejectReason.MEDIA_OUTSIDE_ROOT: "a media path resolves (symlinks followed) outside the folders the job "
@@ -246,8 +265,11 @@ REJECT_REASONS: dict[RejectReason, str] = {
     "source.maxVideoSourcePixels",
     RejectReason.ASPECT_RATIO: "an image or video more than 200 times wider than tall (or taller than wide)",
     RejectReason.TEMPLATE_ERROR: "the chat template failed on this record",
-    RejectReason.OVERLONG: "longer than packing.maxLength (set by the convert stage, or before tokenizing "
-    "when the text alone cannot fit and packing.overlong is drop)",
+    RejectReason.OVERLONG: "longer than packing.maxLength (set by the convert stage; a long text is "
+    "tokenized piece by piece and only until it is over, and with packing.overlong drop a text too long "
+    "to fit is not tokenized at all)",
+    RejectReason.UNSPLITTABLE_TEXT: f"a long text holds a run of over {MAX_UNSPLIT_CHARS} characters the "
+    "tokenizer cannot split (letters, spaces or symbols with no break); not tokenized",
     RejectReason.INTERNAL_ERROR: "handling the record raised an unexpected error (detail: its type and "
     "message); the worker goes on",
 }

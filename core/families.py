@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from packtrain.core import record_json
+
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 HALF = (0.5, 0.5, 0.5)
@@ -143,7 +145,8 @@ class Family:
         """An assistant function-call turn, as the family's template writes it.
 
         json: the value verbatim. xml: `value` must be a JSON object `{"name", "arguments"}`
-        (arguments an object, or a string holding one); ValueError otherwise.
+        (arguments an object, or a string holding one); ValueError otherwise (a
+        `record_json.RecordJSONError` when its JSON is over a record's limits).
         """
         if self.tool_style == "json":
             return f"<tool_call>\n{value}\n</tool_call>"
@@ -171,7 +174,7 @@ class Family:
 def _tool_call(value: str) -> tuple[str, dict[str, Any]]:
     """Name and arguments of a function call written as a JSON object `{"name", "arguments"}`."""
     try:
-        call = json.loads(value)
+        call = record_json.loads(value, "function call")
     except json.JSONDecodeError as exc:
         raise ValueError(f"a function call must be a JSON object with name and arguments ({exc})") from exc
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
@@ -179,7 +182,7 @@ def _tool_call(value: str) -> tuple[str, dict[str, Any]]:
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
+            arguments = record_json.loads(arguments, "function call arguments") if arguments.strip() else {}
         except json.JSONDecodeError as exc:
             raise ValueError(f"function call arguments are a string but not JSON ({exc})") from exc
     if not isinstance(arguments, dict):

@@ -10,12 +10,13 @@ point it did before. Torch-free; the trainer builds its transformers config from
 
 from __future__ import annotations
 
-import json
+import os
 from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from packtrain.core import untrusted
 from packtrain.core.errors import ConfigError
 from packtrain.core.families import FAMILIES, Family
 
@@ -23,10 +24,14 @@ __all__ = [
     "IMAGE_PROCESSOR_FILE",
     "VIDEO_PROCESSOR_FILE",
     "TOKENIZER_FILES",
+    "FOLDER_FILES",
+    "FILE_LIMITS",
     "WEIGHT_GLOBS",
     "ModelFolder",
+    "check_files",
     "deep_merge",
     "family_for_model_type",
+    "folder_error",
     "get_family",
     "read_json",
 ]
@@ -35,6 +40,30 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "added_tokens.json
 """Where the special tokens are read from (at least one must be in the model folder)."""
 IMAGE_PROCESSOR_FILE, VIDEO_PROCESSOR_FILE = "preprocessor_config.json", "video_preprocessor_config.json"
 WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+INDEX_FILE = "model.safetensors.index.json"
+FOLDER_FILES = (
+    "config.json",
+    "generation_config.json",
+    *TOKENIZER_FILES,
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "chat_template.json",
+    "chat_template.jinja",
+    IMAGE_PROCESSOR_FILE,
+    VIDEO_PROCESSOR_FILE,
+    "processor_config.json",
+    "audio_tokenizer_config.json",
+    INDEX_FILE,
+)
+"""Every file of a model folder that packtrain or transformers (tokenizer, processor, the export's
+copy) opens by name; `ModelFolder.check_files` checks each one present before any is read."""
+CHAT_TEMPLATES_DIR = "additional_chat_templates"  # transformers reads every *.jinja in it
+FILE_LIMITS = untrusted.JsonLimits(max_bytes=64 << 20, max_depth=32, max_values=4_000_000)
+"""The cap on each of those files (weights are bounded by their headers instead): the largest released
+tokenizer.json is some 33 MB, 500,000-2,000,000 JSON values, 5 levels deep; a config file is a few
+KB. Parsing one at the caps costs under 400 MiB, whatever the bytes hold."""
 
 
 def get_family(name: str) -> Family:
@@ -65,15 +94,50 @@ def deep_merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[st
     return out
 
 
+def folder_error(problem: str) -> ConfigError:
+    """A model folder's file refused (outside it, not a regular file, over its caps)."""
+    return ConfigError(f"model.path: {problem}")
+
+
 def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object file; ConfigError naming the file when it is unreadable or not an object."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: cannot read JSON ({exc})") from exc
+    """A JSON object file of the model folder `path` lies in (read as `untrusted.read_json` reads:
+    inside the folder, a regular file, within `FILE_LIMITS`); ConfigError naming the file when it
+    is refused, unreadable or not an object."""
+    data = untrusted.read_json(path, untrusted.confinement_root(path.parent), FILE_LIMITS, folder_error)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object")
     return data
+
+
+def check_files(folder: Path) -> Path:
+    """Refuse a model folder any of whose `FOLDER_FILES` (and additional chat templates) resolves
+    outside it, is not a regular file, or is over `FILE_LIMITS` (a JSON file's depth and values
+    measured on its bytes), before transformers or packtrain opens one; returns the folder's
+    confinement root. Its weights are checked where they are read (`trainer/model/weights.py`)."""
+    root = untrusted.confinement_root(folder)
+    names = list(FOLDER_FILES)
+    templates = folder / CHAT_TEMPLATES_DIR
+    if templates.is_dir():
+        untrusted.resolve_inside(templates, root, folder_error)
+        names += [
+            f"{CHAT_TEMPLATES_DIR}/{e.name}" for e in os.scandir(templates) if e.name.endswith(".jinja")
+        ]
+    for name in names:
+        path = folder / name
+        if not os.path.lexists(path):
+            continue
+        st = untrusted.check_file(path, root, FILE_LIMITS.max_bytes, folder_error)
+        version = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        if name.endswith(".json") and version not in _SCANNED:
+            data = untrusted.read_bytes(path, root, FILE_LIMITS.max_bytes, folder_error)
+            untrusted.check_json_shape(data, FILE_LIMITS, path, folder_error)
+            _SCANNED.add(version)
+    return root
+
+
+_SCANNED: set[tuple[int, ...]] = set()
+"""The JSON files whose shape passed, by file and version (a rewrite changes its ctime): a process
+that reads one folder several times scans each of its files once."""
 
 
 class ModelFolder:
@@ -97,10 +161,26 @@ class ModelFolder:
         return self.config_path.is_file()
 
     @cached_property
+    def root(self) -> Path:
+        """What the folder's files must resolve inside, once `check_files` passed: every reader of
+        the folder asks for it first, so no file of a hostile folder is opened."""
+        return check_files(self.path)
+
+    def file(self, name: str) -> Path:
+        """The folder's file `name`: the folder's files pass `check_files` before the first is named."""
+        self.check()
+        return self.path / name
+
+    def check(self) -> Path:
+        """`check_files` of the folder, run once (`root`)."""
+        return self.root
+
+    @cached_property
     def _config_read(self) -> tuple[Any, OSError | ValueError | None]:
         """config.json parsed, or the error reading it raised (each reader words it its own way)."""
+        root = self.root  # another file's refusal is its own, not config.json's
         try:
-            return json.loads(self.config_path.read_text(encoding="utf-8")), None
+            return untrusted.read_json(self.config_path, root, FILE_LIMITS, folder_error), None
         except (OSError, ValueError) as exc:
             return None, exc
 
@@ -156,16 +236,20 @@ class ModelFolder:
     @cached_property
     def tokenizer_files(self) -> tuple[str, ...]:
         """The tokenizer files (`TOKENIZER_FILES`) the folder has."""
-        return tuple(name for name in TOKENIZER_FILES if (self.path / name).is_file())
+        return tuple(name for name in TOKENIZER_FILES if self.file(name).is_file())
 
     @cached_property
     def processor_files(self) -> tuple[str, ...]:
         """The image and video processor configs the folder has."""
-        return tuple(n for n in (IMAGE_PROCESSOR_FILE, VIDEO_PROCESSOR_FILE) if (self.path / n).is_file())
+        files = (IMAGE_PROCESSOR_FILE, VIDEO_PROCESSOR_FILE)
+        return tuple(n for n in files if self.file(n).is_file())
 
     def json_file(self, name: str) -> dict[str, Any]:
         """A tokenizer or processor JSON file of the folder (read when asked: one reader each)."""
-        return read_json(self.path / name)
+        data = untrusted.read_json(self.path / name, self.root, FILE_LIMITS, folder_error)
+        if not isinstance(data, dict):
+            raise ConfigError(f"{self.path / name}: expected a JSON object")
+        return data
 
     @cached_property
     def weight_files(self) -> tuple[Path, ...]:

@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from packtrain.core.errors import ConfigError
 from packtrain.core.families import FAMILIES, ModuleLayout
@@ -72,6 +72,59 @@ _VISION_DEFAULTS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 _VISION_DEFAULTS["qwen3-vl-moe"] = _VISION_DEFAULTS["qwen3-vl"]
 _VISION_DEFAULTS["qwen3.5-moe"] = _VISION_DEFAULTS["qwen3.5"]
+
+# Inclusive bounds of a config's numbers, text and vision: several times the largest released
+# model's (Qwen's largest: 94 layers, hidden 8192, 512 experts, a 248k vocabulary), yet finite, so
+# that no config can make the planner, the model build or anything sized by them run away.
+# `dimension_problems` holds every config to them before anything loops over or divides by a number.
+TEXT_LIMITS: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 1 << 22),
+    "hidden_size": (1, 65536),
+    "intermediate_size": (1, 262144),
+    "num_hidden_layers": (1, 1024),
+    "num_attention_heads": (1, 1024),
+    "num_key_value_heads": (1, 1024),
+    "head_dim": (1, 1024),
+    "linear_num_key_heads": (1, 1024),
+    "linear_num_value_heads": (1, 1024),
+    "linear_key_head_dim": (1, 1024),
+    "linear_value_head_dim": (1, 1024),
+    "linear_conv_kernel_dim": (1, 64),
+    "full_attention_interval": (1, 1024),
+    "num_experts": (1, 1024),
+    "num_local_experts": (1, 1024),
+    "num_experts_per_tok": (1, 1024),
+    "moe_intermediate_size": (1, 262144),
+    "shared_expert_intermediate_size": (0, 262144),
+    "decoder_sparse_step": (1, 1024),
+}
+VISION_LIMITS: dict[str, tuple[int, int]] = {
+    "depth": (1, 256),
+    "embed_dim": (1, 65536),
+    "hidden_size": (1, 65536),
+    "intermediate_size": (1, 262144),
+    "num_heads": (1, 1024),
+    "out_hidden_size": (1, 65536),
+    "patch_size": (1, 128),
+    "temporal_patch_size": (1, 16),
+    "in_channels": (1, 16),
+    "in_chans": (1, 16),
+    "spatial_merge_size": (1, 16),
+    "num_position_embeddings": (1, 1 << 20),
+    "window_size": (1, 65536),
+}
+MAX_MLP_RATIO = 64  # Qwen2-VL's vision MLP width over its embedding width (4 in every release)
+# Keys a config may set to null: derived or checked by another rule (head_dim from the hidden size, the
+# dense MLP width where layers are experts, the expert count of a MoE family, Qwen2-VL's tower width).
+_NULLABLE = {
+    "text_config": frozenset({"head_dim", "intermediate_size", "num_experts", "num_local_experts"}),
+    "vision_config": frozenset({"embed_dim"}),
+}
+_INDEX_LISTS = {  # list keys holding layer or block indexes: section -> key -> the count they index
+    "text_config": {"mlp_only_layers": "num_hidden_layers"},
+    "vision_config": {"deepstack_visual_indexes": "depth", "fullatt_block_indexes": "depth"},
+}
+_LAYER_KINDS = ("linear_attention", "full_attention")
 
 
 @dataclass(frozen=True)
@@ -166,13 +219,208 @@ def _moe_layers(family: str, text: Mapping[str, Any], layers: int) -> tuple[int,
     return tuple(i for i in range(layers) if i not in only and (i + 1) % step == 0)
 
 
-def model_dims(config: Mapping[str, Any], family: str | None = None) -> ModelDims:
-    """`ModelDims` of a config.json dict (configOverrides already merged); family from `model_type`."""
-    name = family or next(
-        (f.name for f in FAMILIES.values() if f.model_type == config.get("model_type")), None
-    )
+def _whole(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> str:
+    """A config value as a message quotes it: one short line, whatever it holds."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def _range_problems(section: Mapping[str, Any], name: str, at: str) -> list[str]:
+    out = []
+    limits = TEXT_LIMITS if name == "text_config" else VISION_LIMITS
+    for key, (low, high) in limits.items():
+        value = section.get(key)
+        if key not in section or (value is None and key in _NULLABLE[name]):
+            continue
+        if not _whole(value) or not low <= value <= high:
+            out.append(f"{at}{key} is {_shown(value)}: it must be a whole number from {low} to {high}")
+    return out
+
+
+def _list_problems(section: Mapping[str, Any], name: str, at: str, full: bool) -> list[str]:
+    """Index lists within the count they index (its ceiling without `full`), layer_types of known kinds."""
+    out = []
+    limits = TEXT_LIMITS if name == "text_config" else VISION_LIMITS
+    for key, count_key in _INDEX_LISTS[name].items():
+        value = section.get(key)
+        count = section.get(count_key) if full else None
+        top = count if _whole(count) else limits[count_key][1]
+        if value is not None and not (
+            isinstance(value, list) and len(value) <= top and all(_whole(i) and 0 <= i < top for i in value)
+        ):
+            out.append(f"{at}{key} must be a list of {count_key} indexes, each from 0 to {top - 1}")
+    kinds = section.get("layer_types") if name == "text_config" else None
+    layers = section.get("num_hidden_layers") if full else None
+    if kinds is not None and not (
+        isinstance(kinds, list)
+        and len(kinds) <= TEXT_LIMITS["num_hidden_layers"][1]
+        and all(isinstance(k, str) and len(k) <= 64 for k in kinds)
+        and (not _whole(layers) or len(kinds) == layers)
+    ):
+        out.append(f"{at}layer_types must be a list of one attention kind (a name) per layer")
+    return out
+
+
+def _divides(section: Mapping[str, Any], part: str, whole: str, at: str) -> list[str]:
+    a, b = section.get(part), section.get(whole)
+    if _whole(a) and _whole(b) and a > 0 and b % a:
+        return [f"{at}{part} {a} does not divide {at}{whole} {b}: set {part} to a divisor of {whole}"]
+    return []
+
+
+def _pair_problems(text: Mapping[str, Any], at: str) -> list[str]:
+    """Rules between two keys of one section (checked wherever both are set, overrides alone too)."""
+    out = _divides(text, "num_key_value_heads", "num_attention_heads", at)
+    out += _divides(text, "linear_num_key_heads", "linear_num_value_heads", at)
+    k, experts = text.get("num_experts_per_tok"), text.get("num_experts") or text.get("num_local_experts")
+    if _whole(k) and _whole(experts) and k > experts:
+        out.append(f"{at}num_experts_per_tok {k} is more than the {experts} experts: route to at most all")
+    return out
+
+
+def _text_rules(t: Mapping[str, Any], family: str, at: str) -> list[str]:
+    """The decoder's rules on a resolved text section (the family's defaults under it)."""
+    out = _pair_problems(t, at)
+    if not t.get("head_dim") and t["hidden_size"] % t["num_attention_heads"]:
+        out.append(
+            f"{at}hidden_size {t['hidden_size']} is not a multiple of {at}num_attention_heads "
+            f"{t['num_attention_heads']} (no head_dim is set): make it one, or set head_dim"
+        )
+    if family.startswith("qwen3.5") and any(k not in _LAYER_KINDS for k in t.get("layer_types") or []):
+        out.append(f"{at}layer_types may hold only {' and '.join(_LAYER_KINDS)}")
+    if family.endswith("-moe") and not (t.get("num_experts") or t.get("num_local_experts")):
+        out.append(f"{at}num_experts is not set: a mixture-of-experts model needs 1 to 1024 experts")
+    layers = t["num_hidden_layers"]
+    if len(_moe_layers(family, t, layers)) < layers and not t.get("intermediate_size"):
+        out.append(f"{at}intermediate_size is not set: the dense MLP layers need one from 1 to 262144")
+    return out
+
+
+def _vision_rules(v: Mapping[str, Any], text_hidden: int, family: str, at: str) -> list[str]:
+    """The vision tower's rules on a resolved vision section: whole heads, a merger that feeds the decoder."""
+    qwen2 = family == "qwen2-vl"
+    width = "embed_dim" if qwen2 and v.get("embed_dim") else "hidden_size"
+    out = _divides(v, "num_heads", width, at)
+    ratio = v.get("mlp_ratio")
+    if qwen2 and not (
+        isinstance(ratio, int | float)
+        and not isinstance(ratio, bool)
+        and 0 < ratio <= MAX_MLP_RATIO
+        and int(v[width] * ratio) >= 1
+    ):
+        out.append(
+            f"{at}mlp_ratio is {_shown(ratio)}: it must be a number above 0 and at most {MAX_MLP_RATIO}"
+        )
+    merger = "hidden_size" if qwen2 else "out_hidden_size"
+    if v[merger] != text_hidden:
+        out.append(
+            f"{at}{merger} {v[merger]} is not the decoder's hidden_size {text_hidden}: the merger feeds the "
+            "decoder, so set them equal"
+        )
+    window, step = v.get("window_size"), v["patch_size"] * v["spatial_merge_size"]
+    if family == "qwen2.5-vl" and _whole(window) and window < step:
+        out.append(f"{at}window_size {window} is under patch_size x spatial_merge_size ({step}): raise it")
+    return out
+
+
+def dimension_problems(config: Any, family: str | None = None, at: str = "") -> list[str]:
+    """What is wrong with a model config's numbers: each one present is a whole number within its
+    bounds (`TEXT_LIMITS`, `VISION_LIMITS`), index lists within their counts, and keys that must agree
+    do. With `family`, `config` is a whole config.json (overrides merged) and is checked as the
+    family's defaults complete it; without, it is `model.configOverrides` alone, checked key by key.
+    Pure and cheap (no loop runs longer than a bound), so every reader runs it before any other."""
+    if not isinstance(config, Mapping):
+        return [f"{at or 'the config '}must be a mapping of config.json keys, not {_shown(config)}"]
+    sections = {name: config.get(name) for name in ("text_config", "vision_config") if name in config}
+    bad = [
+        f"{at}{name} must be a mapping, not {_shown(v)}"
+        for name, v in sections.items()
+        if not isinstance(v, Mapping)
+    ]
+    if bad:
+        return bad
+    flat = family is None or family in ("qwen2-vl", "qwen2.5-vl")
+    views: list[tuple[str, Mapping[str, Any], str]] = [("text_config", config, at)] if flat else []
+    views += [(name, sec, f"{at}{name}.") for name, sec in sections.items() if isinstance(sec, Mapping)]
+    out = []
+    for name, view, where in views:
+        out += _range_problems(view, name, where)
+        out += _list_problems(view, name, where, full=False)
+    if out or family is None:
+        return out + [
+            p for name, view, where in views if name == "text_config" for p in _pair_problems(view, where)
+        ]
+    text = _section(config, "text_config", family, flat_text=flat)
+    vision = _section(config, "vision_config", family, flat_text=False)
+    text_at = f"{at}text_config." if "text_config" in config else at
+    out = _list_problems(text, "text_config", text_at, full=True)
+    out += _list_problems(vision, "vision_config", f"{at}vision_config.", full=True)
+    out += _text_rules(text, family, text_at)
+    return out + _vision_rules(vision, text["hidden_size"], family, f"{at}vision_config.")
+
+
+def limits_schema() -> dict[str, Any]:
+    """The bounds as JSON Schema properties of `model.configOverrides` (top-level text keys, as flat
+    Qwen2-VL configs hold them, and the two sub-configs), so the API server refuses an SFTJob whose
+    overrides break one; every other key stays free-form."""
+
+    def bounded(limits: Mapping[str, tuple[int, int]], part: str) -> dict[str, Any]:
+        return {
+            k: {
+                "type": "integer",
+                "minimum": lo,
+                "maximum": hi,
+                "description": f"config.json's {k} ({part}).",
+            }
+            for k, (lo, hi) in limits.items()
+        }
+
+    def section(limits: Mapping[str, tuple[int, int]], part: str) -> dict[str, Any]:
+        return {
+            "type": "object",
+            "x-kubernetes-preserve-unknown-fields": True,
+            "properties": bounded(limits, part),
+            "description": f"Keys of the {part} config.",
+        }
+
+    return {
+        **bounded(TEXT_LIMITS, "the text model, where a flat config holds it at the top"),
+        "text_config": section(TEXT_LIMITS, "text model"),
+        "vision_config": section(VISION_LIMITS, "vision tower"),
+    }
+
+
+def _family_of(config: Mapping[str, Any], family: str | None) -> str:
+    """`family`, else the one `model_type` names; ConfigError when they disagree or neither is planned."""
+    model_type = config.get("model_type")
+    named = next((f.name for f in FAMILIES.values() if f.model_type == model_type), None)
+    if family in FAMILIES and model_type is not None and FAMILIES[family].model_type != model_type:
+        raise ConfigError(
+            f"model.family is {family} but the model's config.json is a {_shown(model_type)} model: set "
+            f"model.family to {named or 'its family'}, or leave it out to take it from config.json"
+        )
+    name = family or named
     if name not in _FAMILY_KINDS:
-        raise ConfigError(f"config.json model_type {config.get('model_type')!r} is no family packtrain plans")
+        raise ConfigError(f"config.json model_type {_shown(model_type)} is no family packtrain plans")
+    return name
+
+
+def model_dims(config: Mapping[str, Any], family: str | None = None) -> ModelDims:
+    """`ModelDims` of a config.json dict (configOverrides already merged); family from `model_type`.
+    ConfigError naming the first number `dimension_problems` refuses, before any is used."""
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"the model's config must be a mapping of config.json keys, not {_shown(config)}")
+    name = _family_of(config, family)
+    problems = dimension_problems(config, name)
+    if problems:
+        raise ConfigError(
+            f"the model's config (model.path's config.json with model.configOverrides): {problems[0]}"
+            + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+        )
     text = _section(config, "text_config", name, flat_text=name in ("qwen2-vl", "qwen2.5-vl"))
     vision = _section(config, "vision_config", name, flat_text=False)
     layers, heads = int(text["num_hidden_layers"]), int(text["num_attention_heads"])
@@ -279,19 +527,27 @@ def _merger(d: ModelDims, prefix: str, postshuffle: bool) -> Iterator[Tensor]:
     yield from _linear(f"{prefix}.linear_fc2", "merger", merged, d.vision_out, True)
 
 
-def vision_tensors(d: ModelDims) -> Iterator[Tensor]:
-    """The vision tower: patch embedding (a Conv3d), position embedding, blocks and mergers."""
+def _patch_embed(d: ModelDims) -> Iterator[Tensor]:
     e = d.vision_hidden
     conv = e * d.in_channels * d.temporal_patch_size * d.patch_size**2
     yield Tensor("model.visual.patch_embed.proj.weight", conv, "vision")
     if d.vision_kind == "qwen3":
         yield Tensor("model.visual.patch_embed.proj.bias", e, "vision")
         yield Tensor("model.visual.pos_embed.weight", d.vision_positions * e, "vision")
-    for i in range(d.vision_depth):
-        yield from _vision_block(d, i)
+
+
+def _mergers(d: ModelDims) -> Iterator[Tensor]:
     yield from _merger(d, "model.visual.merger", postshuffle=False)
     for j in range(d.deepstack):
         yield from _merger(d, f"model.visual.deepstack_merger_list.{j}", postshuffle=True)
+
+
+def vision_tensors(d: ModelDims) -> Iterator[Tensor]:
+    """The vision tower: patch embedding (a Conv3d), position embedding, blocks and mergers."""
+    yield from _patch_embed(d)
+    for i in range(d.vision_depth):
+        yield from _vision_block(d, i)
+    yield from _mergers(d)
 
 
 def _attention(d: ModelDims, p: str) -> Iterator[Tensor]:
@@ -340,19 +596,33 @@ def _experts(d: ModelDims, p: str) -> Iterator[Tensor]:
         yield from _linear(f"{p}.shared_expert_gate", "llm", h, 1, False)
 
 
-def decoder_layer(d: ModelDims, i: int) -> Iterator[Tensor]:
-    """One decoder layer's tensors, in transformers' names."""
+def _layer(d: ModelDims, i: int, linear: bool, moe: bool) -> Iterator[Tensor]:
     p = f"model.language_model.layers.{i}"
-    if i in d.linear_layer_indexes:
+    if linear:
         yield from _linear_attention(d, f"{p}.linear_attn")
     else:
         yield from _attention(d, f"{p}.self_attn")
-    if i in d.moe_layer_indexes:
+    if moe:
         yield from _experts(d, f"{p}.mlp")
     else:
         yield from _mlp(f"{p}.mlp", d.hidden, d.intermediate)
     yield Tensor(f"{p}.input_layernorm.weight", d.hidden, "llm")
     yield Tensor(f"{p}.post_attention_layernorm.weight", d.hidden, "llm")
+
+
+def decoder_layer(d: ModelDims, i: int) -> Iterator[Tensor]:
+    """One decoder layer's tensors, in transformers' names."""
+    return _layer(d, i, i in d.linear_layer_indexes, i in d.moe_layer_indexes)
+
+
+def _root(d: ModelDims) -> Iterator[Tensor]:
+    """What lies outside every decoder layer and vision block (FSDP's root unit)."""
+    yield from _patch_embed(d)
+    yield from _mergers(d)
+    yield Tensor("model.language_model.embed_tokens.weight", d.vocab * d.hidden, "embeddings")
+    yield Tensor("model.language_model.norm.weight", d.hidden, "llm")
+    if not d.tied:
+        yield Tensor("lm_head.weight", d.vocab * d.hidden, "embeddings")
 
 
 def tensors(d: ModelDims) -> Iterator[Tensor]:
@@ -364,6 +634,21 @@ def tensors(d: ModelDims) -> Iterator[Tensor]:
     yield Tensor("model.language_model.norm.weight", d.hidden, "llm")
     if not d.tied:
         yield Tensor("lm_head.weight", d.vocab * d.hidden, "embeddings")
+
+
+def blocks(d: ModelDims) -> Iterator[tuple[int, list[Tensor]]]:
+    """The decoder layers and vision blocks as (how many, the tensors of one): all vision blocks are
+    alike and a decoder layer is one of at most four kinds (attention or linear attention, a dense
+    or an expert MLP), so whatever sums over the model costs the same for 4 layers as for 1,000."""
+    if d.vision_depth:
+        yield d.vision_depth, list(_vision_block(d, 0))
+    linear, moe = set(d.linear_layer_indexes), set(d.moe_layer_indexes)
+    both = len(linear & moe)
+    kinds = {(True, True): both, (True, False): len(linear) - both, (False, True): len(moe) - both}
+    kinds[(False, False)] = d.layers - sum(kinds.values())
+    for (is_linear, is_moe), count in kinds.items():
+        if count > 0:
+            yield count, list(_layer(d, 0, is_linear, is_moe))
 
 
 def lora_target_regex(target_modules: Iterable[str], vision: bool, modules: ModuleLayout) -> str:
@@ -403,12 +688,6 @@ class ParamCounts:
         return self.total - self.trainable
 
 
-def _unit(name: str) -> str:
-    """The FSDP unit a parameter falls in: its decoder layer or vision block, else the root."""
-    m = re.match(r"(model\.(?:language_model\.layers|visual\.blocks)\.\d+)\.", name)
-    return m.group(1) if m else "root"
-
-
 def frozen_parts(freeze: Iterable[str]) -> set[str]:
     """`llm` takes the embeddings and LM head with it (as the trainer's `param_groups.frozen_parts`)."""
     parts = set(freeze)
@@ -424,25 +703,26 @@ def param_counts(d: ModelDims, freeze: Iterable[str] = (), lora: LoraShape | Non
         if lora
         else None
     )
-    units: dict[str, list[int]] = {}  # unit -> [elements, trainable]
     by_part = {p: 0 for p in ("vision", "merger", "llm", "embeddings")}
     trains_by_part = dict(by_part)
     total = trainable = adapters = 0
-    for t in tensors(d):
-        by_part[t.part] += t.numel
-        extra = 0
-        adapted = target is not None and t.linear and target.fullmatch(t.name.removesuffix(".weight"))
-        if adapted and lora is not None and t.linear is not None:
-            extra = lora.rank * (t.linear[0] + t.linear[1])
-        trains = extra if target is not None else t.numel
-        trains = 0 if t.part in frozen else trains
-        trains_by_part[t.part] += trains
-        unit = units.setdefault(_unit(t.name), [0, 0])
-        unit[0] += t.numel + extra
-        unit[1] += trains
-        total, trainable, adapters = total + t.numel + extra, trainable + trains, adapters + extra
-    root = units.pop("root", [0, 0])
-    biggest = max(units.values(), default=[0, 0])
+    root, biggest = [0, 0], [0, 0]  # [elements, trainable] of one unit
+    units = [(1, list(_root(d)), True), *((n, unit, False) for n, unit in blocks(d))]
+    for times, unit, is_root in units:
+        size = [0, 0]
+        for t in unit:
+            extra = 0
+            adapted = target is not None and t.linear and target.fullmatch(t.name.removesuffix(".weight"))
+            if adapted and lora is not None and t.linear is not None:
+                extra = lora.rank * (t.linear[0] + t.linear[1])
+            trains = extra if target is not None else t.numel
+            trains = 0 if t.part in frozen else trains
+            by_part[t.part] += t.numel * times
+            trains_by_part[t.part] += trains * times
+            adapters += extra * times
+            size = [size[0] + t.numel + extra, size[1] + trains]
+        total, trainable = total + size[0] * times, trainable + size[1] * times
+        root, biggest = (size, biggest) if is_root else (root, max(biggest, size))
     return ParamCounts(
         total, trainable, by_part, trains_by_part, adapters, biggest[0], biggest[1], root[0], root[1]
     )

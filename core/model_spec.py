@@ -16,7 +16,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from packtrain.core.config import MAX_FRAMES_CEILING, ModelConfig
+from packtrain.core.chat_template import check_size as check_template_size
+from packtrain.core.chat_template import compile_template as bounded_compile
+from packtrain.core.chat_template import read_template
+from packtrain.core.config import MAX_FRAMES_CEILING, MAX_PIXELS_CEILING, ModelConfig
 from packtrain.core.errors import ConfigError, relative_note
 from packtrain.core.families import FAMILIES, Family
 from packtrain.core.model_folder import (
@@ -28,6 +31,7 @@ from packtrain.core.model_folder import (
     get_family,
 )
 from packtrain.core.model_folder import read_json as _read_json
+from packtrain.core.model_size import VISION_LIMITS
 from packtrain.core.vision import VisionSpec
 
 __all__ = [
@@ -38,6 +42,7 @@ __all__ = [
     "ModelSpec",
     "TokenIds",
     "detect_family",
+    "pack_family",
     "family_for_model_type",
     "get_family",
     "load_model",
@@ -49,6 +54,18 @@ __all__ = [
 def detect_family(folder: str | Path) -> Family:
     """The family of a model folder, from its config.json `model_type`."""
     return ModelFolder(folder).detected_family()
+
+
+DEFAULT_FAMILY = "qwen2-vl"  # a pack's family when neither model.family nor a config.json names one
+
+
+def pack_family(cfg: ModelConfig) -> Family:
+    """A pack's family: model.family, else the one model.path's config.json names (`model_type`),
+    else (a folder without config.json) qwen2-vl; ConfigError when model.family contradicts it."""
+    folder = ModelFolder(cfg.path, family=cfg.family)
+    if cfg.family is None and not folder.has_config:
+        return FAMILIES[DEFAULT_FAMILY]
+    return folder.family
 
 
 @dataclass(frozen=True)
@@ -178,31 +195,25 @@ class LoadedModel:
         return self.spec.token_ids
 
 
-def _read_template(path: Path, key: str) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(
-            f"{key}: {path} is not a readable UTF-8 Jinja chat template ({exc}); point it at one"
-        ) from exc
-
-
 def _chat_template(folder: Path, override: str | None, tokenizer: Any) -> str:
     """Custom file, else the folder's `chat_template.json` (the VL one), else the tokenizer's own."""
     if override:
         path = Path(override)
         if not path.is_file():
             raise ConfigError(f"model.chatTemplate: {override} is not a file")
-        return _read_template(path, "model.chatTemplate")
+        return read_template(path, "model.chatTemplate")
     for name in ("chat_template.jinja", "chat_template.json"):
         path = folder / name
         if path.is_file():
             if name.endswith(".jinja"):
-                return _read_template(path, "model.path")
+                return read_template(path, "model.path")
             template = _read_json(path).get("chat_template")
             if isinstance(template, str):
+                check_template_size(len(template.encode("utf-8", "surrogatepass")), f"model.path: {path}")
                 return template
     if isinstance(tokenizer.chat_template, str):
+        where = f"model.path: {folder / 'tokenizer_config.json'}"
+        check_template_size(len(tokenizer.chat_template.encode("utf-8", "surrogatepass")), where)
         return tokenizer.chat_template
     raise ConfigError(f"{folder}: no chat template (chat_template.json or tokenizer_config.json)")
 
@@ -221,8 +232,62 @@ def vision_spec(folder: Path | ModelFolder, cfg: ModelConfig, family: Family | N
     Videos use `video_preprocessor_config.json` when present and otherwise the
     image processor's bounds, as `AutoProcessor` does for these folders.
     """
-    fam = family or get_family(cfg.family)
+    fam = family or pack_family(cfg)
     model = folder if isinstance(folder, ModelFolder) else ModelFolder(folder)
+    try:
+        spec = _vision_spec(model, cfg, fam)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, OverflowError, AttributeError) as exc:  # not a number, not a mapping
+        raise ConfigError(
+            f"{model.path}: the processor configs ({IMAGE_PROCESSOR_FILE}, {VIDEO_PROCESSOR_FILE}) or "
+            f"config.json's vision_config hold a value that is not a number ({exc}): fix the folder"
+        ) from exc
+    return _checked(spec, model.path)
+
+
+# The processor numbers a folder may set, as bounds (inclusive) on `VisionSpec`'s fields: the spec's
+# own ceilings where a spec field has one, the vision tower's (`model_size.VISION_LIMITS`) otherwise.
+_SPEC_LIMITS: dict[str, tuple[float, float]] = {
+    "patch_size": VISION_LIMITS["patch_size"],
+    "merge_size": VISION_LIMITS["spatial_merge_size"],
+    "temporal_patch_size": VISION_LIMITS["temporal_patch_size"],
+    **{
+        k: (1, MAX_PIXELS_CEILING)
+        for k in ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels")
+    },
+    "min_frames": (1, MAX_FRAMES_CEILING),
+    "max_frames": (1, MAX_FRAMES_CEILING),
+    "max_video_tokens": (1, MAX_PIXELS_CEILING),
+    "fps": (1e-3, 1e3),
+    "tokens_per_second": (1e-3, 1e6),
+    "rescale_factor": (1e-9, 1.0),
+}
+
+
+def _checked(spec: VisionSpec, folder: Path) -> VisionSpec:
+    """`spec` when every number a model folder's files may set is within its bounds (a folder is
+    untrusted input too: a merge size of 0 divides by zero, a minimum of 10^12 pixels upscales every
+    image to that); else ConfigError naming the setting."""
+    problems = [
+        f"{key} {value!r} (allowed: {low} to {high})"
+        for key, (low, high) in _SPEC_LIMITS.items()
+        if (value := getattr(spec, key)) is not None and not low <= value <= high
+    ]
+    stats = (*spec.image_mean, *spec.image_std)
+    if len(spec.image_mean) != 3 or len(spec.image_std) != 3 or not all(-1e3 <= v <= 1e3 for v in stats):
+        problems.append("image_mean / image_std: three finite numbers each")
+    elif min(spec.image_std) <= 0:
+        problems.append(f"image_std {list(spec.image_std)} (each above 0: pixels are divided by it)")
+    if problems:
+        raise ConfigError(
+            f"{folder}: the processor settings hold {'; '.join(problems[:3])}: fix the folder's "
+            f"{IMAGE_PROCESSOR_FILE} / {VIDEO_PROCESSOR_FILE}, or set the model section's own value"
+        )
+    return spec
+
+
+def _vision_spec(model: ModelFolder, cfg: ModelConfig, fam: Family) -> VisionSpec:
     files = model.processor_files
     pre = model.json_file(IMAGE_PROCESSOR_FILE) if IMAGE_PROCESSOR_FILE in files else {}
     vid = model.json_file(VIDEO_PROCESSOR_FILE) if VIDEO_PROCESSOR_FILE in files else pre
@@ -269,7 +334,8 @@ def _import(dotted: str) -> Any:
 
 
 def _renderer(tokenizer: Any, template: str) -> Callable[[list[dict[str, Any]]], str]:
-    """Render with the template compiled once in HF's own Jinja environment (same filters and globals).
+    """Render with the template compiled once in HF's own Jinja environment (same filters and globals;
+    an overlay that evaluates nothing while compiling: `chat_template.compile_template`).
 
     This skips `apply_chat_template`'s per-call copying of the messages, which
     costs as much as the rendering; where the private compile helper is missing,
@@ -286,7 +352,9 @@ def _renderer(tokenizer: Any, template: str) -> Callable[[list[dict[str, Any]]],
             messages, chat_template=template, tokenize=False
         )
     try:
-        compiled = compile_template(template)
+        compiled = bounded_compile(template, compile_template("").environment)
+    except ConfigError:
+        raise
     except Exception as exc:  # jinja2.TemplateSyntaxError and whatever a hostile template's parse raises
         line = getattr(exc, "lineno", None)
         raise ConfigError(
@@ -305,13 +373,13 @@ def _renderer(tokenizer: Any, template: str) -> Callable[[list[dict[str, Any]]],
 
 def load_model(cfg: ModelConfig) -> LoadedModel:
     """Load the tokenizer and template once per worker; ConfigError says what is wrong with the folder."""
-    family = get_family(cfg.family)
+    family = pack_family(cfg)
     spec = model_spec(cfg.path, family, cfg)
     folder = spec.folder
     try:
         tokenizer = _import(family.tokenizer_class).from_pretrained(str(folder))
     except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise ConfigError(f"model.path: cannot load a {cfg.family} tokenizer from {folder} ({exc})") from exc
+        raise ConfigError(f"model.path: cannot load a {family.name} tokenizer from {folder} ({exc})") from exc
     for role, text in family.token_names.items():
         if tokenizer.convert_tokens_to_ids(text) != getattr(spec.token_ids, role):
             raise ConfigError(f"{folder}: the tokenizer does not map {text} to the id its files list")
@@ -365,7 +433,7 @@ def served_processor_configs(folder: Path, cfg: ModelConfig) -> dict[str, dict[s
     default kwargs, gives every packed sample the pack's token ids: a model is served as it was trained.
     The pack's `alpha` has no processor key (transformers composites an in-memory RGBA image onto
     white and drops the alpha of an image it decodes from a path)."""
-    spec = vision_spec(folder, cfg, get_family(cfg.family))
+    spec = vision_spec(folder, cfg, pack_family(cfg))
     pre_path, vid_path = folder / IMAGE_PROCESSOR_FILE, folder / VIDEO_PROCESSOR_FILE
     pre = _read_json(pre_path) if pre_path.is_file() else {}
     # Without its own file the video processor reads the image processor's (as `vision_spec` does).

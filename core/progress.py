@@ -22,6 +22,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from packtrain.core.contract import parse_summary
 
 LOG_FORMATS = ("auto", "rich", "json")
+METRICS_ANY_PORT = "PACKTRAIN_METRICS_ANY_PORT"
+"""Environment variable: "1" lets the trainer serve /metrics on a free port when its own is taken
+(`packtrain run` sets it; a pod's port is the one the operator scrapes, so there a taken one is exit 2)."""
+METRICS_PORT_EVENT = "metrics_port"  # the event saying so: {"wanted": port, "port": the one served}
 
 
 class Reporter(Protocol):

@@ -12,11 +12,13 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from packtrain.core.config import CamelModel, FamilyName
 from packtrain.core.config_keys import check_config_overrides
 from packtrain.core.errors import ConfigError
+from packtrain.core.model_folder import ModelFolder
+from packtrain.core.model_size import dimension_problems, limits_schema, model_dims
 from packtrain.core.spec_file import load_spec_section
 
 Init = Literal["auto", "pretrained", "random"]
@@ -148,7 +150,9 @@ class TrainModelSpec(CamelModel):
     config_overrides: dict[str, Any] = Field(
         default_factory=dict,
         description="Keys merged into config.json before building (nested dicts for textConfig/visionConfig "
-        "keys use the config's own snake_case names), e.g. to shrink a model for tests.",
+        "keys use the config's own snake_case names), e.g. to shrink a model for tests. Model sizes are "
+        "whole numbers within bounds (e.g. at most 1024 layers, hidden size 65536, 1024 experts).",
+        json_schema_extra={"properties": limits_schema(), "x-kubernetes-preserve-unknown-fields": True},
     )
     gradient_checkpointing: bool = Field(
         False,
@@ -171,6 +175,15 @@ class TrainModelSpec(CamelModel):
         "the compute dtype, a step computes the same. Trainable weights always keep fp32 masters. bf16 "
         "needs bf16 compute (training.dtype).",
     )
+
+    @field_validator("config_overrides")
+    @classmethod
+    def _sizes_in_bounds(cls, overrides: dict[str, Any]) -> dict[str, Any]:
+        """Refuse out-of-bounds model sizes here, where the operator, `render`, `run` and `train` all
+        read the spec; the merged config.json is checked again where the folder is read (`model_dims`)."""
+        if problems := dimension_problems(overrides):
+            raise ValueError("; ".join(problems[:3]))
+        return overrides
 
 
 class TrainingSpec(CamelModel):
@@ -216,6 +229,15 @@ class TrainingSpec(CamelModel):
         },
     )
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping; null disables it.")
+    max_non_finite_steps: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="Steps whose loss or gradient norm is NaN or infinite that a run may skip (their update "
+        "is not applied); the next one stops it (exit 2) naming the step and the first non-finite "
+        "parameter or gradient. 0 (default): the first one stops it. Non-finite weights, at the start or "
+        "before the export, always stop it.",
+    )
     seed: int = Field(0, description="Seeds data order and random init.")
     attention: Attention = Field(
         "auto",
@@ -311,9 +333,14 @@ SFT_CLUSTER_KEYS = frozenset(
 
 
 def check_model_overrides(model: TrainModelSpec, where: str) -> None:
-    """ConfigError (prefixed by `where`) naming each model.configOverrides key the model's config ignores."""
+    """ConfigError (prefixed by `where`) naming each model.configOverrides key the model's config ignores,
+    or a size of config.json with them merged that breaks a bound (`model_dims`), where this machine
+    has the folder: `packtrain run` refuses it before packing, `train -c` before anything."""
     try:
         check_config_overrides(model.config_overrides, model.family, model.path)
+        folder = ModelFolder(model.path, model.config_overrides, model.family)
+        if folder.has_config:
+            model_dims(folder.config, folder.family.name)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
 

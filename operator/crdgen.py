@@ -106,6 +106,7 @@ def structural(node: dict[str, Any], defs: dict[str, Any], path: str = "") -> di
                         resolved.get("type") == "object"
                         and resolved.get("properties")
                         and not resolved.get("required")
+                        and not resolved.get("x-kubernetes-preserve-unknown-fields")
                     ):
                         # A `default_factory` model: `{}` makes the API server apply the nested defaults.
                         prop["default"] = {}
@@ -115,6 +116,8 @@ def structural(node: dict[str, Any], defs: dict[str, Any], path: str = "") -> di
         elif isinstance(extra, dict):
             out["additionalProperties"] = structural(extra, defs, f"{path}.*")
         else:
+            out["x-kubernetes-preserve-unknown-fields"] = True
+        if props and node.get("x-kubernetes-preserve-unknown-fields"):  # bounded known keys, others free
             out["x-kubernetes-preserve-unknown-fields"] = True
     elif typ == "array":
         if "items" not in node:

@@ -101,6 +101,8 @@ def type_name(node: dict[str, Any]) -> str:
         text = f"map of string to {type_name(node['additionalProperties'])}"
     elif node.get("type") == "object" and not node.get("properties"):
         text = "object (free-form)"
+    elif node.get("type") == "object" and node.get("x-kubernetes-preserve-unknown-fields"):
+        text = "object (free-form; the keys below bounded)"
     else:
         text = node.get("type", "any")
     bounds = _bounds(node)

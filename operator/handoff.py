@@ -167,6 +167,8 @@ def memory_plan(
             f"{spec.data.pack_job_ref} reports, and {START_UP_NOTE}"
         )
     verdict = memory_verdict(spec, rules, pack, {"modelSizes": sizes} if sizes else None)
+    if verdict.invalid is not None:
+        return f"SFTJob {name}: {verdict.invalid}", None
     if verdict.refusal is not None:
         return f"SFTJob {name}: {verdict.refusal}", None
     if not verdict.planned:

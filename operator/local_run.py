@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,8 +27,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from packtrain.core.errors import EXIT_CONFIG, EXIT_INTERRUPTED
-from packtrain.core.progress import ProgressBar, follow
+from packtrain.core.errors import EXIT_CONFIG, EXIT_INTERRUPTED, ConfigError
+from packtrain.core.output_lock import claim_output
+from packtrain.core.progress import METRICS_ANY_PORT, METRICS_PORT_EVENT, ProgressBar, follow
 from packtrain.core.report import rejects_warning
 from packtrain.core.sft_config import check_model_overrides
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
@@ -166,8 +166,9 @@ def run_pack(
         logs,
         env,
     )
-    manifest = json.loads((pack_dir / "manifest.json").read_text())
-    return pack_dir, manifest | {"plan": plan}
+    from packtrain.core.pack.shards import read_manifest
+
+    return pack_dir, read_manifest(pack_dir) | {"plan": plan}
 
 
 def _refresh(name: str, config: Path, pack_dir: Path, env: dict[str, str]) -> None:
@@ -185,7 +186,7 @@ def _refresh(name: str, config: Path, pack_dir: Path, env: dict[str, str]) -> No
 def run_train(
     job: Named, data_dir: Path, out: Path, nproc: int, max_steps: int | None, env: dict[str, str]
 ) -> dict[str, Any]:
-    spec: SFTJobSpec = free_metrics_port(job.spec, nproc)
+    spec: SFTJobSpec = job.spec
     data = DataSource(claim_name="local", mount_path=str(data_dir.parent), path=str(data_dir))
     config = _write_config(
         out / "config" / f"{job.name}-{TRAIN_CONFIG_FILE}",
@@ -198,6 +199,7 @@ def run_train(
     )
     log = out / "logs" / f"{job.name}-train.log"
     term = out / "logs" / f"{job.name}-train.termination.json"
+    term.parent.mkdir(parents=True, exist_ok=True)  # an SFTJob on a pack of its own: no pack made it
     term.unlink(missing_ok=True)
     console.print(f"[bold]train[/] {job.name}: {' '.join(argv)}")
     with open(log, "w") as f:
@@ -207,13 +209,14 @@ def run_train(
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=env | {"PACKTRAIN_TERMINATION_LOG": str(term)},
+            # A taken metrics port (another local run's) is replaced by a free one the trainer binds.
+            env=env | {"PACKTRAIN_TERMINATION_LOG": str(term), METRICS_ANY_PORT: "1"},
             start_new_session=True,
         )
         assert proc.stdout is not None
         try:
             # The pod's JSON lines go to the log as they are and are drawn as the trainer's progress bar.
-            summary = follow(_tee(proc.stdout, f), ProgressBar(console), _Echo())
+            summary = follow(_tee(proc.stdout, f), _MetricsPortNote(ProgressBar(console)), _Echo())
             proc.wait()
         except BaseException:
             stop(proc, group=True)
@@ -221,6 +224,32 @@ def run_train(
     if proc.returncode != 0:
         raise _train_failure(job.name, proc.returncode, log, term)
     return summary | {"output": str(train_dir), "log": str(log)}
+
+
+class _MetricsPortNote:
+    """The trainer's progress bar, which says in words when the trainer served /metrics on another port
+    than spec.metricsPort (taken, e.g. by another run: the trainer binds first, then reports)."""
+
+    def __init__(self, bar: ProgressBar) -> None:
+        self.bar = bar
+
+    def start(self, step: int, max_steps: int, **facts: Any) -> None:
+        self.bar.start(step, max_steps, **facts)
+
+    def event(self, name: str, **fields: Any) -> None:
+        if name != METRICS_PORT_EVENT:
+            self.bar.event(name, **fields)
+            return
+        console.print(
+            f"metrics: port {fields.get('wanted')} (spec.metricsPort) is in use, e.g. by another run; the "
+            f"trainer serves /metrics on {fields.get('port')} instead"
+        )
+
+    def step(self, record: dict[str, float]) -> None:
+        self.bar.step(record)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 class _Echo:
@@ -271,34 +300,6 @@ def stop(proc: subprocess.Popen, group: bool = False, grace: float = 5.0) -> Non
     if group or proc.poll() is None:
         send(signal.SIGKILL)  # the group: workers torchrun left behind, even once torchrun has exited
         proc.wait()
-
-
-def port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_metrics_port(spec: SFTJobSpec, nproc: int) -> SFTJobSpec:
-    """spec.metricsPort, or when it (or a port of another local rank) is taken, e.g. by another local
-    run, a free one the OS picks (said on the console): two local runs never collide."""
-    wanted = spec.metrics_port
-    if all(port_free(wanted + r) for r in range(nproc)):
-        return spec
-    for _ in range(20):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        if port + nproc <= 65535 and all(port_free(port + r) for r in range(nproc)):
-            console.print(
-                f"metrics: port {wanted} (spec.metricsPort) is in use, e.g. by another run; the trainer "
-                f"serves /metrics on {port} instead"
-            )
-            return spec.model_copy(update={"metrics_port": port})
-    return spec
 
 
 def _tee(lines: Iterator[str], log: TextIO) -> Iterator[str]:
@@ -389,15 +390,20 @@ def main(argv: list[str] | None = None) -> int:
     trained: dict[str, dict] = {}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:
-        with _stopped_by_signals(), Progress(*columns, console=console) as progress:
-            for job in packs:
-                packed[job.name] = run_pack(job, out, args.workers, progress, env)
-        warn_rejects(console, packed)  # before any training: what the packs lost, and what to fix
-        for job in sfts:
-            ref = job.spec.data.pack_job_ref
-            data_dir = packed[ref][0] if ref else Path(job.spec.data.path)
-            with _stopped_by_signals():
-                trained[job.name] = run_train(job, data_dir, out, args.nproc, args.max_steps, env)
+        # One `packtrain run` per output folder: a second one would run the same stages on its packs.
+        with claim_output(out, "packtrain run", "--output"):
+            with _stopped_by_signals(), Progress(*columns, console=console) as progress:
+                for job in packs:
+                    packed[job.name] = run_pack(job, out, args.workers, progress, env)
+            warn_rejects(console, packed)  # before any training: what the packs lost, and what to fix
+            for job in sfts:
+                ref = job.spec.data.pack_job_ref
+                data_dir = packed[ref][0] if ref else Path(job.spec.data.path)
+                with _stopped_by_signals():
+                    trained[job.name] = run_train(job, data_dir, out, args.nproc, args.max_steps, env)
+    except ConfigError as exc:  # the output folder is another run's, or cannot be written
+        console.print(Text.assemble(("error: ", "red"), str(exc)), soft_wrap=True)
+        return EXIT_CONFIG
     except PipelineError as exc:
         console.print(Text.assemble(("error: ", "red"), str(exc)), soft_wrap=True)
         return exc.exit_code

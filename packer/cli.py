@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from packtrain.core.config import PackConfig, load_pack_config
+from packtrain.core.config import ModelConfig, PackConfig, load_pack_config
 from packtrain.core.contract import PACK_STAGES, ErrorReport, pack_outcome_error
 from packtrain.core.errors import (
     EXIT_CONFIG,
@@ -24,9 +24,11 @@ from packtrain.core.errors import (
     EXIT_OK,
     ConfigError,
     ShardFormatError,
+    write_failure,
 )
 from packtrain.core.families import FAMILY_NAMES
-from packtrain.core.model_spec import detect_family
+from packtrain.core.model_spec import pack_family
+from packtrain.core.output_lock import claim_output
 from packtrain.core.report import report
 
 
@@ -87,8 +89,8 @@ def build_config(args: argparse.Namespace) -> PackConfig:
     for key, value in (("path", args.model), ("family", args.family)):
         if value is not None:
             model[key] = value
-    if args.model and not args.family and not args.config and (Path(args.model) / "config.json").is_file():
-        model["family"] = detect_family(args.model).name  # as --family's help says
+    if not model.get("family") and isinstance(model.get("path"), str):  # as --family's help says, -c too
+        model["family"] = pack_family(ModelConfig(path=model["path"])).name
     for key, value in (
         ("maxLength", args.max_length),
         ("algorithm", args.algorithm),
@@ -180,10 +182,6 @@ def parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace) -> int:
     from packtrain.packer import tools
-    from packtrain.packer.stages.convert import convert
-    from packtrain.packer.stages.materialize import materialize
-    from packtrain.packer.stages.plan import plan
-    from packtrain.packer.stages.workdir import PackRefused
 
     if args.cmd == "inspect":
         return tools.inspect_cmd(Path(args.path), args.plot, args.json)
@@ -201,15 +199,29 @@ def _run(args: argparse.Namespace) -> int:
 
     cfg = build_config(args)
     out = Path(args.output)
-    if args.cmd == "refresh":  # `packtrain run` asks before convert: one line, kept or rebuilding
+    if args.cmd == "run":
+        return _pack_run(cfg, out, args)
+    # A PackJob's pods share their folder (each its own slice); a `pack run` there is refused.
+    with claim_output(out, f"pack {args.cmd}", "-o", shared=True):
+        return _stage(args.cmd, cfg, out, args)
+
+
+def _stage(cmd: str, cfg: PackConfig, out: Path, args: argparse.Namespace) -> int:
+    """One stage command (what a PackJob's pods run) on its claimed output folder."""
+    from packtrain.packer.stages.convert import convert
+    from packtrain.packer.stages.materialize import materialize
+    from packtrain.packer.stages.plan import plan
+    from packtrain.packer.stages.workdir import PackRefused
+
+    if cmd == "refresh":  # `packtrain run` asks before convert: one line, kept or rebuilding
         from packtrain.packer.stages.inputs import refresh
 
         note = refresh(cfg, out)
         if note:
             print(note, flush=True)
-    elif args.cmd == "convert":
+    elif cmd == "convert":
         report(dict(convert(cfg, out, _index(args), args.count)))
-    elif args.cmd == "plan":
+    elif cmd == "plan":
         summary = plan(cfg, out)
         problem = pack_outcome_error(
             summary["samples"],
@@ -222,28 +234,34 @@ def _run(args: argparse.Namespace) -> int:
             report({**summary, **problem})  # the counts too: the operator shows them beside the reason
             return EXIT_CONFIG
         report(dict(summary))
-    elif args.cmd == "materialize":
+    elif cmd == "materialize":
         try:
             report(dict(materialize(cfg, out, _index(args), args.count)))
         except PackRefused as exc:  # the final counts (materialize's rejects) left too little packed
             print(f"packtrain pack materialize: {exc.report['error']}", file=sys.stderr)
             report({**exc.report, **(exc.summary or {})})  # the counts too: the operator shows them
             return EXIT_CONFIG
-    elif args.cmd == "run":
-        from packtrain.packer.local import run_all
+    return EXIT_OK
 
-        timings: dict[str, Any] = {}
-        try:
-            manifest = run_all(
-                cfg, out, workers=args.workers, show_progress=not args.no_progress, timings=timings
-            )
-        except PackRefused as exc:  # no manifest; the stats of what would have been packed
-            tools.print_stats(exc.manifest, out)
-            print(json.dumps(tools.summary_line(exc.manifest, out) | {"timings": timings}), flush=True)
-            print(f"packtrain pack run: {exc.report['error']}", file=sys.stderr)
-            return EXIT_CONFIG
-        tools.print_stats(manifest, out)
-        print(json.dumps(tools.summary_line(manifest, out) | {"timings": timings}), flush=True)
+
+def _pack_run(cfg: PackConfig, out: Path, args: argparse.Namespace) -> int:
+    """`pack run`: every stage here (`run_all` claims the folder), then the pack's stats."""
+    from packtrain.packer import tools
+    from packtrain.packer.local import run_all
+    from packtrain.packer.stages.workdir import PackRefused
+
+    timings: dict[str, Any] = {}
+    try:
+        manifest = run_all(
+            cfg, out, workers=args.workers, show_progress=not args.no_progress, timings=timings
+        )
+    except PackRefused as exc:  # no manifest; the stats of what would have been packed
+        tools.print_stats(exc.manifest, out)
+        print(json.dumps(tools.summary_line(exc.manifest, out) | {"timings": timings}), flush=True)
+        print(f"packtrain pack run: {exc.report['error']}", file=sys.stderr)
+        return EXIT_CONFIG
+    tools.print_stats(manifest, out)
+    print(json.dumps(tools.summary_line(manifest, out) | {"timings": timings}), flush=True)
     return EXIT_OK
 
 
@@ -255,23 +273,34 @@ def main(argv: list[str] | None = None) -> int:
         from packtrain.packer.tools import refused_message
 
         path = getattr(args, "path", None)
-        print(f"packtrain pack {args.cmd}: {path and refused_message(Path(path)) or exc}", file=sys.stderr)
+        try:
+            said = path and refused_message(Path(path)) or exc
+        except ShardFormatError as damaged:  # the refusal record itself is damaged: say so
+            said = damaged
+        print(f"packtrain pack {args.cmd}: {said}", file=sys.stderr)
         return EXIT_CONFIG
     except (ConfigError, ValidationError, FileNotFoundError) as exc:
-        msg = str(exc)
-        print(f"packtrain pack {args.cmd}: configuration error: {msg}", file=sys.stderr)
-        if args.cmd in PACK_STAGES:  # what pods run: their outcome goes to the termination log
-            report({"stage": args.cmd, "error": msg[:3000]})
-        return EXIT_CONFIG
+        return _config_error(args.cmd, str(exc))
     except KeyboardInterrupt:
         again = " — run the same command again to resume" if args.cmd in (*PACK_STAGES, "run") else ""
         print(f"packtrain pack {args.cmd}: interrupted{again}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as exc:  # a crash: the short error in the termination message, the traceback in the log
+        output = getattr(args, "output", None)
+        full = write_failure(exc, Path(output), "-o") if output else None
+        if full is not None:  # no room or no permission in the output folder: what to free or change
+            return _config_error(args.cmd, str(full))
         if args.cmd in PACK_STAGES:
             error: ErrorReport = {"stage": args.cmd, "error": f"{type(exc).__name__}: {exc}"[:3000]}
             report(dict(error))
         raise
+
+
+def _config_error(cmd: str, msg: str) -> int:
+    print(f"packtrain pack {cmd}: configuration error: {msg}", file=sys.stderr)
+    if cmd in PACK_STAGES:  # what pods run: their outcome goes to the termination log
+        report({"stage": cmd, "error": msg[:3000]})
+    return EXIT_CONFIG
 
 
 if __name__ == "__main__":

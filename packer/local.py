@@ -10,7 +10,7 @@ not available (macOS, Windows) workers are spawned and load their own.
 from __future__ import annotations
 
 import contextlib
-import json
+import ctypes
 import multiprocessing as mp
 import os
 import queue
@@ -28,7 +28,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from packtrain.core.config import PackConfig
 from packtrain.core.errors import ConfigError
-from packtrain.core.pack.shards import MANIFEST
+from packtrain.core.output_lock import claim_output
+from packtrain.core.pack.shards import read_manifest
 from packtrain.packer.processor_check import check_processor
 from packtrain.packer.sources.mixture import weigher
 from packtrain.packer.sources.records import iter_records
@@ -38,17 +39,31 @@ from packtrain.packer.stages.inputs import refresh
 from packtrain.packer.stages.materialize import materialize
 from packtrain.packer.stages.plan import plan
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _WORKER: dict[str, Any] = {}
 """What a worker process holds: config, output folder, progress queue and (forked) the loaded tokenizer."""
 
 
-def _init_worker(cfg_json: dict[str, Any], out: str, progress: Any) -> None:
+def _init_worker(cfg_json: dict[str, Any], out: str, progress: Any, parent: int) -> None:
     # Ctrl-C reaches the whole process group: the parent stops the workers (no traceback from each).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with(parent)
     if "cfg" not in _WORKER:  # spawned: nothing inherited
         _WORKER["cfg"] = PackConfig.model_validate(cfg_json)
     _WORKER["out"] = Path(out)
     _WORKER["progress"] = progress
+
+
+def die_with(parent: int) -> None:
+    """Linux: the kernel kills this worker when `pack run` dies, `kill -9` included (no worker outlives
+    it, writing into a folder a re-run then owns). The parent may be gone before this runs: then exit."""
+    if not sys.platform.startswith("linux"):
+        return
+    # The signal comes when the thread that started this worker ends: `_pool`'s caller, which waits
+    # for the workers' results, so it ends only when `pack run` does.
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def peak_rss_mib() -> float:
@@ -138,7 +153,10 @@ def _pool(cfg: PackConfig, out: Path, workers: int, tokenizer: Any) -> tuple[Pro
     if fork:
         _WORKER.update(cfg=cfg, tokenizer=tokenizer)
     pool = ProcessPoolExecutor(
-        workers, mp_context=ctx, initializer=_init_worker, initargs=(cfg.dump(), str(out), progress)
+        workers,
+        mp_context=ctx,
+        initializer=_init_worker,
+        initargs=(cfg.dump(), str(out), progress, os.getpid()),
     )
     try:
         # Start every worker before any thread of ours (progress bars) runs: a fork copies only the
@@ -206,10 +224,17 @@ def run_all(
     `timings`, when given, receives each stage's wall and CPU seconds and, per process, its peak
     RSS and sampled peak anonymous RSS.
     """
-    laps = _Laps(pooled=workers > 1)
     if workers < 1:
         raise ConfigError(f"--workers {workers}: give at least 1 worker process")
-    out.mkdir(parents=True, exist_ok=True)
+    # Claimed before anything of the folder is read, swept or written: a refused run touches nothing.
+    with claim_output(out, "pack run", "-o"):
+        return _run_claimed(cfg, out, workers, show_progress, timings)
+
+
+def _run_claimed(
+    cfg: PackConfig, out: Path, workers: int, show_progress: bool, timings: dict[str, Any] | None
+) -> dict[str, Any]:
+    laps = _Laps(pooled=workers > 1)
     kept_or_rebuilt = refresh(cfg, out)
     if kept_or_rebuilt:
         print(f"packtrain pack run: {kept_or_rebuilt}", file=sys.stderr, flush=True)
@@ -307,7 +332,7 @@ def _manifest(
     # The worker that completed the set wrote the manifest; finalize only if none did (a shard was
     # written by an earlier, interrupted run and no worker of this run saw the set complete).
     if any(m.get("manifest") for m in materialized):
-        manifest: dict[str, Any] | None = json.loads((out / MANIFEST).read_text())
+        manifest: dict[str, Any] | None = read_manifest(out)
     else:
         manifest = finalize(cfg, out)
     if manifest is None:

@@ -1,6 +1,7 @@
 """One input record to one tokenized sample (input ids, labels, media measurements) or one reject.
 
-The text is rendered with the model's own chat template and tokenized once,
+The text is rendered with the model's own chat template and tokenized once (a
+long text piece by piece, and only until it is over maxLength: `long_text`),
 with a single pad token per media item; the pads are then expanded to the
 exact vision-token count. Added tokens are split before the text is
 pre-tokenized, so this equals tokenizing the expanded text, as the HF
@@ -28,7 +29,7 @@ alone (added tokens split the text around them, so this equals tokenizing the wh
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from packtrain.core.errors import ConfigError, MediaError
 from packtrain.core.model_spec import LoadedModel, load_model
 from packtrain.core.pack.schema import IGNORE_INDEX
 from packtrain.core.vision import frame_timestamps
+from packtrain.packer.long_text import PieceEncoder
 from packtrain.packer.media.access import MediaAccess, MediaItem
 from packtrain.packer.sources.conversation import ConversationParser, MediaRef, SampleError, Turn
 from packtrain.packer.sources.raw import RawRecord
@@ -48,6 +50,9 @@ from packtrain.packer.sources.raw import RawRecord
 _BOUNDED_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD"})
 _NORMALIZER_SHRINK = 4
 _DETAIL_CHARS = 300
+# The block a thinking template (Qwen3.5's reads `reasoning_content`) wraps an assistant turn's
+# reasoning in: inside the reasoning, either tag would end the block early or open another.
+_THINK_TAGS = frozenset({"<think>", "</think>"})
 
 
 @dataclass
@@ -58,6 +63,9 @@ class TokenizedSample:
     input_ids: list[int]
     labels: list[int]
     media: list[MediaItem]
+    # False: the text was tokenized only until it was over maxLength (`long_text`); the ids are exactly
+    # the first ones of the whole sample's, with the media they hold.
+    complete: bool = True
 
 
 @dataclass
@@ -89,6 +97,10 @@ class SampleTokenizer:
         self.model: LoadedModel = loaded or load_model(model)
         self._backend = self.model.tokenizer.backend_tokenizer
         self._encode = _fast_encoder(self._backend)
+        m = self.model.ids
+        self.pieces = PieceEncoder(self._backend, self._encode, (m.vision_start, m.vision_end))
+        thinking = "reasoning_content" in self.model.chat_template
+        self._reasoning_reserved = self.model.reserved_tokens | (_THINK_TAGS if thinking else frozenset())
         self._media = MediaAccess(source, self.model.vision, base_dir=base_dir, embedded_dir=embedded_dir)
         self._parser = ConversationParser(source.format, source.field_map, self.model.family)
         self._newline_id = self._single_id("\n") if packing.label_newline_after_turn_end else None
@@ -119,7 +131,7 @@ class SampleTokenizer:
                 for ref in t.parts
                 if isinstance(ref, MediaRef)
             ]
-            input_ids, labels = self._tokenize(text, media)
+            input_ids, labels, media, complete = self._tokenize(text, media)
         except (SampleError, MediaError) as exc:
             return Reject(name, raw.index, sample_id, exc.reason, exc.detail, getattr(exc, "path", None))
         except ConfigError:
@@ -127,7 +139,7 @@ class SampleTokenizer:
         except Exception as exc:  # one bad record is one reject (RecursionError, MemoryError, a decoder bug)
             detail = f"{type(exc).__name__}: {exc}"[:_DETAIL_CHARS]
             return Reject(name, raw.index, sample_id, RejectReason.INTERNAL_ERROR, detail)
-        return TokenizedSample(sample_id, name, raw.index, input_ids, labels, media)
+        return TokenizedSample(sample_id, name, raw.index, input_ids, labels, media, complete)
 
     def truncate(self, sample: TokenizedSample, max_length: int) -> TokenizedSample | None:
         """`truncate_sample` over this sample's media spans."""
@@ -166,6 +178,10 @@ class SampleTokenizer:
         return str(value)
 
     def _check_turns(self, turns: list[Turn]) -> None:
+        """A reject for a conversation with nothing to train on, or with a reserved token in any text
+        the template renders: every string of its messages (content, reasoning, function calls, tool
+        results, the system prompt with the tool definitions), and a think tag in reasoning that a
+        thinking template wraps in its block."""
         if not turns:
             raise SampleError(RejectReason.EMPTY_CONVERSATION, "the conversation has no turns")
         if self.packing.label_mode != "all" and not any(t.role == "assistant" for t in turns):
@@ -174,14 +190,16 @@ class SampleTokenizer:
             )
         reserved = self.model.reserved_tokens
         for i, turn in enumerate(turns):
-            text = turn.text
-            if "<|" in text:
-                found = sorted(tok for tok in reserved if tok in text)
+            for field, text in _template_texts(_template_message(turn)):
+                if "<" not in text:
+                    continue
+                tokens = self._reasoning_reserved if field == "reasoning_content" else reserved
+                found = sorted(tok for tok in tokens if tok in text)
                 if found:
                     raise SampleError(
                         RejectReason.RESERVED_TOKEN,
-                        f"turn {i} ({turn.role}) contains the reserved token(s) {', '.join(found)}; "
-                        "they would corrupt the turn or vision structure",
+                        f"turn {i} ({turn.role}) {field} contains the reserved token(s) {', '.join(found)}; "
+                        "they would corrupt the turn, thinking or vision structure",
                     )
 
     def _assistant_markers(self) -> tuple[list[int], int]:
@@ -266,8 +284,9 @@ class SampleTokenizer:
         n / (longest * shrink) tokens, where `shrink` bounds how much the normalizer
         can shorten text. Tokens that strip neighbouring whitespace cover unbounded
         text, and other normalizers may drop characters: no bound then. Only
-        `overlong: drop` uses it; `truncate` must tokenize the whole text (a prefix
-        tokenizes differently at the cut) and `error` must report the exact count.
+        `overlong: drop` uses it, to reject such a text without tokenizing any of it;
+        `truncate` needs its first maxLength tokens and `error` a count, which
+        `long_text` gives by tokenizing only until the text is over maxLength.
         """
         if self.packing.overlong != "drop":
             return None
@@ -300,37 +319,20 @@ class SampleTokenizer:
             )
         return text
 
-    def _tokenize(self, text: str, media: list[MediaItem]) -> tuple[list[int], list[int]]:
-        """Ids and labels with pads expanded; plain list operations (slices share int objects), since
-        per-token Python or numpy work would cost as much as the tokenizer itself."""
-        m = self.model.ids
-        ids = self._encode(text)
-        n = len(ids)
-        mode = self.packing.label_mode
-        if mode == "all":
-            labels = list(ids)
-            for a, b in _runs(ids, m.vision_start, m.vision_end):
-                labels[a:b] = [IGNORE_INDEX] * (b - a)
-            trained = n - labels.count(IGNORE_INDEX)
-        else:
-            spans = _assistant_spans(ids, self._header_ids, self._end_id, self._newline_id)
-            if mode == "last_assistant":
-                spans = spans[-1:]
-            labels = [IGNORE_INDEX] * n
-            for a, b in spans:
-                labels[a:b] = ids[a:b]
-            trained = sum(b - a for a, b in spans)
-        if trained == 0:
+    def _tokenize(
+        self, text: str, media: list[MediaItem]
+    ) -> tuple[list[int], list[int], list[MediaItem], bool]:
+        """Ids and labels with pads expanded, the media they hold, and whether they are complete (a
+        long text is tokenized only until it is over maxLength: `long_text`). Plain list operations
+        (slices share int objects), since per-token Python or numpy work would cost as much as the
+        tokenizer itself."""
+        ids, complete = self.pieces(text, self.packing.max_length)
+        labels, trained = self._labels(ids, text, complete)
+        if trained == 0 and complete:  # a prefix without labels: truncation finds none, the rest is over
             raise SampleError(RejectReason.EMPTY_CONVERSATION, "no token is left to train on")
-        pads = _pad_positions(ids, m.image_pad, m.video_pad)
-        kinds = ["image" if ids[p] == m.image_pad else "video" for p in pads]
-        if kinds != [x.kind for x in media]:
-            raise SampleError(
-                RejectReason.PLACEHOLDER_MISMATCH,
-                f"the rendered text has {len(pads)} media pad token(s) for {len(media)} media item(s)",
-            )
+        pads, media = self._pads(ids, text, media, complete)
         if not media:
-            return ids, labels
+            return ids, labels, media, complete
         out_ids: list[int] = []
         out_labels: list[int] = []
         prev = 0
@@ -343,7 +345,52 @@ class SampleTokenizer:
             prev = b
         out_ids += ids[prev:]
         out_labels += labels[prev:]
-        return out_ids, out_labels
+        return out_ids, out_labels, media, complete
+
+    def _labels(self, ids: list[int], text: str, complete: bool) -> tuple[list[int], int]:
+        """The labels of `ids` (the first ids of `text` when not `complete`) and how many are trained."""
+        n = len(ids)
+        mode = self.packing.label_mode
+        if mode == "all":
+            m = self.model.ids
+            labels = list(ids)
+            for a, b in _runs(ids, m.vision_start, m.vision_end):
+                labels[a:b] = [IGNORE_INDEX] * (b - a)
+            return labels, n - labels.count(IGNORE_INDEX)
+        spans = _assistant_spans(ids, self._header_ids, self._end_id, self._newline_id)
+        if mode == "last_assistant":
+            # A prefix holds the text's last assistant turn only if it holds every assistant header.
+            last = complete or len(spans) >= text.count(self.model.family.assistant_header)
+            spans = spans[-1:] if last else []
+        labels = [IGNORE_INDEX] * n
+        for a, b in spans:
+            labels[a:b] = ids[a:b]
+        return labels, sum(b - a for a, b in spans)
+
+    def _pads(
+        self, ids: list[int], text: str, media: list[MediaItem], complete: bool
+    ) -> tuple[list[int], list[MediaItem]]:
+        """The positions of the media pads in `ids` and the media items they stand for: all of them,
+        or those of a prefix (the text's own pads counted by kind, so every item still has its pad)."""
+        m, family = self.model.ids, self.model.family
+        pads = _pad_positions(ids, m.image_pad, m.video_pad)
+        kinds = ["image" if ids[p] == m.image_pad else "video" for p in pads]
+        want = [x.kind for x in media]
+        if complete:
+            found, fits = len(pads), kinds == want
+        else:
+            images, videos = text.count(family.image_pad), text.count(family.video_pad)
+            found = images + videos
+            fits = kinds == want[: len(kinds)] and (images, videos) == (
+                want.count("image"),
+                want.count("video"),
+            )
+        if not fits:
+            raise SampleError(
+                RejectReason.PLACEHOLDER_MISMATCH,
+                f"the rendered text has {found} media pad token(s) for {len(media)} media item(s)",
+            )
+        return pads, media[: len(pads)]
 
 
 def _fast_encoder(backend: Any) -> Callable[[str], list[int]]:
@@ -367,6 +414,20 @@ def _template_message(turn: Turn) -> dict[str, Any]:
     if turn.reasoning is not None:
         message["reasoning_content"] = turn.reasoning
     return message
+
+
+def _template_texts(value: Any, field: str = "") -> Iterator[tuple[str, str]]:
+    """Every string of a template message, with the message field it is in: all the text a chat
+    template can render (a turn's role and a content part's type are the packer's own words)."""
+    if isinstance(value, str):
+        yield field, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if key not in ("role", "type"):
+                yield from _template_texts(item, field or key)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _template_texts(item, field)
 
 
 def _template_content(turn: Turn) -> str | list[dict[str, str]]:

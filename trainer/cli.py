@@ -137,8 +137,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_INTERRUPTED
-    except Exception as exc:  # a crash: the short error in the termination message, the traceback in the log
-        _terminate({"error": f"{type(exc).__name__}: {worker_message(exc)}"})
+    except BaseException as exc:  # a crash: the short error in the termination message, the traceback logged
+        full = _write_failure(exc, cfg.training.output_dir)
+        if full is not None:  # no room or no permission in the output folder: what to free or change
+            return _fail(f"configuration error: {full}")
+        if isinstance(exc, Exception):
+            _terminate({"error": f"{type(exc).__name__}: {worker_message(exc)}"})
         raise
     if distributed.environ().is_main:
         print(json.dumps(summary), flush=True)
@@ -146,6 +150,18 @@ def main(argv: list[str] | None = None) -> int:
         if summary.get("resumed_from") and not summary.get("steps_this_run"):
             print(f"packtrain train: {already_complete(cfg.training.output_dir, summary)}", file=sys.stderr)
     return EXIT_OK
+
+
+def _write_failure(exc: BaseException, output_dir: str) -> str | None:
+    """A write into the output folder that failed for lack of space or permission (a checkpoint
+    writer's error included, which is no Exception): the one line naming the folder and the fix."""
+    from pathlib import Path
+
+    from packtrain.core.errors import write_failure
+    from packtrain.trainer.state.output import OUTPUT_OPTION
+
+    full = write_failure(exc, Path(output_dir), OUTPUT_OPTION)
+    return None if full is None else str(full)
 
 
 def _startup_plan(cfg: Any, world_size: int) -> str | None:

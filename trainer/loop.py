@@ -10,6 +10,7 @@ throughput, MFU and the summary are `accounting`'s; what is printed is `progress
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,9 @@ from typing import Any
 import torch
 
 from packtrain.core.contract import TrainSummary
-from packtrain.core.progress import JsonLines, Reporter
+from packtrain.core.progress import METRICS_PORT_EVENT, JsonLines, Reporter
 from packtrain.core.sft_config import SFTSpecCore, TrainingSpec
-from packtrain.trainer import distributed
+from packtrain.trainer import distributed, non_finite
 from packtrain.trainer.accounting import RunAccounting
 from packtrain.trainer.data.batch import Batch
 from packtrain.trainer.data.packed import EvalDataset, PackedDataset
@@ -30,7 +31,7 @@ from packtrain.trainer.model import param_groups
 from packtrain.trainer.model.linear_attention import linear_path
 from packtrain.trainer.model.loss import aux_objective, global_label_tokens, micro_batch_objective
 from packtrain.trainer.recipe import Finished, Run, setup
-from packtrain.trainer.state import checkpoint, export
+from packtrain.trainer.state import checkpoint, export, output
 
 
 def batches(dataset: PackedDataset, num_workers: int, prefetch: int, pin: bool) -> Iterator[Batch]:
@@ -50,7 +51,8 @@ def train(
     distributed.init(env, device)
     report = reporter or JsonLines(log, cfg.training.log_every)
     try:
-        return _train(cfg, env, device, report if env.is_main else JsonLines(lambda _: None))
+        with output.claimed(Path(cfg.training.output_dir), env, device):  # one run per output folder
+            return _train(cfg, env, device, report if env.is_main else JsonLines(lambda _: None))
     finally:
         report.close()
         distributed.shutdown()
@@ -85,12 +87,17 @@ def train_step(
     # only: its zero gradients are dropped, so it is not updated, as when training alone)
     if env.distributed and distributed.all_reduce_sum(_media_batches(micro), device) == 0:
         _drop_grads(run.hf.model.visual)
-    if t.max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
-    run.optimizer.step()
+    loss = distributed.all_reduce_sum(float(loss_sum), device) / max(global_tokens, 1)
+    norm = non_finite.grad_norm(model, t.max_grad_norm)
+    if math.isfinite(loss) and math.isfinite(norm):
+        run.optimizer.step()
+    else:  # not applied: a NaN update would spread into every weight AdamW touches
+        run.skipped = non_finite.skip_or_stop(
+            run.hf, run.step + 1, loss, norm, run.skipped, t.max_non_finite_steps
+        )
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-    return distributed.all_reduce_sum(float(loss_sum), device) / max(global_tokens, 1)
+    return loss
 
 
 def _train(
@@ -101,6 +108,7 @@ def _train(
     run = setup(cfg, env, device)
     if isinstance(run, Finished):  # a rerun of a finished run: nothing was built, nothing trains
         return _finished_summary(run, cfg, env, device)
+    non_finite.check_weights(run.hf, f"at step {run.step}, where the run starts")
     accounting = _start(run, cfg, env, device, report)
     stream = batches(run.dataset, data.num_workers, data.prefetch_factor, device.type == "cuda")
     loss = float("nan")
@@ -136,9 +144,10 @@ def _start(
     t = cfg.training
     if run.resumed_from is not None:
         report.event("resumed", checkpoint=str(run.resumed_from), step=run.step)
-    metrics = TrainMetrics(
-        env.rank, device, None if t.metrics_port is None else t.metrics_port + env.local_rank
-    )
+    wanted = None if t.metrics_port is None else t.metrics_port + env.local_rank
+    metrics = TrainMetrics(env.rank, device, wanted)
+    if metrics.port != wanted:  # taken, and `packtrain run` allowed another (METRICS_ANY_PORT)
+        report.event(METRICS_PORT_EVENT, wanted=wanted, port=metrics.port)
     metrics.enable_mfu(device_peak_tflops(device, t.peak_tflops))
     # Hybrid decoders: how the linear-attention layers keep samples apart (fla kernels or per sample).
     linear = linear_path(run.hf)
@@ -164,6 +173,7 @@ def _finish(
 ) -> TrainSummary:
     """The last checkpoint and the final export, then the run's summary."""
     t, out = cfg.training, Path(cfg.training.output_dir)
+    non_finite.check_end(run.hf, run.step, loss, run.step > accounting.start_step)  # else nothing is saved
     # A rerun that found every step done has nothing new to save, and re-saving would delete and
     # rewrite the checkpoint it resumed from (the only one with keepCheckpoints: 1).
     if t.checkpoint_at_end and run.step > accounting.start_step:
@@ -173,7 +183,15 @@ def _finish(
     run.optimizer.state.clear()
     final = (
         export.save_final(
-            out, run.model, run.hf, run.adapter, cfg.model, env, run.dtype, pack=run.dataset.manifest
+            out,
+            run.model,
+            run.hf,
+            run.adapter,
+            cfg.model,
+            env,
+            run.dtype,
+            pack=run.dataset.manifest,
+            step=run.step,
         )
         if t.save_final
         else None

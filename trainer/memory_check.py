@@ -9,7 +9,6 @@ printed as a table (rich) or JSON. Nothing here imports torch unless it asks the
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,8 @@ from packtrain.core.memory_plan import (
     plan_memory,
     refusal,
 )
-from packtrain.core.model_size import ModelDims, model_dims, read_config
+from packtrain.core.model_folder import ModelFolder
+from packtrain.core.model_size import ModelDims, model_dims
 from packtrain.core.sft_config import SFTSpecCore
 
 # Checkpointing settings the table compares (decoder layers, vision blocks).
@@ -33,19 +33,26 @@ CHECKPOINTING = {"none": (False, False), "decoder": (True, False), "decoder + vi
 
 
 def dims_of(cfg: SFTSpecCore) -> ModelDims:
-    """The model's dimensions from model.path's config.json with model.configOverrides merged."""
-    return model_dims(read_config(cfg.model.path, cfg.model.config_overrides), cfg.model.family)
+    """The model's dimensions from model.path's config.json with model.configOverrides merged, in the
+    family model.family names (else config.json's `model_type`), checked against the folder; a
+    ConfigError when a size breaks a bound (`model_size.dimension_problems`)."""
+    folder = ModelFolder(cfg.model.path, cfg.model.config_overrides, cfg.model.family)
+    config = folder.config
+    return model_dims(config, folder.family.name)
 
 
 def pack_max_length(data_path: str | None) -> int | None:
     """The pack's sequence length (manifest.json `max_length`), None without a readable manifest."""
     if data_path is None:
         return None
+    from packtrain.core.errors import ShardFormatError
+    from packtrain.core.pack.shards import read_manifest
+
     try:
-        manifest = json.loads((Path(data_path) / "manifest.json").read_text())
-    except (OSError, ValueError):
+        manifest = read_manifest(Path(data_path))
+    except (OSError, ShardFormatError):  # the trainer's own read of the pack says what is wrong
         return None
-    value = manifest.get("max_length") if isinstance(manifest, dict) else None
+    value = manifest.get("max_length")
     return int(value) if isinstance(value, int) else None
 
 
@@ -142,7 +149,9 @@ def startup_refusal(cfg: SFTSpecCore, world_size: int, gpus_per_host: int) -> st
     """Why this job cannot fit its GPUs (the trainer exits 2 before building the model), else None.
 
     Runs on every rank (the same arithmetic, so all refuse together rather than some waiting in
-    a collective); skipped on CPU and with training.planCheck false."""
+    a collective); skipped on CPU and with training.planCheck false. The model's sizes are checked
+    first, always: nothing is built from a config that breaks a bound (ConfigError, exit 2)."""
+    dims = dims_of(cfg)
     if not cfg.training.plan_check:
         return None
     memory = device_memory()
@@ -152,7 +161,6 @@ def startup_refusal(cfg: SFTSpecCore, world_size: int, gpus_per_host: int) -> st
     x = inputs_for(
         cfg, world_size=world_size, gpus_per_host=gpus_per_host, gpu_memory=memory, max_length=length
     )
-    dims = dims_of(cfg)
     plan = plan_memory(dims, x)
     message = refusal(dims, plan)
     if message is None:

@@ -12,6 +12,8 @@ rate); on a machine without GPUs they are simply not registered.
 
 from __future__ import annotations
 
+import errno
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,6 +40,7 @@ from packtrain.core.contract import (
     TRAIN_TOKENS_PER_SECOND,
 )
 from packtrain.core.errors import ConfigError
+from packtrain.core.progress import METRICS_ANY_PORT
 
 if TYPE_CHECKING:  # imported where used: the device benchmark reads the FLOPs model without it
     from prometheus_client import Gauge
@@ -259,10 +262,11 @@ GPU_GAUGES: dict[str, tuple[str, str, tuple[str, ...]]] = {
 
 
 class TrainMetrics:
-    """Per-rank gauges; served on `port` when given (each rank on port + local rank)."""
+    """Per-rank gauges; served on `port` when given (each rank on port + local rank). `self.port`: the
+    port served, which differs from `port` only where METRICS_ANY_PORT allowed another."""
 
     def __init__(self, rank: int, device: torch.device, port: int | None = None) -> None:
-        from prometheus_client import CollectorRegistry, Gauge, start_http_server
+        from prometheus_client import CollectorRegistry, Gauge
 
         self.registry = CollectorRegistry()
         self.rank = str(rank)
@@ -277,14 +281,24 @@ class TrainMetrics:
             for key, (name, doc, extra) in GPU_GAUGES.items():
                 self.g[key] = Gauge(name, doc, ["rank", "gpu", *extra], registry=self.registry)
         if port is not None:
-            try:
-                start_http_server(port, registry=self.registry)
-            except OSError as exc:  # another run (or program) serves there: say which port, and the fix
+            self.port = self._serve(port, os.environ.get(METRICS_ANY_PORT) == "1")
+
+    def _serve(self, port: int, any_port: bool) -> int:
+        """Serve /metrics on `port`, else (taken, and `any_port`) on one the OS picks: bound first,
+        then reported, so two runs starting together cannot both be told the same port is free."""
+        from prometheus_client import start_http_server
+
+        try:
+            server, _ = start_http_server(port, registry=self.registry)
+        except OSError as exc:  # another run (or program) serves there: say which port, and the fix
+            if not (any_port and exc.errno == errno.EADDRINUSE):
                 raise ConfigError(
                     f"cannot serve /metrics on port {port} (training.metricsPort + local rank): "
                     f"{exc.strerror or exc}; another run or program is using it. Set training.metricsPort "
                     "(spec.metricsPort of an SFTJob) to a free port, or null to serve no metrics"
                 ) from exc
+            server, _ = start_http_server(0, registry=self.registry)
+        return int(server.server_port)
 
     def info(self, **labels: str) -> None:
         """What this run chose (attention backend, mode, options), as labels of a gauge fixed at 1."""

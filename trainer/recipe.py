@@ -42,7 +42,7 @@ from packtrain.trainer.model.build import (
 from packtrain.trainer.model.init_weights import LoadReport, cast_frozen, materialize
 from packtrain.trainer.model.vision_check import require_vision_features
 from packtrain.trainer.state import checkpoint
-from packtrain.trainer.state.export import MERGED_DIR
+from packtrain.trainer.state.export import FINAL_DIR, MERGED_DIR, exported_step
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -106,6 +106,7 @@ class Run:
     resumed_from: Path | None = None
     adapter: Any = None  # the PeftModel around `hf` with model.lora (for the adapter export)
     config: dict[str, Any] | None = None  # what a checkpoint records and a resume checks (resume_config)
+    skipped: int = 0  # non-finite steps this run skipped (training.maxNonFiniteSteps)
 
 
 @dataclass
@@ -214,11 +215,15 @@ def _finished(cfg: SFTSpecCore, data: Data) -> Path | None:
     was written): a rerun then has nothing to build or train. Its settings must match this run's."""
     t = cfg.training
     newest = checkpoint.latest(Path(t.output_dir)) if t.resume else None
+    if newest is not None:  # a data position this run cannot continue from: refused before the model
+        checkpoint.check_position(newest, data.dataset.layout)
     if newest is None or checkpoint.step_of(newest) < data.max_steps:
         return None
     checkpoint.check_resumable(newest, _resume_config(cfg, data.dataset))
-    final = Path(t.output_dir) / "final"  # as export.save_final names it
+    final = Path(t.output_dir) / FINAL_DIR
     exported = (final / "config.json").is_file() or (final / "adapter_config.json").is_file()
+    # An export of an earlier step (its run trained on but was killed before it replaced it) is stale.
+    exported = exported and exported_step(final) in (None, checkpoint.step_of(newest))
     if cfg.model.lora is not None and cfg.model.lora.save_merged:
         exported = exported and (Path(t.output_dir) / MERGED_DIR / "config.json").is_file()
     return newest if exported or not t.save_final else None
@@ -314,6 +319,7 @@ def _resume(
     if resumed_from is None:
         return 0, None
     checkpoint.check_resumable(resumed_from, _resume_config(cfg, dataset))
+    checkpoint.check_position(resumed_from, dataset.layout)
     state = checkpoint.load(resumed_from, model, optimizer, scheduler, env)
     saved = state["data"]
     dataset.load_state_dict(checkpoint.resharded_data_state(saved, dataset.layout, dataset.costs))

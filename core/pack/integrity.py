@@ -26,6 +26,7 @@ import pyarrow as pa
 
 from packtrain.core.config import MAX_FRAMES_CEILING, MAX_PIXELS_CEILING
 from packtrain.core.families import FAMILIES
+from packtrain.core.model_folder import read_json
 from packtrain.core.pack.schema import IGNORE_INDEX
 from packtrain.core.pack.shards import ShardReader
 from packtrain.core.pixels import IMAGE_FORMATS
@@ -51,9 +52,7 @@ def model_facts(folder: str | Path) -> tuple[ModelFacts, str | None]:
     `preprocessor_config.json`; with a note saying what could not be read, else None."""
     folder = Path(folder)
     try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        if not isinstance(config, dict):
-            raise ValueError("not a JSON object")
+        config = read_json(folder / "config.json")
     except (OSError, ValueError) as exc:
         return ModelFacts(None, None, None), (
             f"model folder {folder} has no readable config.json ({exc}): token ids are not checked "
@@ -65,7 +64,7 @@ def model_facts(folder: str | Path) -> tuple[ModelFacts, str | None]:
     vocab = _int(config.get("vocab_size")) or _int(text.get("vocab_size"))
     merge = 2
     try:
-        pre = json.loads((folder / "preprocessor_config.json").read_text(encoding="utf-8"))
+        pre = read_json(folder / "preprocessor_config.json")
         merge = _int(pre.get("merge_size")) or merge
     except (OSError, ValueError, AttributeError):
         pass

@@ -29,8 +29,10 @@ from typing import Any, BinaryIO
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from packtrain.core import untrusted
 from packtrain.core.errors import ShardFormatError
 from packtrain.core.pack.schema import FORMAT_VERSION, MEDIA_SCHEMA, SEQUENCE_SCHEMA
+from packtrain.core.untrusted import JsonLimits
 
 MANIFEST = "manifest.json"
 REJECTS = "rejects.jsonl"
@@ -206,20 +208,71 @@ def write_shard(
     }
 
 
+MANIFEST_LIMITS = JsonLimits(max_bytes=64 << 20, max_depth=32, max_values=4_000_000)
+"""What a manifest may cost before it is parsed. A shard's entry is some 380 bytes and 11 values, a
+dataset file's under 5,000 bytes and 6, the rest a few kilobytes, nested 6 levels deep: 64 MiB and 4
+million values hold over 150,000 shards (150 million sequences at the default 1,024 per shard) and
+thousands of dataset files, and parse in under 400 MiB however the bytes are spent."""
+_NUMBER = (int, float)
+_MANIFEST_KEYS: dict[str, type | tuple[type, ...]] = {
+    "format": str,
+    "format_version": int,
+    "family": str,
+    "layout": dict,
+    "transformers": str,
+    "config": dict,
+    "config_hash": str,
+    "inputs": list,
+    "counts": dict,
+    "tokens": int,
+    "label_tokens": int,
+    "sequences": int,
+    "lower_bound": int,
+    "max_length": int,
+    "algorithm": str,
+    "fill_ratio": _NUMBER,
+    "padding_saved": _NUMBER,
+    "rejects": dict,
+    "shards": list,
+}
+"""Every key finalize writes, with its type; a key outside it, or of another type, refuses the pack."""
+_COUNTS_KEYS: dict[str, type | tuple[type, ...]] = {
+    "input": int,
+    "packed": int,
+    "rejected": int,
+    "rejected_by_reason": dict,
+    "duplicate_ids": int,
+    "sources": dict,
+}
+_INPUT_KEYS: dict[str, type | tuple[type, ...]] = {
+    "name": str,
+    "path": str,
+    "entry": str,
+    "bytes": int,
+    "sha256": str,
+}
+_REJECTS_KEYS: dict[str, type | tuple[type, ...]] = {"file": str, "sha256": str}
+_SHARD_OPTIONAL = {"index": int, "bytes": int, "tokens": int, "media_bytes": int, "media_rows": int}
+
+
+def _manifest_error(mpath: Path) -> Callable[[str], Exception]:
+    return lambda problem: ShardFormatError(
+        f"{problem}; the pack's {MANIFEST} is damaged or edited: re-pack the data"
+    )
+
+
 def read_manifest(path: Path) -> dict[str, Any]:
+    """A pack's manifest, the one reader of it: a regular file inside the pack, its size, depth and
+    value count bounded (`MANIFEST_LIMITS`) before it is parsed, every key known and of its type."""
     mpath = Path(path) / MANIFEST
-    if not mpath.is_file():
+    if not os.path.lexists(mpath):
         raise ShardFormatError(
             f"{path} has no {MANIFEST}: it is not a finished pack. Run `packtrain pack run` "
             "(or wait for the PackJob to succeed) and point at its output folder."
         )
-    try:
-        manifest = json.loads(mpath.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ShardFormatError(
-            f"{mpath} is not readable JSON ({exc}): the pack is damaged. Re-run `packtrain pack materialize` "
-            "on its output folder (it rewrites the manifest), or re-pack."
-        ) from exc
+    manifest = untrusted.read_json(
+        mpath, Path(os.path.realpath(path)), MANIFEST_LIMITS, _manifest_error(mpath)
+    )
     if not isinstance(manifest, dict):
         raise ShardFormatError(f"{mpath} is not a JSON object: the pack is damaged; re-pack the data.")
     version = manifest.get("format_version")
@@ -228,8 +281,50 @@ def read_manifest(path: Path) -> dict[str, Any]:
             f"{path}: pack format version {version!r}, this packtrain reads version {FORMAT_VERSION}. "
             "Re-pack the data with this packtrain version."
         )
+    _check_keys(mpath, "", manifest, _MANIFEST_KEYS)
+    _check_parts(mpath, manifest)
     _check_shard_entries(mpath, manifest.get("shards"))
     return manifest
+
+
+def _check_keys(
+    mpath: Path, where: str, obj: dict[str, Any], known: dict[str, type | tuple[type, ...]]
+) -> None:
+    """Every key of `obj` one of `known`, its value of the type listed (a bool is no number)."""
+    for key, value in obj.items():
+        want = known.get(key)
+        name = f"{where}{key}"[:200]
+        if want is None:
+            raise ShardFormatError(
+                f"{mpath}: unknown key {name!r} (a manifest holds {', '.join(known)}); the manifest was "
+                "edited or damaged. Re-run `packtrain pack materialize` on the output folder, or re-pack."
+            )
+        if isinstance(value, bool) or not isinstance(value, want):
+            raise ShardFormatError(
+                f"{mpath}: {name} is {type(value).__name__}, not {_type_name(want)}; the manifest was "
+                "edited or damaged. Re-run `packtrain pack materialize` on the output folder, or re-pack."
+            )
+
+
+def _type_name(want: type | tuple[type, ...]) -> str:
+    return "number" if want == _NUMBER else getattr(want, "__name__", str(want))
+
+
+def _check_parts(mpath: Path, manifest: dict[str, Any]) -> None:
+    """The keys and types of the manifest's counts, dataset files and rejects file."""
+    counts = manifest.get("counts", {})
+    _check_keys(mpath, "counts.", counts, _COUNTS_KEYS)
+    by_reason = counts.get("rejected_by_reason", {})
+    _check_keys(mpath, "counts.rejected_by_reason.", by_reason, dict.fromkeys(by_reason, int))
+    sources = counts.get("sources", {})
+    _check_keys(mpath, "counts.sources.", sources, dict.fromkeys(sources, dict))
+    for entry, source_counts in sources.items():
+        _check_keys(mpath, f"counts.sources.{entry}.", source_counts, dict.fromkeys(source_counts, int))
+    for i, entry in enumerate(manifest.get("inputs", [])):
+        if not isinstance(entry, dict):
+            raise ShardFormatError(f"{mpath}: inputs[{i}] is not an object; re-pack the data.")
+        _check_keys(mpath, f"inputs[{i}].", entry, _INPUT_KEYS)
+    _check_keys(mpath, "rejects.", manifest.get("rejects", {}), _REJECTS_KEYS)
 
 
 def _check_shard_entries(mpath: Path, shards: Any) -> None:
@@ -243,6 +338,9 @@ def _check_shard_entries(mpath: Path, shards: Any) -> None:
                 f"{mpath}: shards[{i}] lacks {', '.join(missing)}; the manifest was edited or damaged. "
                 "Re-run `packtrain pack materialize` on the output folder, or re-pack."
             )
+        _check_keys(
+            mpath, f"shards[{i}].", entry, {**dict.fromkeys(SHARD_KEYS, str), **_SHARD_OPTIONAL, "rows": int}
+        )
         bad = [k for k in SHARD_KEYS if not isinstance(entry[k], int if k == "rows" else str)]
         if bad or entry["rows"] < 0:
             raise ShardFormatError(

@@ -31,6 +31,7 @@ class MemoryVerdict:
 
     status: dict[str, Any]
     refusal: str | None = None
+    invalid: str | None = None  # the model's sizes break a bound: the trainer would exit 2 on them
 
     @property
     def planned(self) -> bool:
@@ -81,6 +82,9 @@ def memory_verdict(
     quantity = res.gpu_memory or rules.gpu_memory
     try:
         dims = model_dims(deep_merge(sizes, spec.model.config_overrides), spec.model.family)
+    except ConfigError as exc:  # before anything loops over or divides by the sizes
+        return MemoryVerdict({"planned": False, "message": f"not planned: {exc}"}, invalid=str(exc))
+    try:
         memory = int(policy.quantity(quantity))
     except (ConfigError, ValueError, TypeError, KeyError) as exc:
         return _unplanned(f"the model sizes do not plan ({exc})")

@@ -67,6 +67,9 @@ def decide_start(
         evals = builders.eval_source(data, eval_ref, PackJobSpec.model_validate(evaljob["spec"]))
         data = dataclasses.replace(data, eval=evals)
     verdict = memory_verdict(spec, defaults.policy, pack_spec, pack_status)
+    if verdict.invalid is not None:
+        message = f"{verdict.invalid}. Fix it, then delete and re-create the SFTJob."
+        return SFTDecision(status=failed_status(body, R.INVALID_CONFIGURATION, message, now))
     if verdict.refusal is not None:
         message = f"{verdict.refusal}. Fix it, then delete and re-create the SFTJob."
         return SFTDecision(status=failed_status(body, R.INSUFFICIENT_GPU_MEMORY, message, now))

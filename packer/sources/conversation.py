@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from packtrain.core import record_json
 from packtrain.core.config import FieldMap
 from packtrain.core.contract import RejectReason
 from packtrain.core.families import Family
@@ -164,6 +165,8 @@ class ConversationParser:
         if role == "function_call":
             try:
                 call = self.family.tool_call_text(text)
+            except record_json.RecordJSONError as exc:
+                raise SampleError(exc.reason, f"turn {i}: {exc.detail}") from exc
             except ValueError as exc:
                 raise SampleError(RejectReason.MALFORMED_RECORD, f"turn {i}: {exc}") from exc
             turns.append(Turn("assistant", [call], reasoning))
@@ -329,7 +332,9 @@ def _tools(value: Any) -> list[Any]:
         return []
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = record_json.loads(value, "tools")
+        except record_json.RecordJSONError as exc:
+            raise SampleError(exc.reason, exc.detail) from exc
         except json.JSONDecodeError as exc:
             raise SampleError(RejectReason.MALFORMED_RECORD, f"tools: not valid JSON ({exc})") from exc
     if isinstance(value, dict):

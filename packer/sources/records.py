@@ -24,6 +24,7 @@ from typing import Any, BinaryIO, Protocol, cast
 
 from packtrain.core.contract import MAX_NESTING_DEPTH, MAX_RECORD_BYTES, RejectReason
 from packtrain.core.errors import ConfigError, relative_note
+from packtrain.core.record_json import shape_error
 from packtrain.packer.sources.raw import Copies, RawRecord, Times, Want, skipped
 
 _GLOB_CHARS = frozenset("*?[")
@@ -320,13 +321,6 @@ def _scan(
             depth -= run
 
 
-def _deepest(data: bytes) -> int:
-    """How deep the JSON value in `data` nests (0 for a scalar); cheap when it has few brackets."""
-    if data.count(b"[") + data.count(b"{") <= MAX_NESTING_DEPTH:
-        return 0  # cannot be too deep; the exact depth is not needed
-    return _scan(data, 0, 0, 0, False)[2]
-
-
 @dataclass(frozen=True)
 class _Item:
     """Where one array item lies, and its bytes when they were kept."""
@@ -486,8 +480,6 @@ def _read_lines(path: Path, want: Want | None = None) -> Iterator[RawRecord]:
                 yield skipped(path, index)
             elif line is None:
                 yield _too_large(path, index, f"line {lineno}", size)
-            elif (deepest := _deepest(line)) > MAX_NESTING_DEPTH:
-                yield _too_deep(path, index, f"line {lineno}", deepest)
             else:
                 yield _parse(path, index, line, f"line {lineno}")
             index += 1
@@ -533,7 +525,10 @@ def _too_deep(path: Path, index: int, where: str, deepest: int) -> RawRecord:
 
 
 def _parse(path: Path, index: int, data: bytes, where: str) -> RawRecord:
-    """One record's JSON text, decoded as `json.loads` does; any failure is a reject."""
+    """One record's JSON text, decoded as `json.loads` does once its shape is within a record's limits
+    (`record_json`); any failure is a reject."""
+    if (shape := shape_error(data, where)) is not None:
+        return RawRecord(path, index, None, shape.detail, shape.reason)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -208,8 +208,12 @@ def _apply_overlong(
     if len(sample.input_ids) <= max_length:
         return sample
     policy = cfg.packing.overlong
-    hint = video_hint(sample, max_length, tokenizer.model.vision)
-    detail = f"{len(sample.input_ids)} tokens > maxLength {max_length}"
+    if sample.complete:
+        hint = video_hint(sample, max_length, tokenizer.model.vision)
+        detail = f"{len(sample.input_ids)} tokens > maxLength {max_length}"
+    else:  # tokenized only until it was over (`long_text`): its length and its media are not all known
+        hint = ""
+        detail = f"at least {len(sample.input_ids)} tokens > maxLength {max_length} (tokenized only that far)"
     if policy == "error":
         raise ConfigError(
             f"sample {sample.sample_id} ({sample.source} #{sample.index}) has {detail}{hint}; "

@@ -20,8 +20,8 @@ import pyarrow.compute as pc
 
 from packtrain.core.config import PackConfig
 from packtrain.core.contract import ErrorReport, PackCounts, pack_outcome_error
-from packtrain.core.families import FAMILIES
 from packtrain.core.layout import family_layout
+from packtrain.core.model_spec import pack_family
 from packtrain.core.pack.schema import FORMAT_VERSION, IGNORE_INDEX
 from packtrain.core.pack.shards import (
     MANIFEST,
@@ -125,13 +125,14 @@ def _manifest(
     packed = summary["packed"] - len(late)
     sequences = sum(int(e["rows"]) for e in entries)
     fill_ratio, padding_saved = fill(tokens, sequences, packed, p.max_length)
+    family = pack_family(cfg.model)
     return {
         "format": "packtrain-pack",
         "format_version": FORMAT_VERSION,
-        "family": cfg.model.family,
+        "family": family.name,
         # How media are written into the ids, and by which transformers' rules: the trainer refuses a
         # pack whose layout its own processor would not write (`core/layout.py`).
-        "layout": family_layout(FAMILIES[cfg.model.family]),
+        "layout": family_layout(family),
         "transformers": version("transformers"),
         "config": cfg.dump(),
         "config_hash": cfg.config_hash(),

@@ -27,6 +27,7 @@ from packtrain.core.pack.shards import (
     SHARDS_DIR,
     atomic_write,
     canonical_json,
+    read_manifest,
     read_table,
     sha256_file,
 )
@@ -126,7 +127,7 @@ def refresh(cfg: PackConfig, out: Path) -> str | None:
     check_output_config(cfg, out)
     manifest = out / MANIFEST
     if manifest.is_file():
-        made_by = json.loads(manifest.read_text()).get("config_hash")
+        made_by = read_manifest(out).get("config_hash")
         if made_by != cfg.config_hash():
             raise ConfigError(
                 f"{manifest} was made with another configuration (hash {str(made_by)[:12]}…); it is not "

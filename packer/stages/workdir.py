@@ -17,11 +17,13 @@ from typing import Any
 
 import pyarrow as pa
 
+from packtrain.core import untrusted
 from packtrain.core.config import PackConfig
 from packtrain.core.contract import ErrorReport, MaterializeSummary
-from packtrain.core.errors import ConfigError
+from packtrain.core.errors import ConfigError, ShardFormatError
 from packtrain.core.pack.shards import (
     MANIFEST,
+    MANIFEST_LIMITS,
     atomic_write,
     canonical_json,
     read_table,
@@ -95,7 +97,11 @@ class PackRefused(ConfigError):
 def refusal(out: Path) -> dict[str, Any] | None:
     """The refusal finalize recorded in `out` (REFUSED: the report and the would-be manifest), or None."""
     path = work_dir(out) / REFUSED
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    damaged = lambda problem: ShardFormatError(f"{problem}; delete {path} and run the pack again")  # noqa: E731
+    found = untrusted.read_json(path, Path(os.path.realpath(out)), MANIFEST_LIMITS, damaged)
+    return found if isinstance(found, dict) else None
 
 
 def part_name(index: int, count: int) -> str:

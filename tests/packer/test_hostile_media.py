@@ -213,13 +213,13 @@ def test_recursion_in_a_record_is_one_reject_and_the_worker_goes_on(tmp_path: Pa
     tok = _tokenizer()
     nested = _one(tok, _chat(tools=deep), tmp_path / "d.jsonl")
     assert _reason(nested) == "internal_error" and nested.detail.startswith("RecursionError: ")
-    # A string-valued `tools` is parsed later, by the conversation reader: the same, from a real file.
+    # A string-valued `tools` is parsed later, by the conversation reader, within a record's limits.
     path = tmp_path / "tools.jsonl"
     lines = [_chat(tools=mf.nested_tools(100_000)), _chat(), _chat(tools=mf.nested_tools(100_000)), _chat()]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     results = [tok(raw) for raw in iter_records([str(path)])]
-    assert [_reason(r) for r in results] == ["internal_error", None, "internal_error", None]
-    assert results[0].detail.startswith("RecursionError: ")
+    assert [_reason(r) for r in results] == ["bad_json", None, "bad_json", None]
+    assert results[0].detail.startswith("tools: nested 100000 levels deep")
 
 
 @pytest.mark.timeout(120)
@@ -237,7 +237,7 @@ def test_convert_stage_survives_a_hostile_file(tree: dict[str, Path], tmp_path: 
         (_image("pipe.jpg"), "unsupported_media"),
         (_video("bomb.mp4"), "video_too_large"),
         (_video("notes.avi"), "corrupt_media"),
-        (_chat(tools=mf.nested_tools(100_000)), "internal_error"),
+        (_chat(tools=mf.nested_tools(100_000)), "bad_json"),
         (_chat(), None),
     ]
     ds = tree["dataset"]

@@ -15,6 +15,7 @@ from support.paths import DATASETS, DEMO, MODELS
 
 from packtrain.core.config import PackConfig
 from packtrain.core.errors import ConfigError
+from packtrain.core.output_lock import LOCK_FILE
 from packtrain.packer import local
 from packtrain.packer.cli import main as pack_main
 from packtrain.packer.stages.convert import convert
@@ -39,7 +40,7 @@ def _files(out: Path) -> dict[str, bytes]:
     return {
         str(p.relative_to(out)): p.read_bytes()
         for p in sorted(out.rglob("*"))
-        if p.is_file() and p.relative_to(out).parts[0] != "work"
+        if p.is_file() and p.relative_to(out).parts[0] not in ("work", LOCK_FILE)  # `pack run`'s claim
     }
 
 

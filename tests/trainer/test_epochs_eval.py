@@ -25,6 +25,7 @@ from packtrain.trainer.data.sampler import Layout, carve_eval, eval_micro_batche
 from packtrain.trainer.evaluate import due, evaluate
 from packtrain.trainer.loop import batches, train
 from packtrain.trainer.model.build import VLMForTraining, build_model
+from packtrain.trainer.state.checkpoint import read_saved
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -220,9 +221,7 @@ def test_epochs_report_steps_and_eval_loss_and_resume_exactly_across_an_epoch(ti
     checkpoints = tmp_path / "straight" / "checkpoints"
     positions = [
         (d["data"]["epoch"], d["data"]["next"])
-        for d in (
-            torch.load(checkpoints / f"step-0000000{n}" / "trainer.pt", weights_only=False) for n in (2, 4)
-        )
+        for d in (read_saved(checkpoints / f"step-0000000{n}").state for n in (2, 4))
     ]
     assert positions == [(1, 0), (2, 0)]  # each epoch trains every unit once, then rolls over
 

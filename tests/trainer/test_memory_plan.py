@@ -19,6 +19,7 @@ from support.qwen_sizes import released_overrides
 from packtrain.core.errors import EXIT_CONFIG, ConfigError
 from packtrain.core.memory_plan import GIB, PlanInputs, parse_bytes, plan_memory, refusal
 from packtrain.core.model_size import LoraShape, model_dims, planning_config, read_config
+from packtrain.core.pack.schema import FORMAT_VERSION
 from packtrain.trainer import cli, memory_check
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_memory_plan.py"
@@ -59,19 +60,22 @@ def test_plan_fits_with_fsdp_and_checkpointing_and_prints_a_table(tmp_path, caps
     assert "AdamW m, v (fp32)" in out and "per host" in out and "fits:" in out
 
 
+EMPTY_PACK = {"format_version": FORMAT_VERSION, "shards": []}  # the least a manifest holds
+
+
 def test_plan_reads_the_packs_max_length_and_asks_for_one_without(tmp_path, capsys):
     job = _job(tmp_path)
     assert cli.main(["--plan", "--json", "-c", str(job)]) == EXIT_CONFIG
     assert "--max-length" in capsys.readouterr().err
     (tmp_path / "pack").mkdir()
-    (tmp_path / "pack" / "manifest.json").write_text(json.dumps({"max_length": 2048}))
+    (tmp_path / "pack" / "manifest.json").write_text(json.dumps({**EMPTY_PACK, "max_length": 2048}))
     assert cli.main(["--plan", "--json", "-c", str(job)]) == 0  # no gpuMemory: nothing to refuse
     assert json.loads(capsys.readouterr().out)["inputs"]["max_length"] == 2048
 
 
 def test_the_trainer_refuses_at_start_up_before_building_the_model(tmp_path, monkeypatch, capsys):
     (tmp_path / "pack").mkdir()
-    (tmp_path / "pack" / "manifest.json").write_text(json.dumps({"max_length": 8192}))
+    (tmp_path / "pack" / "manifest.json").write_text(json.dumps({**EMPTY_PACK, "max_length": 8192}))
     monkeypatch.setattr(memory_check, "device_memory", lambda: 80 * GIB)
     monkeypatch.setattr("packtrain.trainer.loop.train", lambda *a, **k: pytest.fail("the model was built"))
     assert cli.main(["-c", str(_job(tmp_path))]) == EXIT_CONFIG

@@ -69,10 +69,10 @@ def test_restart_after_the_last_step_keeps_the_checkpoint_it_resumed_from(pack_d
     cfg = write_job(tmp_path / "job.yaml", spec)
     train(load_train_config(cfg), log=lambda _: None)
     ckpt = tmp_path / "run" / "checkpoints" / "step-00000002"
-    before = (ckpt.stat().st_ino, (ckpt / "trainer.pt").stat().st_mtime_ns)
+    before = (ckpt.stat().st_ino, (ckpt / "trainer.json").stat().st_mtime_ns)
     again = train(load_train_config(cfg), log=lambda _: None)
     assert again["steps_this_run"] == 0 and again["resumed_from"] == str(ckpt)
-    assert (ckpt.stat().st_ino, (ckpt / "trainer.pt").stat().st_mtime_ns) == before
+    assert (ckpt.stat().st_ino, (ckpt / "trainer.json").stat().st_mtime_ns) == before
 
 
 def test_resume_inside_a_later_epoch_continues_the_same_stream(pack_dir):

@@ -83,8 +83,11 @@ def test_a_checkpoint_resumes_at_any_world_size_and_strategy(chain):
     _assert_same(_step(root, 4), _step(root, 40))  # 4 FSDP ranks → 2 DDP ranks
     # Training on after each resharded resume is the straight run (elementwise AdamW on shards).
     _assert_same(_step(root, 4), _step(ref, 4))
-    assert sorted(p.name for p in _step(root, 2).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-    assert len(list(_step(root, 3).glob("*.distcp"))) == 1 and len(list(_step(root, 4).glob("*.distcp"))) == 4
+    assert sorted(p.name for p in _step(root, 2).glob("tensors-*.bin")) == [
+        "tensors-00000.bin",
+        "tensors-00001.bin",
+    ]
+    assert len(list(_step(root, 3).glob("*.bin"))) == 1 and len(list(_step(root, 4).glob("*.bin"))) == 4
     model, optim = checkpoint.saved_state(_step(root, 4))
     assert not any(k.startswith(reshard_job.FROZEN) for k in model)  # frozen: rebuilt, not saved
     # The vision tower never had a gradient: no AdamW state, through every reshard.
@@ -96,7 +99,7 @@ def test_ranks_without_a_saved_rng_state_get_a_seeded_fresh_one(chain):
     saved) start from `fresh_rng_seed(seed, step, rank)`: distinct, and the same on every rerun."""
     root, _ = chain
     draws = [json.loads((root / f"rng-3-4-{r}.json").read_text()) for r in range(4)]
-    torch.set_rng_state(torch.load(_step(root, 3) / "rng-00000.pt", weights_only=False)["torch"])
+    torch.set_rng_state(checkpoint.read_rng(checkpoint.read_saved(_step(root, 3)), 0)["torch"])
     assert draws[0] == torch.rand(2).tolist()
     for rank in (1, 2, 3):
         torch.manual_seed(checkpoint.fresh_rng_seed(0, 3, rank))
@@ -142,26 +145,34 @@ def test_a_bf16_export_is_the_fp32_one_cast_whatever_the_ranks(chain):
     assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], cast[k]) for k in got)
 
 
-def test_legacy_full_state_checkpoints_still_load(chain, tmp_path):
-    """A folder of the former format (model.pt + optimizer.pt gathered on rank 0) loads as before."""
+def test_checkpoints_of_the_former_formats_are_refused_unread(chain, tmp_path):
+    """A folder of a former format (model.pt + optimizer.pt gathered on rank 0, or DCP's pickled
+    .metadata, with trainer.pt) cannot be read without unpickling: refused, saying what to do, by the
+    newest-checkpoint scan as by a load (the planted pickles of test_hostile_checkpoints prove that
+    none is read)."""
     root, _ = chain
     model_sd, optim_sd = checkpoint.saved_state(_step(root, 2))
     legacy = _step(tmp_path, 2)
     legacy.mkdir(parents=True)
     torch.save(model_sd, legacy / "model.pt")
     torch.save(optim_sd, legacy / "optimizer.pt")
-    for name in ("trainer.pt", "rng-00000.pt"):
-        (legacy / name).write_bytes((_step(root, 2) / name).read_bytes())
-    args = ["--root", str(tmp_path), "--load", "2", "--resave", "21"]
-    reshard_job.run(reshard_job.parse(args), DistEnv())
-    _assert_same(_step(root, 2), _step(tmp_path, 21))
+    torch.save({"step": 2, "data": {"seed": 0}}, legacy / "trainer.pt")
+    model, _, optimizer, scheduler = reshard_job.build("fsdp", DistEnv())
+    for refuse in (
+        lambda: checkpoint.latest(tmp_path),
+        lambda: checkpoint.load(legacy, model, optimizer, scheduler, DistEnv()),
+    ):
+        with pytest.raises(
+            ConfigError, match=r"cannot be read safely \(trainer.pt, model.pt, optimizer.pt: pickles"
+        ):
+            refuse()
 
 
 def test_a_folder_in_neither_format_is_refused_with_what_to_do(tmp_path):
     folder = _step(tmp_path, 2)
     folder.mkdir(parents=True)
     model, _, optimizer, scheduler = reshard_job.build("fsdp", DistEnv())
-    with pytest.raises(ConfigError, match="delete it"):
+    with pytest.raises(ConfigError, match=r"trainer.json is missing .*; delete \S*step-00000002 "):
         checkpoint.load(folder, model, optimizer, scheduler, DistEnv())
 
 
@@ -231,10 +242,7 @@ def test_a_run_moves_to_other_ranks_keeping_its_global_batch(pack_dir, tmp_path)
     resumed = train(load_train_config(write_job(tmp_path / "c.yaml", moved)), log=lambda _: None)
     assert resumed["resumed_from"].endswith("step-00000002") and resumed["steps_this_run"] == 2
     assert resumed["final_loss"] == pytest.approx(reference["final_loss"], rel=1e-5)
-    data = [
-        torch.load(_step(tmp_path / r, 4) / "trainer.pt", weights_only=False)["data"]
-        for r in ("straight", "moved")
-    ]
+    data = [checkpoint.read_saved(_step(tmp_path / r, 4)).state["data"] for r in ("straight", "moved")]
     assert data[0] == data[1]
     a, b = (
         load_file(tmp_path / "straight" / "final" / "model.safetensors"),

@@ -18,7 +18,7 @@ from packtrain.core.sft_config import load_train_config
 from packtrain.trainer.cli import main
 from packtrain.trainer.loop import train
 from packtrain.trainer.model.build import build_model
-from packtrain.trainer.state.checkpoint import saved_state
+from packtrain.trainer.state.checkpoint import read_saved, saved_state
 
 
 def _summary(capsys: pytest.CaptureFixture[str]) -> dict:
@@ -74,10 +74,8 @@ def test_2n_steps_equal_n_steps_resume_n_steps_bit_for_bit(pack_dir, tmp_path, c
     _, opt_b = saved_state(resumed_dir / "checkpoints" / "step-00000004")
     for key, state in opt_a["state"].items():
         assert torch.equal(state["exp_avg"], opt_b["state"][key]["exp_avg"])
-    data_a = torch.load(
-        tmp_path / "straight" / "checkpoints" / "step-00000004" / "trainer.pt", weights_only=False
-    )
-    data_b = torch.load(resumed_dir / "checkpoints" / "step-00000004" / "trainer.pt", weights_only=False)
+    data_a = read_saved(tmp_path / "straight" / "checkpoints" / "step-00000004").state
+    data_b = read_saved(resumed_dir / "checkpoints" / "step-00000004").state
     assert data_a["data"] == data_b["data"] and data_a["data"]["next"] == 4
 
 

@@ -32,7 +32,7 @@ from transformers import PreTrainedModel
 from packtrain.core.errors import ConfigError
 from packtrain.trainer.model import param_groups
 from packtrain.trainer.model.lora import ADAPTER
-from packtrain.trainer.model.weights import Checkpoint, ReadStats, match_names
+from packtrain.trainer.model.weights import FLOAT_DTYPES, Checkpoint, ReadStats, match_names
 
 PEFT_WRAPPED = ".base_layer"  # where PEFT moves the wrapped layer's own parameters
 
@@ -195,6 +195,11 @@ def plan_load(hf: PreTrainedModel, checkpoint: Checkpoint, skip: set[int]) -> di
             raise ConfigError(
                 f"checkpoint tensor {stored} has shape {checkpoint.shape(stored)} but the model's "
                 f"{name} is {tuple(by_name[name].shape)}; remove model.configOverrides that change its size"
+            )
+        if by_name[name].is_floating_point() and checkpoint.dtype(stored) not in FLOAT_DTYPES:
+            raise ConfigError(
+                f"checkpoint tensor {stored} is {checkpoint.dtype(stored)}, not floating point, but the "
+                f"model's {name} is; point model.path at this model's own weights"
             )
     return found
 

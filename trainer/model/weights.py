@@ -11,11 +11,17 @@ way `from_pretrained` does in this transformers version: the released Qwen2-VL /
 checkpoints' `model.layers.*` and `visual.*` become `model.language_model.layers.*` and
 `model.visual.*`, the names our own export writes stay as they are. Names it cannot place (or
 that would need more than a rename) are refused with what to do, as are missing tensors.
+
+A model folder is untrusted: the index's file names must resolve inside the folder to regular files
+(no file elsewhere, no FIFO that would hang the load), and each file's safetensors header is read
+and checked here, within a cap, before safetensors maps a byte of it: every tensor's dtype known,
+its shape's bytes equal to its span, the spans tiling the file's data exactly. A file that breaks
+any of it is a ConfigError naming it (exit 2), never a traceback.
 """
 
 from __future__ import annotations
 
-import json
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -26,10 +32,35 @@ import torch
 from safetensors import safe_open
 from transformers import PreTrainedModel
 
+from packtrain.core import untrusted
 from packtrain.core.errors import ConfigError
+from packtrain.core.model_folder import FILE_LIMITS, INDEX_FILE
 
-INDEX = "model.safetensors.index.json"
+INDEX = INDEX_FILE
 SINGLE = "model.safetensors"
+MAX_HEADER_BYTES = 100_000_000
+"""The largest safetensors header read (the format's own limit): a header is ~150 bytes a tensor."""
+HEADER_LIMITS = untrusted.JsonLimits(max_bytes=MAX_HEADER_BYTES, max_depth=3, max_values=4_000_000)
+DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+"""The safetensors dtypes torch reads, by bytes per element."""
+FLOAT_DTYPES = frozenset({"F8_E5M2", "F8_E4M3", "F16", "BF16", "F32", "F64"})
+MAX_DIMS = 8
 # Buffers older checkpoints saved that the model now recomputes (transformers drops them too).
 ALWAYS_UNEXPECTED = (r"rotary_emb\.inv_freq$", r"(^|\.)position_ids$")
 SHOWN = 5  # names an error message lists
@@ -43,29 +74,147 @@ class ReadStats:
     bytes: int = 0
 
 
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor as its file's header declares it (checked against the file before anything is read)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def weights_error(problem: str) -> ConfigError:
+    return ConfigError(
+        f"model.path weights: {problem}; re-save the weights with save_pretrained into the model folder, "
+        "or set model.init: random"
+    )
+
+
+def _whole(value: Any) -> bool:
+    """A list of whole numbers (a bool is not one)."""
+    return isinstance(value, list) and all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value
+    )
+
+
+def _tensor(name: str, entry: Any, data_bytes: int) -> tuple[TensorInfo, int, int]:
+    """One header entry checked: a known dtype, a shape of whole numbers whose bytes equal its span,
+    the span inside the file's data; (info, start, end)."""
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise ValueError(f"tensor {name[:200]!r} is not described by dtype, shape and data_offsets alone")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        raise ValueError(
+            f"tensor {name[:200]!r} has dtype {str(dtype)[:40]!r}, not one of {', '.join(DTYPE_BYTES)}"
+        )
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not _whole(shape):
+        raise ValueError(f"tensor {name[:200]!r}: its shape is not up to {MAX_DIMS} whole numbers")
+    if not _whole(offsets) or len(offsets) != 2 or not offsets[0] <= offsets[1] <= data_bytes:
+        raise ValueError(
+            f"tensor {name[:200]!r}: data_offsets {str(offsets)[:80]} are not a span of the file's "
+            f"{data_bytes} data bytes"
+        )
+    count = 1
+    for n in shape:
+        count *= n
+    if count * DTYPE_BYTES[dtype] != offsets[1] - offsets[0]:
+        raise ValueError(
+            f"tensor {name[:200]!r} claims {count} elements of {dtype} in {offsets[1] - offsets[0]} bytes"
+        )
+    return TensorInfo(dtype, tuple(shape)), offsets[0], offsets[1]
+
+
+def read_header(path: Path, root: Path) -> dict[str, TensorInfo]:
+    """The tensors of one safetensors file, from its header alone: the file a regular one inside
+    `root`, the header's length within MAX_HEADER_BYTES and the file, every tensor checked
+    (`_tensor`) and the spans tiling the data exactly, as safetensors itself requires."""
+    fd = untrusted.open_file(path, root, None, weights_error)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else None
+        if length is None or length > MAX_HEADER_BYTES or 8 + length > size:
+            said = "no 8-byte header length" if length is None else f"a {length}-byte header"
+            raise weights_error(
+                f"{path} declares {said} (the file has {size} bytes, a header at most {MAX_HEADER_BYTES})"
+            )
+        raw = f.read(length)
+    header = untrusted.loads(raw, HEADER_LIMITS, path, weights_error)
+    if not isinstance(header, dict):
+        raise weights_error(f"{path}: its header is not a JSON object")
+    header.pop("__metadata__", None)
+    tensors: dict[str, TensorInfo] = {}
+    spans: list[tuple[int, int]] = []
+    try:
+        for name, entry in header.items():
+            tensors[name], start, end = _tensor(name, entry, size - 8 - length)
+            spans.append((start, end))
+    except ValueError as exc:
+        raise weights_error(f"{path}: {exc}") from None
+    end = 0
+    for start, stop in sorted(spans):
+        if start != end:
+            raise weights_error(f"{path}: its tensors' data overlap or leave a gap at byte {start}")
+        end = stop
+    if end != size - 8 - length:
+        raise weights_error(f"{path}: its tensors' data end at byte {end} of {size - 8 - length}")
+    return tensors
+
+
+def _index(folder: Path, root: Path) -> dict[str, str]:
+    """The index's weight map: checkpoint name -> file, every value a file name (checked where read)."""
+    index = untrusted.read_json(folder / INDEX, root, FILE_LIMITS, weights_error)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+        raise weights_error(f"{folder / INDEX}: `weight_map` is not an object of tensor name -> file name")
+    return weight_map
+
+
 @dataclass
 class Checkpoint:
     """The tensors of one checkpoint folder, by checkpoint name, read lazily from their files."""
 
     folder: Path
     files: dict[str, str]  # checkpoint name -> file name in `folder`
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)  # checkpoint name -> its header entry
     stats: ReadStats = field(default_factory=ReadStats)
     _open: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def open(cls, folder: str | Path) -> Checkpoint:
-        """A folder's single file or its index (what `save_pretrained` writes, sharded or not)."""
+        """A folder's single file or its index (what `save_pretrained` writes, sharded or not), every
+        file it names checked (`read_header`) before any is mapped."""
         folder = Path(folder)
-        if (folder / INDEX).is_file():
-            weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
-            return cls(folder, dict(weight_map))
-        if (folder / SINGLE).is_file():
-            with safe_open(folder / SINGLE, framework="pt") as handle:
-                return cls(folder, dict.fromkeys(handle.keys(), SINGLE))
-        raise ConfigError(
-            f"{folder} holds neither {SINGLE} nor {INDEX}; save the weights as safetensors "
-            "(`save_pretrained(folder)` does by default) or set model.init: random"
-        )
+        root = untrusted.confinement_root(folder)
+        headers: dict[str, dict[str, TensorInfo]] = {}
+        if os.path.lexists(folder / INDEX):
+            files = _index(folder, root)
+        elif os.path.lexists(folder / SINGLE):
+            headers[SINGLE] = read_header(folder / SINGLE, root)
+            files = dict.fromkeys(headers[SINGLE], SINGLE)
+        else:
+            raise ConfigError(
+                f"{folder} holds neither {SINGLE} nor {INDEX}; save the weights as safetensors "
+                "(`save_pretrained(folder)` does by default) or set model.init: random"
+            )
+        by_file: dict[str, list[str]] = {}
+        for name, file in files.items():
+            by_file.setdefault(file, []).append(name)
+        tensors: dict[str, TensorInfo] = {}
+        for file, names in sorted(by_file.items()):
+            try:
+                found = headers.get(file) or read_header(folder / file, root)
+            except FileNotFoundError:
+                raise weights_error(
+                    f"{file[:200]!r} is named by {folder / INDEX} but not in {folder}"
+                ) from None
+            missing = [name for name in names if name not in found]
+            if missing:
+                raise weights_error(
+                    f"{folder / file} lacks {len(missing)} tensors the index puts there, "
+                    f"e.g. {missing[:SHOWN]}"
+                )
+            tensors.update({name: found[name] for name in names})
+        return cls(folder, files, tensors)
 
     def _slice(self, name: str) -> Any:
         file = self.files[name]
@@ -74,7 +223,10 @@ class Checkpoint:
         return self._open[file].get_slice(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name).get_shape())
+        return self.tensors[name].shape
+
+    def dtype(self, name: str) -> str:
+        return self.tensors[name].dtype
 
     def read(self, name: str, box: tuple[slice, ...]) -> torch.Tensor:
         """The part `box` (one slice per dimension) of tensor `name`: only its bytes are copied."""

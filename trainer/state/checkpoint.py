@@ -1,18 +1,21 @@
 """Resumable checkpoints: sharded, written by every rank, resumable at any world size.
 
-A checkpoint folder `checkpoints/step-NNNNNNNN/` is a `torch.distributed.checkpoint` (DCP) folder:
-each rank writes its own part of the trainable parameters and their AdamW state (`__R_0.distcp`,
-FSDP2 shards as they are, replicated tensors spread over the ranks once each) and rank 0 the
-`.metadata` that says where every piece of every tensor lies. No rank ever holds the whole model
-or optimizer, so a 72B model checkpoints in what each rank already holds; and DCP reads the pieces
-back into any layout, so a checkpoint written by 2 FSDP ranks resumes on 1 process, on DDP or on 4
-FSDP ranks. Beside it: `trainer.pt` (step, scheduler, data position, the run's settings; written
-last), and `rng-RRRRR.pt` per rank. Frozen parameters (LoRA's base weights included) are not
-saved: they are rebuilt from the model folder and seed as the first run built them.
+A checkpoint folder `checkpoints/step-NNNNNNNN/` is written through `torch.distributed.checkpoint`
+(DCP): each rank writes its own part of the trainable parameters and their AdamW state
+(`tensors-RRRRR.bin`, FSDP2 shards as they are, replicated tensors spread over the ranks once each)
+and rank 0 the table of contents (`tensors.json`) that says where every piece of every tensor lies.
+No rank ever holds the whole model or optimizer, so a 72B model checkpoints in what each rank
+already holds; and DCP reads the pieces back into any layout, so a checkpoint written by 2 FSDP
+ranks resumes on 1 process, on DDP or on 4 FSDP ranks. Beside it: `rng-RRRRR.json` per rank, and
+`trainer.json` (step, scheduler, optimizer settings, data position, the run's settings, every file
+with its size; written last). Frozen parameters (LoRA's base weights included) are not saved: they
+are rebuilt from the model folder and seed as the first run built them.
 
-The folder is written as `.step-N.tmp` and renamed once complete, so a crash never leaves a folder
-that looks resumable but is not. Folders of the former format (the full state gathered on rank 0:
-`model.pt`, `optimizer.pt`) still load. The final Hugging Face export is `export`'s.
+Nothing is unpickled on resume (`safe_dcp`, `record`): a checkpoint is read as raw tensor bytes
+and checked JSON, so a file planted on the checkpoint volume cannot run code in the trainer.
+Folders of the former, pickled formats are refused unread. The folder is written as `.step-N.tmp`
+and renamed once complete; a published folder found incomplete or cut short is skipped with a
+WARNING for the newest complete one before it. The final Hugging Face export is `export`'s.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import re
 import shutil
+import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -34,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -41,15 +45,31 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from packtrain.core.errors import ConfigError
 from packtrain.trainer.data.sampler import Layout, plan_epoch
-from packtrain.trainer.distributed import DistEnv, barrier
+from packtrain.trainer.distributed import DistEnv, barrier, environ
+from packtrain.trainer.state import safe_dcp
+from packtrain.trainer.state.record import (
+    DONE,
+    FORMAT,
+    STEP_DIR,
+    VERSION,
+    Saved,
+    checked_groups,
+    checked_scheduler,
+    read_rng,
+    read_saved,
+    rng_file,
+    rng_record,
+    set_rng,
+    step_of,
+)
+from packtrain.trainer.state.record import (
+    check_position as check_position,  # for the resume (recipe)
+)
+from packtrain.trainer.state.safe_files import DamagedCheckpoint, fix, is_int, refused, write_json
 
-STEP_DIR = re.compile(r"^step-(\d{8})$")
-DONE = "trainer.pt"
-LEGACY_FILES = ("model.pt", "optimizer.pt")  # the former format: the full state, gathered on rank 0
 MODEL, OPTIM = "model", "optim"  # the two parts of a checkpoint's DCP state dict
 SHARDED = StateDictOptions(ignore_frozen_params=True)  # each rank's own part (FSDP2: DTensor shards)
 
@@ -85,38 +105,34 @@ def _one_process_quietly() -> Iterator[bool]:
         yield not dist.is_initialized()
 
 
-def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def fresh_rng_seed(seed: int, step: int, rank: int) -> int:
     """The seed of a rank that has no saved RNG state (the run grew): distinct per rank, the same
     for every rerun of that resume."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()[:8], "little")
 
 
-def _restore_rng(folder: Path, env: DistEnv, state: dict[str, Any]) -> None:
+def _rng_states(saved: Saved, env: DistEnv) -> dict[str, Any] | None:
+    """This rank's saved RNG state (None: the saved run had no such rank). Every rank checks the
+    files of all ranks of this run, so that all refuse a damaged one together (none waits for a
+    peer in a collective)."""
+    states = [read_rng(saved, rank) for rank in range(env.world_size)]
+    return states[env.rank]
+
+
+def _restore_rng(saved: Saved, env: DistEnv, state: dict[str, Any] | None) -> None:
     """This rank's saved RNG state; a rank the saved run did not have gets a fresh seeded one (the
     states of ranks beyond a smaller world size are not used)."""
-    saved = folder / f"rng-{env.rank:05d}.pt"
-    if saved.is_file():
-        set_rng_state(torch.load(saved, map_location="cpu", weights_only=False))
+    if state is not None:
+        set_rng(state)
         return
-    seed = fresh_rng_seed(int(state.get("data", {}).get("seed", 0)), int(state.get("step", 0)), env.rank)
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    data = saved.state.get("data")
+    seed = data.get("seed", 0) if isinstance(data, dict) else 0
+    if not is_int(seed, -(1 << 63), 1 << 63):
+        raise refused(saved.folder / DONE, "state.data.seed is not an integer")
+    fresh = fresh_rng_seed(seed, saved.step, env.rank)
+    random.seed(fresh)
+    np.random.seed(fresh % 2**32)
+    torch.manual_seed(fresh)
 
 
 # Settings that change nothing a step computes (where things go, how fast they load, what is reported,
@@ -182,43 +198,65 @@ def config_hash(config: dict[str, Any]) -> str:
 
 
 def check_resumable(folder: Path, config: dict[str, Any]) -> None:
-    """ConfigError when the checkpoint in `folder` was trained with other settings than `config`
-    (a checkpoint written before checkpoints recorded them resumes unchecked)."""
-    state = torch.load(folder / DONE, map_location="cpu", weights_only=False)
-    saved = state.get("config")
-    if not isinstance(saved, dict) or state.get("config_hash") == config_hash(config):
+    """ConfigError when the checkpoint in `folder` was trained with other settings than `config`, or
+    does not record them (with the hash of what it records)."""
+    saved = read_saved(folder)
+    recorded, digest = saved.state.get("config"), saved.state.get("config_hash")
+    if not isinstance(recorded, dict) or not isinstance(digest, str) or config_hash(recorded) != digest:
+        raise refused(
+            folder / DONE,
+            "state.config and state.config_hash (the settings it was trained with) do not match",
+        )
+    if digest == config_hash(config):
         return
     differ = [
-        f"{key} {saved[key]!r} -> {config[key]!r}"
-        for key in sorted(saved.keys() & config.keys())
-        if saved[key] != config[key]
+        f"{key} {recorded[key]!r} -> {config[key]!r}"
+        for key in sorted(recorded.keys() & config.keys())
+        if recorded[key] != config[key]
     ]
     if not differ:
         return  # only settings this version added or dropped
     root = folder.parent.parent
     raise ConfigError(
-        f"{root} holds a checkpoint (step {state.get('step')}) trained with other settings: "
+        f"{root} holds a checkpoint (step {saved.step}) trained with other settings: "
         f"{'; '.join(differ[:8])}{' …' if len(differ) > 8 else ''}. Resuming would mix two runs. To start "
         f"fresh, train into a new folder (`--output DIR` of `packtrain train` or `packtrain run`) or delete "
         f"{root}; to continue that run, restore its settings"
     )
 
 
+_WARNED: set[str] = set()
+
+
+def _warn(message: str) -> None:
+    """One WARNING line on rank 0's stderr, once per message."""
+    if message not in _WARNED and environ().is_main:
+        _WARNED.add(message)
+        print(f"WARNING {message}", file=sys.stderr, flush=True)
+
+
 def latest(root: Path) -> Path | None:
-    """The newest complete checkpoint under `root/checkpoints`, if any."""
+    """The newest complete checkpoint under `root/checkpoints`, if any. A newer folder found
+    incomplete or cut short (`DamagedCheckpoint`) is passed over with a WARNING naming it; with
+    none complete before it, ConfigError naming it. A folder of a former format stops the scan
+    (ConfigError): resuming from an older folder, or from scratch, would quietly drop that run."""
     folder = root / "checkpoints"
     if not folder.is_dir():
         return None
-    done = [p for p in folder.iterdir() if STEP_DIR.match(p.name) and (p / DONE).is_file()]
-    return max(done, key=step_of, default=None)
-
-
-def step_of(folder: Path) -> int:
-    """The step a checkpoint folder (`step-NNNNNNNN`) holds."""
-    match = STEP_DIR.match(folder.name)
-    if match is None:
-        raise ValueError(f"{folder} is not a checkpoint folder (step-NNNNNNNN)")
-    return int(match.group(1))
+    found = sorted((p for p in folder.iterdir() if STEP_DIR.match(p.name)), key=step_of, reverse=True)
+    broken: list[DamagedCheckpoint] = []
+    for path in found:
+        try:
+            read_saved(path)
+        except DamagedCheckpoint as exc:
+            broken.append(exc)
+            continue
+        for skipped in broken:
+            _warn(f"checkpoint {skipped.detail}: incomplete or damaged, resuming from {path} instead")
+        return path
+    if broken:
+        raise ConfigError(f"no complete checkpoint to resume from: {broken[0]}")
+    return None
 
 
 def save(
@@ -236,17 +274,21 @@ def save(
     final = root / "checkpoints" / f"step-{step:08d}"
     tmp = root / "checkpoints" / f".step-{step:08d}.tmp"
     state = _sharded(model, optimizer)
+    groups = state[OPTIM].pop("param_groups")  # settings, not tensors: in trainer.json
     if env.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    # Returns on every rank once rank 0 has written `.metadata` (the checkpoint's table of contents).
     with _one_process_quietly() as no_dist:
-        dcp.save(state, checkpoint_id=tmp, no_dist=no_dist)
-    torch.save(rng_state(), tmp / f"rng-{env.rank:05d}.pt")
+        metadata = dcp.save(state, storage_writer=safe_dcp.TensorWriter(tmp), no_dist=no_dist)
+    write_json(tmp / rng_file(env.rank), rng_record())
     barrier()
     if env.is_main:
-        torch.save({**trainer_state, "step": step, "scheduler": scheduler.state_dict()}, tmp / DONE)
+        write_json(tmp / safe_dcp.TOC, safe_dcp.toc(metadata))
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+        done = {"format": FORMAT, "version": VERSION, "step": step, "scheduler": scheduler.state_dict(),
+                "param_groups": groups, "state": trainer_state, "files": files}  # fmt: skip
+        write_json(tmp / DONE, done)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         older = sorted(
@@ -262,55 +304,75 @@ def save(
 def load(
     folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, env: DistEnv
 ) -> dict[str, Any]:
-    """Restore everything saved by `save` (or by the former full-state format) into this rank's
-    model, optimizer, schedule and RNG, whatever the world size that wrote it; returns the trainer
-    state (step, data position, ...)."""
-    if all((folder / name).is_file() for name in LEGACY_FILES):
-        _load_full(folder, model, optimizer)
-    else:
-        _load_sharded(folder, model, optimizer)
-    state = torch.load(folder / DONE, map_location="cpu", weights_only=False)
-    scheduler.load_state_dict(state["scheduler"])
-    _restore_rng(folder, env, state)
-    return cast(dict[str, Any], state)
+    """Restore everything saved by `save` into this rank's model, optimizer, schedule and RNG,
+    whatever the world size that wrote it; returns the trainer state (step, data position, ...).
+    Every file is checked before the tensors are read; nothing is unpickled."""
+    saved = read_saved(folder)
+    schedule = checked_scheduler(saved, scheduler.state_dict())
+    rng = _rng_states(saved, env)
+    _load_sharded(saved, model, optimizer)
+    scheduler.load_state_dict(schedule)
+    _restore_rng(saved, env, rng)
+    return {**saved.state, "step": saved.step}
 
 
-def _load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def _load_sharded(saved: Saved, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Each rank reads the pieces of its own part (DCP reshards: any world size, any strategy)."""
-    if not (folder / ".metadata").is_file():
-        raise ConfigError(
-            f"{folder} is neither a sharded checkpoint (no .metadata) nor one of the former format "
-            f"({' + '.join(LEGACY_FILES)}): delete it so that the run resumes from an older one"
-        )
+    folder = saved.folder
+    table = safe_dcp.read_toc(folder, saved.files, (MODEL, OPTIM))
     # A fresh optimizer gets state for every parameter here (a zero-lr step) to load into.
     state = _sharded(model, optimizer)
-    saved = set(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
-    saved_model = {k.removeprefix(f"{MODEL}.") for k in saved if k.startswith(f"{MODEL}.")}
+    groups = checked_groups(saved, state[OPTIM]["param_groups"])
+    stored = table.metadata.state_dict_metadata
+    saved_model = {k.removeprefix(f"{MODEL}.") for k in stored if k.startswith(f"{MODEL}.")}
     trainable = _names(model, lambda p: p.requires_grad).keys()
     _check_fits(folder, sorted(trainable - saved_model) + sorted(saved_model - state[MODEL].keys()))
-    state[MODEL] = {k: v for k, v in state[MODEL].items() if k in saved_model}
     # Parameters that never had a gradient yet in the saved run (e.g. the vision tower after only
     # text batches) had no AdamW state: they get none, or their step count would run one ahead.
     had = {
         fqn
         for fqn, entry in state[OPTIM]["state"].items()
-        if all(f"{OPTIM}.state.{fqn}.{key}" in saved for key in entry)
+        if all(f"{OPTIM}.state.{fqn}.{key}" in stored for key in entry)
     }
-    state[OPTIM]["state"] = {fqn: s for fqn, s in state[OPTIM]["state"].items() if fqn in had}
+    wanted = {
+        MODEL: {k: v for k, v in state[MODEL].items() if k in saved_model},
+        OPTIM: {"state": {fqn: s for fqn, s in state[OPTIM]["state"].items() if fqn in had}},
+    }
+    _check_sizes(folder, wanted, table)
     with _one_process_quietly() as no_dist:
-        dcp.load(state, checkpoint_id=folder, no_dist=no_dist)
+        safe_dcp.load(wanted, folder, table, no_dist)
     partial = StateDictOptions(strict=False)
-    set_model_state_dict(model, state[MODEL], options=partial)
-    set_optimizer_state_dict(model, optimizer, state[OPTIM], options=partial)
+    set_model_state_dict(model, wanted[MODEL], options=partial)
+    optim = {"state": wanted[OPTIM]["state"], "param_groups": groups}
+    set_optimizer_state_dict(model, optimizer, optim, options=partial)
     _drop_state_not_saved(model, optimizer, had)
 
 
+def _check_sizes(folder: Path, wanted: dict[str, Any], table: safe_dcp.Table) -> None:
+    """ConfigError unless every tensor to load has the size the checkpoint records for it."""
+    live = {f"{MODEL}.{k}": v for k, v in wanted[MODEL].items()} | {
+        f"{OPTIM}.state.{fqn}.{key}": v
+        for fqn, entry in wanted[OPTIM]["state"].items()
+        for key, v in entry.items()
+    }
+    sizes = {
+        k: tuple(cast(TensorStorageMetadata, md).size) for k, md in table.metadata.state_dict_metadata.items()
+    }
+    wrong = [k for k, v in live.items() if isinstance(v, torch.Tensor) and sizes[k] != tuple(v.shape)]
+    if wrong:
+        raise ConfigError(
+            f"{folder} does not fit this model ({wrong[0]} has size {list(sizes[wrong[0]])}, the model "
+            f"{list(live[wrong[0]].shape)}): resume with the model and model.lora / model.freeze settings "
+            f"that wrote it, or {fix(folder)}"
+        )
+
+
 def _check_fits(folder: Path, absent: list[str]) -> None:
-    """ValueError when some trainable parameters are missing from the checkpoint or it holds others."""
+    """ConfigError when some trainable parameters are missing from the checkpoint or it holds others."""
     if absent:
-        raise ValueError(
+        raise ConfigError(
             f"{folder} does not fit this model (missing or unexpected: {absent[:5]}); resume with the "
-            "model and model.lora / model.freeze settings that wrote it, or use a new training.outputDir"
+            f"model and model.lora / model.freeze settings that wrote it, or {fix(folder)}"
         )
 
 
@@ -321,36 +383,18 @@ def _drop_state_not_saved(model: torch.nn.Module, optimizer: torch.optim.Optimiz
         del optimizer.state[p]
 
 
-def _load_full(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """A checkpoint of the former format: the full trainable state, read by every rank."""
-    model_sd = torch.load(folder / "model.pt", map_location="cpu", weights_only=False)
-    full = StateDictOptions(full_state_dict=True, strict=False)
-    keys = set_model_state_dict(model, model_sd, options=full)
-    trainable = _names(model, lambda p: p.requires_grad)
-    _check_fits(folder, sorted(trainable.keys() & set(keys.missing_keys)) + sorted(keys.unexpected_keys))
-    optim_sd = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=False)
-    set_optimizer_state_dict(model, optimizer, optim_sd, options=full)
-    _drop_state_not_saved(model, optimizer, {name for name in trainable if name in optim_sd["state"]})
-
-
 def saved_state(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A checkpoint's whole model and optimizer state in this process, as `get_model_state_dict` /
     `get_optimizer_state_dict` name them with full tensors: to inspect or convert a checkpoint (it
-    needs the memory of the whole trainable state; training never calls it)."""
-    if all((folder / name).is_file() for name in LEGACY_FILES):
-        model_sd, optim_sd = (
-            torch.load(folder / n, map_location="cpu", weights_only=False) for n in LEGACY_FILES
-        )
-        return model_sd, optim_sd
+    needs the memory of the whole trainable state, at most the bytes of its tensor files; training
+    never calls it)."""
+    saved = read_saved(folder)
+    table = safe_dcp.read_toc(folder, saved.files, (MODEL, OPTIM))
     state: dict[str, Any] = {}
     with _one_process_quietly():
-        _load_state_dict(
-            state,
-            storage_reader=dcp.FileSystemReader(folder),
-            planner=_EmptyStateDictLoadPlanner(),
-            no_dist=True,
-        )
-    return state[MODEL], state[OPTIM]
+        safe_dcp.load(state, folder, table, True, planner=_EmptyStateDictLoadPlanner())
+    optim = {"state": state.get(OPTIM, {}).get("state", {}), "param_groups": saved.param_groups}
+    return state.get(MODEL, {}), optim
 
 
 # -- the data position under another layout (world size, gradAccum, micro-batch size) ---------------

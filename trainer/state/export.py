@@ -12,6 +12,12 @@ transformers' original checkpoint names, as `save_pretrained` restores them) and
 shard it is filling, written once full. So rank 0 holds about one shard and one
 layer, not the model, and the files do not depend on the world size or strategy that trained it.
 
+Each folder is written under a temp name beside it and renamed into place when whole (the export
+it replaces removed after): `final/` is always a whole export, and a run killed while exporting
+leaves only a temp folder, which the next run of the output folder removes (`sweep_exports`).
+`EXPORT_RECORD` in it names the step it was exported at, so a rerun can tell an export older than
+the newest checkpoint (one killed before it was replaced) and export again.
+
 With LoRA, `final/` is the PEFT adapter (`PeftModel.from_pretrained(base, folder)`: the adapters
 only, small enough to gather whole) and `lora.saveMerged` adds `final-merged/`, the plain model
 with each targeted W replaced by W + scale·B·A, merged unit by unit as it streams.
@@ -19,8 +25,10 @@ with each targeted W replaced by W + scale·B·A, merged unit by unit as it stre
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import os
 import re
 import shutil
 from collections.abc import Callable, Iterator, Mapping
@@ -35,12 +43,16 @@ from transformers.core_model_loading import revert_weight_conversion
 
 from packtrain.core.config import ModelConfig
 from packtrain.core.model_spec import served_processor_configs
+from packtrain.core.pack.shards import temp_path
 from packtrain.core.sft_config import TrainModelSpec
 from packtrain.trainer.distributed import DistEnv, barrier
 from packtrain.trainer.model import lora
 
 SHARD_BYTES = 5 * 10**9  # the largest safetensors file of an export (one bigger tensor gets its own)
-MERGED_DIR = "final-merged"
+FINAL_DIR, MERGED_DIR = "final", "final-merged"
+EXPORT_RECORD = "packtrain_export.json"  # in an export: {"step": the training step it holds}
+_STAGED = re.compile(rf"^\.(?:{FINAL_DIR}|{MERGED_DIR})\.(?:tmp|old)-")
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 HF_SIDE_FILES = (
     "tokenizer.json",
@@ -139,7 +151,13 @@ class ShardWriter:
 
     def _flush(self) -> None:
         path = self.out / f".shard-{len(self.written):05d}.tmp"
-        save_file(self.pending, str(path), metadata={"format": "pt"})
+        try:
+            save_file(self.pending, str(path), metadata={"format": "pt"})
+        except Exception as exc:  # safetensors reports I/O errors as text: the OS error, for the caller
+            code = _OS_ERROR.search(str(exc))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from exc
         self.written.append((path, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 
@@ -165,11 +183,51 @@ def _cast(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return value.to(dtype) if value.is_floating_point() else value
 
 
-def _prepare(out: Path) -> None:
-    """An empty-of-weights `out`: the weights of an earlier export there would mix with these."""
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("model*.safetensors"), *out.glob(".shard-*.tmp"), out / INDEX]:
-        stale.unlink(missing_ok=True)
+def sweep_exports(root: Path) -> list[Path]:
+    """Remove what a killed export left under `root` (temp folders beside `final/` and, from exports
+    written in place, temp shards inside it); returns them. Only for the run that holds `root`'s
+    claim: no other export can be in progress there."""
+    left = [p for p in root.iterdir() if _STAGED.match(p.name)] if root.is_dir() else []
+    for name in (FINAL_DIR, MERGED_DIR):
+        if (root / name).is_dir():
+            left += (root / name).glob(".shard-*.tmp")
+    for path in left:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return left
+
+
+@contextlib.contextmanager
+def _published(out: Path, env: DistEnv, step: int | None) -> Iterator[Path | None]:
+    """The main rank's temp folder beside `out`, renamed to `out` once the block has filled it (the
+    export it replaces removed after); None on the other ranks. A failed block leaves `out` as it was."""
+    if not env.is_main:
+        yield None
+        return
+    staged = temp_path(out)
+    staged.mkdir(parents=True)
+    try:
+        yield staged
+        if step is not None:
+            (staged / EXPORT_RECORD).write_text(json.dumps({"step": step}) + "\n")
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    old = temp_path(out, "old") if out.exists() else None
+    if old is not None:
+        out.rename(old)  # a crash before the next rename leaves no `out`: the rerun exports again
+    staged.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def exported_step(folder: Path) -> int | None:
+    """The step the export in `folder` holds, from its EXPORT_RECORD (None: an export without one)."""
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        return int(json.loads((folder / EXPORT_RECORD).read_text())["step"])
+    return None
 
 
 def _side_files(out: Path, source_folder: str | Path, processor: Processor | None) -> None:
@@ -208,20 +266,20 @@ def _write_model(
     shard_bytes: int,
     gather_dtype: torch.dtype | None,
     processor: Processor | None,
+    step: int | None = None,
 ) -> Path | None:
     """Stream the model into the Hugging Face folder `out` (all ranks call this; rank 0 writes);
     all ranks wait for it, so no rank reads a half-written export. `gather_dtype` is what the
     weights are cast to before they are gathered (None: as trained)."""
-    writer = ShardWriter(out, shard_bytes) if env.is_main else None
-    if env.is_main:
-        _prepare(out)
-    with torch.no_grad():
-        for unit in gathered(model, env.is_main, dtype=gather_dtype):
-            if writer is not None and unit:
-                writer.add(convert(unit))
-    if writer is not None:
-        writer.close()
-        _finish_folder(out, hf_model, source_folder, dtype, processor)
+    with _published(out, env, step) as staged:
+        writer = ShardWriter(staged, shard_bytes) if staged is not None else None
+        with torch.no_grad():
+            for unit in gathered(model, env.is_main, dtype=gather_dtype):
+                if writer is not None and unit:
+                    writer.add(convert(unit))
+        if writer is not None and staged is not None:
+            writer.close()
+            _finish_folder(staged, hf_model, source_folder, dtype, processor)
     barrier()
     return out if env.is_main else None
 
@@ -235,6 +293,7 @@ def save_hf(
     dtype: torch.dtype,
     shard_bytes: int = SHARD_BYTES,
     processor: Processor | None = None,
+    step: int | None = None,
 ) -> Path | None:
     """The final model as a Hugging Face folder (weights, config, tokenizer and processor files)."""
 
@@ -243,7 +302,7 @@ def save_hf(
         return dict(revert_weight_conversion(hf_model, plain))
 
     return _write_model(
-        out, model, hf_model, convert, source_folder, env, dtype, shard_bytes, dtype, processor
+        out, model, hf_model, convert, source_folder, env, dtype, shard_bytes, dtype, processor, step
     )
 
 
@@ -256,6 +315,7 @@ def save_merged(
     dtype: torch.dtype,
     shard_bytes: int = SHARD_BYTES,
     processor: Processor | None = None,
+    step: int | None = None,
 ) -> Path | None:
     """The adapters merged into the base weights (W + alpha/r x B·A), saved as the plain Hugging
     Face model: each unit merged as it is gathered (a LoRA layer's base and adapters come together)."""
@@ -268,7 +328,7 @@ def save_merged(
 
     # Gathered as trained: W + scale·B·A is summed in the master weights' precision, then cast.
     return _write_model(
-        out, model, hf_model, convert, source_folder, env, dtype, shard_bytes, None, processor
+        out, model, hf_model, convert, source_folder, env, dtype, shard_bytes, None, processor, step
     )
 
 
@@ -280,6 +340,7 @@ def save_adapter(
     env: DistEnv,
     dtype: torch.dtype,
     processor: Processor | None = None,
+    step: int | None = None,
 ) -> Path | None:
     """The LoRA adapters in PEFT's format (adapter_config.json, adapter_model.safetensors) plus the
     tokenizer and processor files, gathered from every rank (DDP or FSDP2)."""
@@ -289,10 +350,10 @@ def save_adapter(
         for unit in gathered(model, env.is_main, keep=trainable.__contains__, dtype=dtype):
             # VLMForTraining names the HF model `hf`; PeftModel names it `base_model.model`.
             state.update({"base_model.model." + k.removeprefix("hf."): v for k, v in unit.items()})
-    if env.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        adapter.save_pretrained(out, state_dict=state)
-        _side_files(out, source_folder, processor)
+    with _published(out, env, step) as staged:
+        if staged is not None:
+            adapter.save_pretrained(staged, state_dict=state)
+            _side_files(staged, source_folder, processor)
     barrier()
     return out if env.is_main else None
 
@@ -307,18 +368,20 @@ def save_final(
     dtype: torch.dtype,
     shard_bytes: int = SHARD_BYTES,
     pack: Mapping[str, Any] | None = None,
+    step: int | None = None,
 ) -> Path | None:
     """The final export under `root`: `final/` (the model, or with LoRA the adapter) and, with
     `lora.saveMerged`, `final-merged/`. With the `pack` manifest trained on, their processor configs
     carry the pixel and frame settings the pack was made with, so serving them as they are tokenizes
-    media as training saw it (the base folder's, e.g. Qwen2-VL's 12.8 MP images, would not)."""
+    media as training saw it (the base folder's, e.g. Qwen2-VL's 12.8 MP images, would not). `step`:
+    the training step exported, recorded in each folder (EXPORT_RECORD)."""
     processor = served_processor(spec.path, pack)
+    final = root / FINAL_DIR
     if adapter is None:
-        return save_hf(root / "final", model, hf_model, spec.path, env, dtype, shard_bytes, processor)
-    final = save_adapter(root / "final", model, adapter, spec.path, env, dtype, processor)
-    if spec.lora is not None and spec.lora.save_merged:
-        save_merged(root / MERGED_DIR, model, hf_model, spec.path, env, dtype, shard_bytes, processor)
-    return final
+        return save_hf(final, model, hf_model, spec.path, env, dtype, shard_bytes, processor, step)
+    if spec.lora is not None and spec.lora.save_merged:  # first: a whole final/ implies its merged copy
+        save_merged(root / MERGED_DIR, model, hf_model, spec.path, env, dtype, shard_bytes, processor, step)
+    return save_adapter(final, model, adapter, spec.path, env, dtype, processor, step)
 
 
 def served_processor(source_folder: str | Path, pack: Mapping[str, Any] | None) -> Processor | None:
