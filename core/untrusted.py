@@ -26,6 +26,8 @@ from typing import Any
 from packtrain.core.errors import ConfigError
 
 __all__ = [
+    "FileProblem",
+    "open_recorded",
     "JsonLimits",
     "check_file",
     "check_json_shape",
@@ -43,6 +45,37 @@ Error = Callable[[str], Exception]
 
 _FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 _SCAN_CHUNK = 1 << 22  # bytes scanned at a time: the scan's memory is some 30 bytes per byte of this
+
+
+class FileProblem(Exception):
+    """Why a listed file cannot be opened as recorded; `missing` tells a file never written (a stage
+    to re-run) from one damaged or replaced."""
+
+    def __init__(self, problem: str, missing: bool = False) -> None:
+        super().__init__(problem)
+        self.problem, self.missing = problem, missing
+
+
+def open_recorded(path: Path, size: int | None, recorder: str) -> int:
+    """A descriptor of `path` if it is a regular file (checked on the open descriptor: a FIFO does
+    not block, a symlink is not followed) of the `size` bytes `recorder` records, when given;
+    FileProblem otherwise."""
+    try:
+        fd = os.open(path, _FLAGS)
+    except FileNotFoundError:
+        raise FileProblem("is missing", missing=True) from None
+    except OSError as exc:  # ELOOP: a symlink
+        raise FileProblem(f"is not a regular file ({exc.strerror})") from None
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = "is not a regular file"
+    elif size is not None and st.st_size != size:
+        problem = f"has {st.st_size} bytes, {recorder} records {size}"
+    if problem is not None:
+        os.close(fd)
+        raise FileProblem(problem)
+    return fd
 
 
 @dataclass(frozen=True)

@@ -375,22 +375,16 @@ def _is_shard_name(rel: str) -> bool:
 def sha256_shard(path: Path, size: int | None) -> str:
     """The sha256 of a shard file: opened only if it is a regular file (not a symlink, FIFO or device)
     of the manifest's `size` when it records one, compared before a byte is hashed."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(path, flags)
-    except FileNotFoundError as exc:
-        raise ShardFormatError(f"{path} is listed in the manifest but missing; re-run materialize") from exc
-    except OSError as exc:  # ELOOP: a symlink
-        raise ShardFormatError(f"{path}: not a regular file of the pack ({exc.strerror}); re-pack") from exc
-    st = os.fstat(fd)
-    problem = None
-    if not stat.S_ISREG(st.st_mode):
-        problem = "is not a regular file"
-    elif size is not None and st.st_size != size:
-        problem = f"has {st.st_size} bytes, the manifest records {size}"
-    if problem is not None:
-        os.close(fd)
-        raise ShardFormatError(f"{path} {problem}: the pack was damaged or edited; re-pack the data")
+        fd = untrusted.open_recorded(path, size, "the manifest")
+    except untrusted.FileProblem as exc:
+        if exc.missing:
+            raise ShardFormatError(
+                f"{path} is listed in the manifest but missing; re-run materialize"
+            ) from None
+        raise ShardFormatError(
+            f"{path} {exc.problem}: the pack was damaged or edited; re-pack the data"
+        ) from None
     with os.fdopen(fd, "rb") as f:
         h = hashlib.sha256()
         while block := f.read(1 << 20):

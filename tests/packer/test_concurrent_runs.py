@@ -26,6 +26,7 @@ import pytest
 import yaml
 from PIL import Image
 from support.paths import MODELS
+from support.unwritable import make_unwritable, make_writable
 
 PACKTRAIN = str(Path(sys.executable).with_name("packtrain"))
 QWEN2 = MODELS / "qwen2-vl"
@@ -269,26 +270,6 @@ def test_a_full_disk_exits_2_naming_the_folder_and_the_rerun_resumes_to_the_same
     print(f"full disk: exit 2 after {took:.1f} s: {line}")
 
 
-def _unwritable(folder: Path) -> None:
-    """No new entries in `folder` for this user: mode 0500, or for root (whom modes do not stop) the
-    immutable attribute, where the file system has one."""
-    if os.getuid() != 0:
-        folder.chmod(0o500)
-        return
-    done = subprocess.run(["chattr", "+i", str(folder)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(
-            f"running as root, whom modes do not stop, and chattr +i is refused here "
-            f"({done.stderr.strip()}): no way to make a folder unwritable"
-        )
-
-
-def _writable(folder: Path) -> None:
-    if os.getuid() == 0:
-        subprocess.run(["chattr", "-i", str(folder)], check=False)
-    folder.chmod(0o755)
-
-
 @pytest.mark.slow
 def test_an_unwritable_output_folder_exits_2_and_the_rerun_resumes_to_the_same_pack(
     tmp_path: Path, data: Path, clean: _CleanRuns
@@ -301,11 +282,11 @@ def test_an_unwritable_output_folder_exits_2_and_the_rerun_resumes_to_the_same_p
         env=ENV,
     )
     assert convert.returncode == 0, convert.stderr[-3000:]
-    _unwritable(out)
+    make_unwritable(out)
     try:
         line = _one_line(*_finish(_pack_run(config, out)), 2)
     finally:
-        _writable(out)
+        make_writable(out)
     assert f"cannot write to {out}: " in line and "make it writable for this user" in line, line
     assert f"uid {os.getuid()}" in line and "-o" in line
     print(line)
@@ -317,11 +298,11 @@ def test_an_unwritable_output_folder_exits_2_and_the_rerun_resumes_to_the_same_p
 def test_a_fresh_output_folder_under_an_unwritable_one_exits_2(tmp_path: Path, data: Path) -> None:
     parent = tmp_path / "ro"
     parent.mkdir()
-    _unwritable(parent)
+    make_unwritable(parent)
     try:
         line = _one_line(*_finish(_pack_run(_config(tmp_path, data, 512), parent / "out")), 2)
     finally:
-        _writable(parent)
+        make_writable(parent)
     assert f"cannot write to {parent / 'out'}: " in line and "make it writable" in line, line
     assert not (parent / "out").exists()
     shutil.rmtree(parent)

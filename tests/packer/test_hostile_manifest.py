@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 from pack_tamper import copy_pack, edit_manifest
+from support.measure import run_measured
 from support.pack_runner import run_in_process
 from support.paths import MODELS
 
@@ -63,24 +63,6 @@ def _with_extra(pack: Path, dst: Path, key: str, value_text: str) -> Path:
     return bad
 
 
-def run_measured(args: list[str], timeout: float = 120) -> tuple[int, str, float, float]:
-    """(exit code, stderr, seconds, peak RSS in MiB) of a command, measured by a parent process of its
-    own (RUSAGE_CHILDREN of this test process would include every earlier child)."""
-    probe = (
-        "import resource, subprocess, sys, time\n"
-        "t = time.monotonic()\n"
-        "p = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
-        "sys.stderr.write(p.stderr)\n"
-        "print(p.returncode, time.monotonic() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
-    )
-    env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "COLUMNS": "300"}
-    done = subprocess.run(
-        [sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
-    code, seconds, kib = done.stdout.split()
-    return int(code), done.stderr, float(seconds), int(kib) / 1024
-
-
 def _train_job(tmp: Path, pack: Path) -> Path:
     """A bare SFT spec over `pack` (the trainer reads the pack before it builds the model)."""
     spec = {
@@ -108,7 +90,7 @@ def _refused(
     for name, args in _commands(tmp, bad).items():
         if name not in commands:
             continue
-        code, err, seconds, peak = run_measured(args)
+        code, _, err, seconds, peak = run_measured(args)
         assert code == 2, (name, code, err[-2000:])
         assert "Traceback" not in err and message in err, (name, err[-2000:])
         assert len([line for line in err.splitlines() if line.strip()]) == 1, (name, err[-2000:])
@@ -213,11 +195,11 @@ def test_a_manifest_at_the_caps_parses_within_bounded_memory(pack: Path, tmp_pat
     per_value = len("{},")
     values = MANIFEST_LIMITS.max_values // 2 - 1000  # an empty container counts twice
     bad = _with_extra(pack, tmp_path / "bad", "extra", small_objects(values * per_value))
-    code, err, seconds, peak = run_measured(_commands(tmp_path, bad)["inspect"])
+    code, _, err, seconds, peak = run_measured(_commands(tmp_path, bad)["inspect"])
     assert code == 2 and "unknown key 'extra'" in err, err[-2000:]
     assert peak < PEAK_MIB["inspect"], peak
 
 
 def test_a_sound_pack_still_verifies(pack: Path) -> None:
-    code, err, _, _ = run_measured([str(BIN / "packtrain"), "pack", "verify", str(pack)])
+    code, _, err, _, _ = run_measured([str(BIN / "packtrain"), "pack", "verify", str(pack)])
     assert code == 0, err[-2000:]

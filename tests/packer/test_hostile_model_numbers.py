@@ -14,44 +14,17 @@ Every case runs the real `packtrain pack run` in a subprocess, measured by a par
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from support.measure import one_line, run_measured
 from support.paths import DATASETS, DEMO, MODELS
 
 PACKTRAIN = str(Path(sys.executable).parent / "packtrain")
-
-
-def run_measured(args: list[str], timeout: float = 600) -> tuple[int, str, float, float]:
-    """(exit code, stderr, seconds, peak RSS in MiB) of a command, measured by a parent process of its
-    own (this test process's RUSAGE_CHILDREN would include every earlier child)."""
-    probe = (
-        "import resource, subprocess, sys, time\n"
-        "t = time.monotonic()\n"
-        "p = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
-        "sys.stderr.write(p.stderr)\n"
-        "print(p.returncode, time.monotonic() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
-    )
-    env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "COLUMNS": "300"}
-    done = subprocess.run(
-        [sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
-    code, seconds, kib = done.stdout.split()[-3:]
-    return int(code), done.stderr, float(seconds), int(kib) / 1024
-
-
-def one_line(code: int, stderr: str) -> str:
-    assert code == 2, (code, stderr[-3000:])
-    assert "Traceback" not in stderr, stderr[-3000:]
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1, stderr
-    return lines[0]
 
 
 def hostile_folder(tmp: Path, file: str, change: dict[str, Any], family: str = "qwen2-vl") -> Path:
@@ -88,7 +61,7 @@ PROCESSOR = [
 @pytest.mark.parametrize("change,named", PROCESSOR)
 def test_hostile_processor_numbers_are_refused_before_any_decode(tmp_path: Path, change, named: str):
     folder = hostile_folder(tmp_path, "preprocessor_config.json", change)
-    code, err, seconds, peak = run_measured(pack_run(tmp_path, *IMAGES, "--model", str(folder)))
+    code, _, err, seconds, peak = run_measured(pack_run(tmp_path, *IMAGES, "--model", str(folder)))
     line = one_line(code, err)
     assert line.startswith("packtrain pack run: configuration error:") and named in line, line
     assert str(folder) in line and "preprocessor_config.json" in line, line
@@ -98,7 +71,7 @@ def test_hostile_processor_numbers_are_refused_before_any_decode(tmp_path: Path,
 
 def test_hostile_video_processor_numbers_are_refused(tmp_path: Path) -> None:
     folder = hostile_folder(tmp_path, "video_preprocessor_config.json", {"fps": -2.0}, "qwen3-vl")
-    code, err, _, _ = run_measured(pack_run(tmp_path, *IMAGES, "--model", str(folder)))
+    code, _, err, _, _ = run_measured(pack_run(tmp_path, *IMAGES, "--model", str(folder)))
     assert "fps -2.0" in one_line(code, err)
 
 
@@ -117,7 +90,7 @@ def _pack_spec(tmp: Path, model: Path, family: str | None = None) -> Path:
 def test_a_spec_without_family_packs_for_the_folders_family(tmp_path: Path) -> None:
     """`pack run -c` (the pods' and `packtrain run`'s way) with model.family left out: a Qwen3.5 folder
     packs as qwen3.5 (before: qwen2-vl, then exit 2 on the mismatch)."""
-    code, err, _, _ = run_measured(pack_run(tmp_path, "-c", str(_pack_spec(tmp_path, MODELS / "qwen3.5"))))
+    code, _, err, _, _ = run_measured(pack_run(tmp_path, "-c", str(_pack_spec(tmp_path, MODELS / "qwen3.5"))))
     assert code == 0, err[-3000:]
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["family"] == "qwen3.5" and manifest["config"]["model"]["family"] == "qwen3.5"
@@ -126,7 +99,7 @@ def test_a_spec_without_family_packs_for_the_folders_family(tmp_path: Path) -> N
 
 def test_a_family_that_contradicts_the_folder_is_refused(tmp_path: Path) -> None:
     spec = _pack_spec(tmp_path, MODELS / "qwen3.5", family="qwen3-vl")
-    code, err, seconds, _ = run_measured(pack_run(tmp_path, "-c", str(spec)))
+    code, _, err, seconds, _ = run_measured(pack_run(tmp_path, "-c", str(spec)))
     line = one_line(code, err)
     assert "model.family is qwen3-vl" in line and "set model.family to qwen3.5" in line, line
     assert seconds < 30
@@ -138,6 +111,6 @@ def test_a_folder_without_config_json_still_packs_as_qwen2_vl(tmp_path: Path) ->
     folder = tmp_path / "model"
     shutil.copytree(MODELS / "qwen2-vl", folder)
     (folder / "config.json").unlink()
-    code, err, _, _ = run_measured(pack_run(tmp_path, "-c", str(_pack_spec(tmp_path, folder))))
+    code, _, err, _, _ = run_measured(pack_run(tmp_path, "-c", str(_pack_spec(tmp_path, folder))))
     assert code == 0, err[-3000:]
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["family"] == "qwen2-vl"

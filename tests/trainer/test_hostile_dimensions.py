@@ -13,49 +13,19 @@ Every case runs the real CLI in a subprocess, measured by a parent of its own.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from support.measure import one_line, run_measured
 from support.paths import MODELS
 
 PACKTRAIN = str(Path(sys.executable).parent / "packtrain")
 SECONDS = 20.0  # the CLI starts in about a second; the old planner took over 60 s for 4,000 layers
 PEAK_MIB = 1024.0  # a refused config builds nothing (a plan of the largest allowed model included)
-
-
-def run_measured(args: list[str], timeout: float = 300) -> tuple[int, str, str, float, float]:
-    """(exit code, stdout, stderr, seconds, peak RSS in MiB) of a command, measured by a parent
-    process of its own (this test process's RUSAGE_CHILDREN would include every earlier child)."""
-    probe = (
-        "import resource, subprocess, sys, time\n"
-        "t = time.monotonic()\n"
-        "p = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
-        "sys.stderr.write(p.stderr)\n"
-        "sys.stdout.write(p.stdout + '\\n')\n"
-        "print(p.returncode, time.monotonic() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
-    )
-    env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "COLUMNS": "300"}
-    done = subprocess.run(
-        [sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
-    *out, last = done.stdout.rstrip("\n").split("\n")
-    code, seconds, kib = last.split()
-    return int(code), "\n".join(out), done.stderr, float(seconds), int(kib) / 1024
-
-
-def one_line(code: int, stdout: str, stderr: str) -> str:
-    """The single line a configuration error prints (exit 2, no traceback)."""
-    assert code == 2, (code, stderr[-3000:])
-    assert "Traceback" not in stderr + stdout, stderr[-3000:]
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1, stderr
-    return lines[0]
 
 
 def job(tmp: Path, model: Path, data: Path | None = None, **model_keys: Any) -> Path:
@@ -142,7 +112,7 @@ def test_plan_refuses_hostile_overrides_at_once(tmp_path: Path, family: str, ove
     code, out, err, seconds, peak = run_measured(
         [PACKTRAIN, "train", "-c", str(job(tmp_path, MODELS / family, configOverrides=overrides)), *PLAN]
     )
-    line = one_line(code, out, err)
+    line = one_line(code, err, out)
     assert line.startswith("packtrain train: configuration error:") and named in line, line
     assert seconds < SECONDS and peak < PEAK_MIB, (seconds, peak)
 
@@ -165,7 +135,7 @@ def test_plan_refuses_a_folder_whose_config_json_is_hostile(tmp_path: Path, fami
     code, out, err, seconds, peak = run_measured(
         [PACKTRAIN, "train", "-c", str(job(tmp_path, folder)), *PLAN]
     )
-    line = one_line(code, out, err)
+    line = one_line(code, err, out)
     assert named in line and "model.path's config.json" in line, line
     assert seconds < SECONDS and peak < PEAK_MIB, (seconds, peak)
 
@@ -184,7 +154,7 @@ def test_training_refuses_before_it_builds_anything(tmp_path: Path, pack_dir: Pa
         spec["training"]["planCheck"] = False
         (case / "job.yaml").write_text(yaml.safe_dump(spec))
         code, out, err, seconds, peak = run_measured([PACKTRAIN, "train", "-c", str(case / "job.yaml")])
-        line = one_line(code, out, err)
+        line = one_line(code, err, out)
         assert "num_" in line and "configuration error" in line, line
         assert not (case / "out" / "checkpoints").exists()
         assert seconds < 60 and peak < 2048, (name, seconds, peak)  # torch is imported, nothing built
@@ -214,7 +184,7 @@ def test_a_family_that_contradicts_the_folder_is_refused(tmp_path: Path) -> None
     code, out, err, _, _ = run_measured(
         [PACKTRAIN, "train", "-c", str(job(tmp_path, MODELS / "qwen3.5", family="qwen2-vl")), *PLAN]
     )
-    line = one_line(code, out, err)
+    line = one_line(code, err, out)
     assert "model.family is qwen2-vl" in line and "qwen3.5" in line, line
 
 

@@ -17,10 +17,9 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from packtrain.core import untrusted
 from packtrain.core.errors import ConfigError
 from packtrain.core.untrusted import JsonLimits, check_json_shape
-
-_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 
 
 class DamagedCheckpoint(ConfigError):
@@ -68,21 +67,9 @@ def open_regular(path: Path, size: int | None = None) -> io.BufferedReader:
     """`path` opened for reading if it is a regular file (checked on the open descriptor: a FIFO
     does not block, a symlink is not followed) of `size` bytes when given."""
     try:
-        fd = os.open(path, _OPEN_FLAGS)
-    except FileNotFoundError:
-        raise damaged(path, "is missing") from None
-    except OSError as exc:  # ELOOP: a symlink
-        raise damaged(path, f"is not a regular file ({exc.strerror})") from None
-    st = os.fstat(fd)
-    problem = None
-    if not stat.S_ISREG(st.st_mode):
-        problem = "is not a regular file"
-    elif size is not None and st.st_size != size:
-        problem = f"has {st.st_size} bytes, trainer.json records {size}"
-    if problem is not None:
-        os.close(fd)
-        raise damaged(path, problem)
-    return open(fd, "rb")
+        return open(untrusted.open_recorded(path, size, "trainer.json"), "rb")
+    except untrusted.FileProblem as exc:
+        raise damaged(path, exc.problem) from None
 
 
 def _no_constant(name: str) -> Any:

@@ -25,6 +25,7 @@ import pytest
 import yaml
 from conftest import job_spec, write_job
 from safetensors.torch import load_file
+from support.unwritable import make_unwritable, make_writable
 
 PACKTRAIN = str(Path(sys.executable).with_name("packtrain"))
 ENV = os.environ | {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
@@ -193,26 +194,6 @@ def test_a_full_disk_exits_2_naming_the_folder_and_the_rerun_ends_as_a_clean_run
     print(f"full disk: exit 2 after {took:.1f} s: {line}")
 
 
-def _unwritable(folder: Path) -> None:
-    """No new entries in `folder` for this user: mode 0500, or for root (whom modes do not stop) the
-    immutable attribute, where the file system has one."""
-    if os.getuid() != 0:
-        folder.chmod(0o500)
-        return
-    done = subprocess.run(["chattr", "+i", str(folder)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(
-            f"running as root, whom modes do not stop, and chattr +i is refused here "
-            f"({done.stderr.strip()}): no way to make a folder unwritable"
-        )
-
-
-def _writable(folder: Path) -> None:
-    if os.getuid() == 0:
-        subprocess.run(["chattr", "-i", str(folder)], check=False)
-    folder.chmod(0o755)
-
-
 @pytest.mark.slow
 def test_an_unwritable_output_folder_exits_2_and_the_rerun_exports_the_newest_step(
     tmp_path: Path, pack_dir: Path, grown: dict[str, Any]
@@ -224,11 +205,11 @@ def test_an_unwritable_output_folder_exits_2_and_the_rerun_exports_the_newest_st
     first = _finish(_train(_job(tmp_path, pack_dir, out, "one", maxSteps=1)))
     assert first[0] == 0, first[2][-3000:]
     job = _job(tmp_path, pack_dir, out, "two", maxSteps=2)
-    _unwritable(out)
+    make_unwritable(out)
     try:
         code, _, err = _finish(_train(job))
     finally:
-        _writable(out)
+        make_writable(out)
     line = _one_line(code, err, 2)
     assert line.startswith(f"packtrain train: configuration error: cannot write to {out}: "), line
     assert f"make it writable for this user (uid {os.getuid()})" in line, line
