@@ -33,7 +33,7 @@ IMAGE_EXTRAS: dict[str, tuple[str, ...]] = {"operator": ("operator",), "packer":
 IMAGE_OMITS: dict[str, dict[str, str]] = {
     "operator": {
         name: "the operator reads only packtrain's config models and manifests, never media or tokenizers"
-        for name in ("transformers", "av", "pillow", "numpy", "jinja2")
+        for name in ("transformers", "av", "pillow", "jinja2")
     },
 }
 BUILD_LOCK = IMAGES / "requirements-build.txt"

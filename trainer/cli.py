@@ -48,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="progress as a bar (rich) or JSON lines (json); auto: a bar when stdout is a terminal "
         "(default: %(default)s)",
     )
+    p.add_argument(
+        "--score",
+        metavar="FILE",
+        help="score every packed sample with the starting weights and exit without training: one JSON "
+        'line per sample, {"id", "loss_sum", "tokens"}, in FILE (with training.saveFinal those weights '
+        "also go to final/) (default: train)",
+    )
     add_plan_arguments(p)
     return p
 
@@ -107,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = type(cfg).model_validate(cfg.model_dump())
     except (ConfigError, ValidationError, FileNotFoundError) as exc:
         return _fail(f"configuration error: {exc}")
+    if opts.plan and opts.score:
+        return _fail(
+            "--plan and --score: choose one (--plan prints the memory plan, --score scores the pack)"
+        )
     if opts.plan:
         return _plan(opts, cfg)
     if cfg.data.path is None:
@@ -116,26 +127,23 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     from packtrain.trainer import distributed
-    from packtrain.trainer.loop import train
 
     env = distributed.environ()
     try:
-        refused = _startup_plan(cfg, env.world_size)
+        refused = _score_file_problem(opts.score) if opts.score else _startup_plan(cfg, env.world_size)
     except ConfigError as exc:
         return _fail(f"configuration error: {exc}")
     if refused is not None:
         return _fail(refused)
     try:
-        summary = train(cfg, reporter=reporter_for(opts.log_format, sys.stdout, cfg.training.log_every))
+        summary = _run(opts, cfg)
     except ShardFormatError as exc:  # data.path is not a finished pack, or one that was damaged or edited
         return _fail(worker_message(exc))
     except ConfigError as exc:  # found once the model is built (LoRA targets, a freeze leaving nothing)
         return _fail(f"configuration error: {exc}")
     except KeyboardInterrupt:
-        print(
-            "packtrain train: interrupted — run the same command again to resume from the newest checkpoint",
-            file=sys.stderr,
-        )
+        again = "score again" if opts.score else "resume from the newest checkpoint"
+        print(f"packtrain train: interrupted — run the same command again to {again}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BaseException as exc:  # a crash: the short error in the termination message, the traceback logged
         full = _write_failure(exc, cfg.training.output_dir)
@@ -150,6 +158,31 @@ def main(argv: list[str] | None = None) -> int:
         if summary.get("resumed_from") and not summary.get("steps_this_run"):
             print(f"packtrain train: {already_complete(cfg.training.output_dir, summary)}", file=sys.stderr)
     return EXIT_OK
+
+
+def _run(opts: argparse.Namespace, cfg: Any) -> Mapping[str, Any]:
+    """Train (the default), or with `--score FILE` score the pack with the starting weights."""
+    if opts.score:
+        from pathlib import Path
+
+        from packtrain.trainer.score import score
+
+        return score(cfg, Path(opts.score))
+    from packtrain.trainer.loop import train
+
+    return train(cfg, reporter=reporter_for(opts.log_format, sys.stdout, cfg.training.log_every))
+
+
+def _score_file_problem(file: str) -> str | None:
+    """Why `--score FILE` cannot be written (its folder missing, or FILE a folder), or None."""
+    from pathlib import Path
+
+    path = Path(file)
+    if path.is_dir():
+        return f"--score {file}: is a folder; name the file to write the scores into"
+    if not path.parent.is_dir():
+        return f"--score {file}: its folder {path.parent} does not exist; create it first"
+    return None
 
 
 def _write_failure(exc: BaseException, output_dir: str) -> str | None:

@@ -125,19 +125,11 @@ class Finished:
 def setup(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> Run | Finished:
     """Data, then model, then optimizer and schedule, then the checkpoint to resume from; a run whose
     output already holds every step stops after the data (`Finished`), before the model is built."""
-    t = cfg.training
     if cfg.data.path is None:
         raise ValueError(
             f"data.packJobRef {cfg.data.pack_job_ref!r} must be resolved to data.path (the operator does)"
         )
-    torch.manual_seed(t.seed)
-    dtype = resolve_dtype(t.dtype, device)
-    backend = resolve_attention(t.attention, device, dtype=dtype)
-    # model.path read once: config.json, its family, tokenizer and processor files, weights.
-    folder = ModelFolder(cfg.model.path, cfg.model.config_overrides, cfg.model.family)
-    config = load_config(folder)
-    require_vision_features(config)  # before the model is built: vision features must reach it
-    weights = pretrained_weights(folder, cfg.model.init)  # no weights: refused unless init: random
+    dtype, backend, weights, (folder, config) = _start(cfg, device)
     data = _setup_data(cfg.data.path, cfg, env, config, checked_spec(folder, config))
     done = _finished(cfg, data)
     if done is not None:
@@ -168,6 +160,66 @@ def setup(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> R
     )
 
 
+@dataclass
+class Scoring:
+    """What `packtrain train --score` reads: the model as a run starts (no optimizer, no checkpoint)
+    and every sequence of the pack, this rank's round-robin share (`EvalDataset`)."""
+
+    dataset: EvalDataset
+    built: Model
+    dtype: torch.dtype
+    init: str
+
+
+def setup_scoring(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> Scoring:
+    """The pack (all of it, held-out sequences included, in pack order) and the model the run would
+    start from: built, adapted, frozen and sharded as `setup` builds it for training."""
+    if cfg.data.path is None:
+        raise ValueError(f"data.packJobRef {cfg.data.pack_job_ref!r} must be resolved to data.path")
+    t = cfg.training
+    dtype, backend, weights, (folder, config) = _start(cfg, device)
+    spec = checked_spec(folder, config)
+    dataset = EvalDataset(
+        cfg.data.path,
+        spec,
+        PixelSpec.from_vision(spec.vision),
+        rank=env.rank,
+        world_size=env.world_size,
+        units_per_micro_batch=t.micro_batch_sequences if t.mode == "packed" else t.padded_batch_size,
+        mode=t.mode,
+        pad_token_id=config.text_config.pad_token_id,
+        verify_checksums=cfg.data.verify_checksums and env.local_rank == 0,
+        vocab_size=config.text_config.vocab_size,
+    )
+    _check_pack(dataset, cfg, spec)
+    built = _setup_model(cfg, env, device, dtype, backend, weights, (folder, config))
+    return Scoring(dataset, built, dtype, init_used(weights))
+
+
+def _start(
+    cfg: SFTSpecCore, device: torch.device
+) -> tuple[torch.dtype, str, Path | None, tuple[ModelFolder, PretrainedConfig]]:
+    """The seeded RNG, compute dtype, attention backend, weights and model.path as read once
+    (config.json, its family, tokenizer and processor files, weights), before any data or model."""
+    t = cfg.training
+    torch.manual_seed(t.seed)
+    dtype = resolve_dtype(t.dtype, device)
+    backend = resolve_attention(t.attention, device, dtype=dtype)
+    folder = ModelFolder(cfg.model.path, cfg.model.config_overrides, cfg.model.family)
+    config = load_config(folder)
+    require_vision_features(config)  # before the model is built: vision features must reach it
+    weights = pretrained_weights(folder, cfg.model.init)  # no weights: refused unless init: random
+    return dtype, backend, weights, (folder, config)
+
+
+def _check_pack(dataset: PackedDataset, cfg: SFTSpecCore, spec: ModelSpec) -> None:
+    """The pack made for this model's family, with the media layout its processor writes."""
+    pack_family = dataset.manifest.get("family")
+    if pack_family not in (None, spec.family.name):
+        raise ValueError(f"the pack was made for {pack_family} but the model is {spec.family.name}")
+    check_pack_layout(dataset.manifest, cfg.model.path, spec)
+
+
 def _setup_data(
     path: str, cfg: SFTSpecCore, env: distributed.DistEnv, config: PretrainedConfig, spec: ModelSpec
 ) -> Data:
@@ -189,10 +241,7 @@ def _setup_data(
         vocab_size=config.text_config.vocab_size,
         eval_fraction=cfg.data.eval_fraction,
     )
-    pack_family = dataset.manifest.get("family")
-    if pack_family not in (None, spec.family.name):
-        raise ValueError(f"the pack was made for {pack_family} but the model is {spec.family.name}")
-    check_pack_layout(dataset.manifest, cfg.model.path, spec)
+    _check_pack(dataset, cfg, spec)
     lay = dataset.layout
     try:  # planning epoch 0 raises when the pack holds less than one global step
         first_plan = plan_epoch(dataset.costs, lay.world_size, lay.units_per_rank, lay.seed, 0)
