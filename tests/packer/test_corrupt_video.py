@@ -28,6 +28,7 @@ from support.paths import DEMO, MODELS
 
 from packtrain.core.config import PackConfig
 from packtrain.core.errors import ConfigError, MediaError, ShardFormatError
+from packtrain.core.output_lock import LOCK_FILE
 from packtrain.core.pack.shards import MANIFEST, REJECTS, ShardReader, read_table
 from packtrain.packer import local, tools
 from packtrain.packer.cli import main as pack_main
@@ -119,7 +120,13 @@ def _config(data: Path, storage: str = "original", max_length: int = MAX_LENGTH)
     return PackConfig.model_validate(
         {
             "source": {"paths": [str(data / "media.jsonl"), str(data / "text.jsonl")]},
-            "model": {"path": str(QWEN2), "maxPixels": 100_000, "videoMaxPixels": 60_000, "fps": 1.0},
+            "model": {
+                "path": str(QWEN2),
+                "family": "qwen2-vl",
+                "maxPixels": 100_000,
+                "videoMaxPixels": 60_000,
+                "fps": 1.0,
+            },
             "packing": {
                 "maxLength": max_length,
                 "mediaStorage": storage,
@@ -143,7 +150,7 @@ def _files(out: Path) -> dict[str, bytes]:
     return {
         str(p.relative_to(out)): p.read_bytes()
         for p in sorted(out.rglob("*"))
-        if p.is_file() and p.relative_to(out).parts[0] != "work"
+        if p.is_file() and p.relative_to(out).parts[0] not in ("work", LOCK_FILE)  # `pack run`'s claim
     }
 
 
