@@ -16,8 +16,9 @@ PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 # The chart's securityContext runs every pod as 65532.
 USER = "65532:65532"
 # Uncompressed sizes, as `podman image inspect` reports them. The packer and operator budgets
-# keep them well under 1 GB; the trainer's is CUDA torch (see the README's image table).
-SIZE_BUDGET_MB = {"operator": 600, "packer": 850, "trainer": 11000}
+# keep them well under 1 GB (the operator's 611 MB holds numpy, which measures a JSON file's shape
+# before it is parsed); the trainer's is CUDA torch.
+SIZE_BUDGET_MB = {"operator": 650, "packer": 850, "trainer": 11000}
 ENTRYPOINTS = {"operator": ("packtrain", "operator"), "packer": ("packtrain",), "trainer": ("torchrun",)}
 # The environment the lock's markers are evaluated in: the images' interpreter on amd64.
 MARKER_ENV = {
