@@ -176,20 +176,10 @@ def setup_scoring(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.devi
     start from: built, adapted, frozen and sharded as `setup` builds it for training."""
     if cfg.data.path is None:
         raise ValueError(f"data.packJobRef {cfg.data.pack_job_ref!r} must be resolved to data.path")
-    t = cfg.training
     dtype, backend, weights, (folder, config) = _start(cfg, device)
     spec = checked_spec(folder, config)
     dataset = EvalDataset(
-        cfg.data.path,
-        spec,
-        PixelSpec.from_vision(spec.vision),
-        rank=env.rank,
-        world_size=env.world_size,
-        units_per_micro_batch=t.micro_batch_sequences if t.mode == "packed" else t.padded_batch_size,
-        mode=t.mode,
-        pad_token_id=config.text_config.pad_token_id,
-        verify_checksums=cfg.data.verify_checksums and env.local_rank == 0,
-        vocab_size=config.text_config.vocab_size,
+        cfg.data.path, spec, PixelSpec.from_vision(spec.vision), **_reading(cfg, env, config)
     )
     _check_pack(dataset, cfg, spec)
     built = _setup_model(cfg, env, device, dtype, backend, weights, (folder, config))
@@ -220,6 +210,21 @@ def _check_pack(dataset: PackedDataset, cfg: SFTSpecCore, spec: ModelSpec) -> No
     check_pack_layout(dataset.manifest, cfg.model.path, spec)
 
 
+def _reading(cfg: SFTSpecCore, env: distributed.DistEnv, config: PretrainedConfig) -> dict[str, Any]:
+    """How this rank reads a pack, for training and for scoring alike."""
+    t = cfg.training
+    return {
+        "rank": env.rank,
+        "world_size": env.world_size,
+        "units_per_micro_batch": t.micro_batch_sequences if t.mode == "packed" else t.padded_batch_size,
+        "mode": t.mode,
+        "pad_token_id": config.text_config.pad_token_id,
+        # One process per node reads every shard to check it; its peers share that filesystem.
+        "verify_checksums": cfg.data.verify_checksums and env.local_rank == 0,
+        "vocab_size": config.text_config.vocab_size,
+    }
+
+
 def _setup_data(
     path: str, cfg: SFTSpecCore, env: distributed.DistEnv, config: PretrainedConfig, spec: ModelSpec
 ) -> Data:
@@ -229,17 +234,10 @@ def _setup_data(
         path,
         spec,
         PixelSpec.from_vision(spec.vision),
-        rank=env.rank,
-        world_size=env.world_size,
-        units_per_micro_batch=t.micro_batch_sequences if t.mode == "packed" else t.padded_batch_size,
         grad_accum=t.grad_accum,
         seed=t.seed,
-        mode=t.mode,
-        pad_token_id=config.text_config.pad_token_id,
-        # One process per node reads every shard to check it; its peers share that filesystem.
-        verify_checksums=cfg.data.verify_checksums and env.local_rank == 0,
-        vocab_size=config.text_config.vocab_size,
         eval_fraction=cfg.data.eval_fraction,
+        **_reading(cfg, env, config),
     )
     _check_pack(dataset, cfg, spec)
     lay = dataset.layout
