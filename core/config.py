@@ -209,6 +209,7 @@ def _ordered(low: str, high: str) -> JsonValue:
     }
 
 
+MAX_TILES_CEILING = 64  # tiles of one image: 64 x 256 = 16,384 vision tokens
 _PIXEL_ORDER = (("min_pixels", "max_pixels"), ("video_min_pixels", "video_max_pixels"))
 
 
@@ -220,6 +221,7 @@ class ModelConfig(CamelModel):
             "x-kubernetes-validations": [
                 *[_ordered(to_camel(lo), to_camel(hi)) for lo, hi in _PIXEL_ORDER],
                 _ordered("minFrames", "maxFrames"),
+                _ordered("minTiles", "maxTiles"),
             ]
         }
     )
@@ -265,6 +267,21 @@ class ModelConfig(CamelModel):
         le=MAX_FRAMES_CEILING,
         description="Default: the folder's video processor config, else 768.",
     )
+    min_tiles: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_TILES_CEILING,
+        description="Tiled families (internvl): fewest 448x448 tiles an image is cut into. Default: the "
+        "folder's image processor config (min_patches), else 1.",
+    )
+    max_tiles: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_TILES_CEILING,
+        description="Tiled families (internvl): most tiles an image is cut into (a thumbnail of the whole "
+        "image follows them when there are two or more; 256 vision tokens each). Default: the folder's "
+        "image processor config (max_patches), else 12.",
+    )
     cap_pixels_per_frame: bool = Field(
         True,
         description="Qwen3-VL videos: cap each frame's pixels as the reference implementation "
@@ -286,6 +303,8 @@ class ModelConfig(CamelModel):
     def _frames_order(self) -> ModelConfig:
         if self.min_frames is not None and self.max_frames is not None and self.min_frames > self.max_frames:
             raise ValueError(f"minFrames ({self.min_frames}) must not exceed maxFrames ({self.max_frames})")
+        if self.min_tiles is not None and self.max_tiles is not None and self.min_tiles > self.max_tiles:
+            raise ValueError(f"minTiles ({self.min_tiles}) must not exceed maxTiles ({self.max_tiles})")
         for low, high in _PIXEL_ORDER:
             lo, hi = getattr(self, low), getattr(self, high)
             if lo is not None and hi is not None and lo > hi:

@@ -48,8 +48,19 @@ QWEN35_TOOLS_OUTRO = (
     "your current knowledge and do not tell the user about function calls\n</IMPORTANT>"
 )
 
-FrameSampling = Literal["stride", "linspace"]
-VideoResize = Literal["frame", "volume"]
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# stride: Qwen2VLVideoProcessor; linspace: Qwen3VLVideoProcessor; shifted: InternVLVideoProcessor (evenly
+# spaced, each from the middle of its stretch).
+FrameSampling = Literal["stride", "linspace", "shifted"]
+# frame: size bounds per frame; volume: over frames x height x width; tile: each frame one square tile.
+VideoResize = Literal["frame", "volume", "tile"]
+# patches: an image is a grid of patches whose size follows the image (Qwen); tiles: fixed square tiles
+# chosen by aspect ratio, plus a thumbnail (InternVL).
+VisionInput = Literal["patches", "tiles"]
+# mrope: 3-D (time, height, width) rotary positions per sample; 1d: text positions restarting per sample.
+Positions = Literal["mrope", "1d"]
 # json: Qwen2.5's `<tool_call>` + JSON object; xml: Qwen3.5's `<function=...>` + `<parameter=...>` blocks.
 ToolStyle = Literal["json", "xml"]
 
@@ -91,6 +102,22 @@ _EMBEDDINGS = ("model.language_model.embed_tokens", "lm_head")
 
 
 @dataclass(frozen=True)
+class Tiling:
+    """How a tiled family (InternVL) cuts an image: the canvas of `tile_size` squares whose aspect
+    ratio is closest to the image's, between `min_tiles` and `max_tiles` of them, plus a thumbnail of the
+    whole image when there is more than one; each tile is `(tile_size / patch_size)² / merge²` tokens.
+    A video frame is one tile, written `frame_prefix` (1-based `n`) + its vision run, frames joined by
+    `frame_separator`. The processor config's `min_patches` / `max_patches` / `size` override these."""
+
+    tile_size: int = 448
+    min_tiles: int = 1
+    max_tiles: int = 12
+    thumbnail: bool = True
+    frame_prefix: str = "Frame{n}: "
+    frame_separator: str = "\n"
+
+
+@dataclass(frozen=True)
 class Family:
     """Static description of one model family (defaults of its HF processor and model classes)."""
 
@@ -113,6 +140,15 @@ class Family:
     time_scaled_rope: bool  # temporal mRoPE ids in seconds (Qwen2.5-VL `tokens_per_second`)
     deepstack: bool  # vision features injected into early LLM layers (Qwen3-VL)
     modules: ModuleLayout  # where freezing, per-part learning rates and LoRA find each part
+    vision_input: VisionInput = "patches"  # the pixel pipeline
+    positions: Positions = "mrope"  # the position rule of the language model
+    tiling: Tiling | None = None  # tiles only
+    # The token a video's vision runs are filled with: its own pad (Qwen), or the image context token
+    # (InternVL writes a video as one image tile per frame; its template's `<video>` is only a placeholder).
+    video_fill: Literal["video_pad", "image_pad"] = "video_pad"
+    # Whether the LM head is tied is said by `text_config` when the top level does not say it (InternVL:
+    # transformers' top-level default would tie it; `model_folder` writes the decoder's choice out).
+    tie_from_text_config: bool = False
     # Special tokens, by name.
     im_start: str = "<|im_start|>"
     assistant_header: str = "<|im_start|>assistant\n"  # rendered text that opens an assistant turn
@@ -312,8 +348,62 @@ QWEN3_VL_MOE = replace(
     QWEN3_VL, name="qwen3-vl-moe", model_type="qwen3_vl_moe", model_class="Qwen3VLMoeForConditionalGeneration"
 )
 
+# InternVL3 / InternVL3.5 in transformers' native layout (the `-HF` releases): InternViT over fixed
+# 448x448 tiles (a thumbnail after the tiles of a large image), pixel shuffle (0.5: merge 2) and an MLP
+# projector into a Qwen2 / Qwen3 decoder with plain 1-D positions. The template writes an image as
+# `<IMG_CONTEXT>` and a video as `<video>`; the processor turns them into `<img>` + 256 context tokens per
+# tile + `</img>`, and one such block per frame, each after `Frame{n}: `.
+INTERNVL = Family(
+    name="internvl",
+    model_type="internvl",
+    model_class="InternVLForConditionalGeneration",
+    tokenizer_class=_QWEN_TOKENIZER,
+    patch_size=14,
+    merge_size=2,
+    temporal_patch_size=1,
+    image_mean=IMAGENET_MEAN,
+    image_std=IMAGENET_STD,
+    min_pixels=448 * 448,
+    max_pixels=448 * 448 * 12,
+    video_min_pixels=448 * 448,
+    video_max_pixels=448 * 448,
+    frame_sampling="shifted",
+    video_resize="tile",
+    video_timestamps=False,
+    time_scaled_rope=False,
+    deepstack=False,
+    vision_input="tiles",
+    positions="1d",
+    tiling=Tiling(),
+    video_fill="image_pad",
+    tie_from_text_config=True,
+    modules=ModuleLayout(
+        vision=("model.vision_tower",),
+        merger=("model.multi_modal_projector",),
+        llm=_LLM,
+        embeddings=_EMBEDDINGS,
+        vision_chain=("model.vision_tower", "model.multi_modal_projector"),
+        lora_llm=_LORA_LLM,
+        lora_vision=r"model\.(?:vision_tower\.encoder\.layer|multi_modal_projector)\.",
+    ),
+    vision_start="<img>",
+    vision_end="</img>",
+    image_pad="<IMG_CONTEXT>",
+    video_pad="<video>",
+    default_system="",
+    reserved_tokens=(
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+        "<img>",
+        "</img>",
+        "<IMG_CONTEXT>",
+        "<video>",
+    ),
+)
+
 FAMILIES: dict[str, Family] = {
-    f.name: f for f in (QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_5, QWEN3_5_MOE, QWEN3_VL_MOE)
+    f.name: f for f in (QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_5, QWEN3_5_MOE, QWEN3_VL_MOE, INTERNVL)
 }
 
 FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)

@@ -37,6 +37,7 @@ TRANSFORMERS_FLOOR = "5.25"
 # A probe prompt marks each media item with these, so its layout can be cut out of the decoded text.
 OPEN, CLOSE = "[[", "]]"
 _STAMP = re.compile(r"<\d+(?:\.\d+)? seconds>")
+_FRAME_NUMBER = re.compile(r"Frame\d+: ")
 PROCESSING_SUFFIXES = frozenset({".json", ".jinja", ".txt", ".model"})
 _MAX_HASHED_BYTES = 64 << 20
 
@@ -86,6 +87,12 @@ def processing_digest(folder: Path, facts: list[str], code: list[bytes]) -> str:
 
 def family_layout(family: Family) -> dict[str, str]:
     """The layout the packer writes for `family`, by media kind."""
+    if family.tiling is not None:
+        # InternVL: the template's newline after each placeholder; a video is frame-prefixed image runs.
+        run = f"{family.vision_start}{family.image_pad}*{family.vision_end}"
+        prefix = _FRAME_NUMBER.sub("Frame{n}: ", family.tiling.frame_prefix.format(n=1))
+        frames = family.tiling.frame_separator.join([prefix + run] * 3)
+        return {"image": run + "\n", "video": _fold_repeats(frames + "\n")}
     image = f"{family.vision_start}{family.image_pad}*{family.vision_end}"
     video = f"{family.vision_start}{family.video_pad}*{family.vision_end}"
     if family.video_timestamps:
@@ -98,9 +105,12 @@ def layout_of_text(text: str, family: Family) -> dict[str, str]:
     for pad in (family.image_pad, family.video_pad):
         text = re.sub(f"(?:{re.escape(pad)})+", pad + "*", text)
     text = _STAMP.sub("<t seconds>", text)
+    tiled = family.tiling is not None
+    if tiled:
+        text = _FRAME_NUMBER.sub("Frame{n}: ", text)
     found: dict[str, str] = {}
     for segment in re.findall(re.escape(OPEN) + "(.*?)" + re.escape(CLOSE), text, flags=re.S):
-        kind = "video" if family.video_pad in segment else "image"
+        kind = "video" if family.video_pad in segment or (tiled and "Frame{n}: " in segment) else "image"
         found[kind] = _fold_repeats(segment)
     return found
 

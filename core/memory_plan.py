@@ -20,7 +20,9 @@ bf16 (`MixedPrecisionPolicy(param_dtype)`) for its forward and backward. Per GPU
     activations     decoder: `layer_activation_bytes` x tokens x layers (+ 2 x 4h x tokens: the
                         embedding output and the final norm's); vision: `vision_block_bytes` x
                         patches x blocks, patches = vision_share x tokens x merge_size² (a pack
-                        does not record its vision share: VISION_SHARE by default)
+                        does not record its vision share: VISION_SHARE by default); InternVL: whole
+                        448-pixel tiles, each (448/14)² + 1 = 1,025 tokens through the tower for its
+                        256 decoder tokens, plus the pixel shuffle and projector per decoder token
     logits          1.25 x chunk x vocab x (4 + 2 under bf16): one chunk's fp32 logits (and their bf16
                     matmul output) at a time, `training.lossChunkTokens` rows
     reserve         RESERVE_BYTES + RESERVE_FRACTION of the rest (CUDA context, NCCL, fragmentation)
@@ -120,9 +122,41 @@ def vision_block_bytes(d: ModelDims, bf16: bool) -> float:
     inputs (qkv, proj, fc1 or gate/up, fc2 or down: b·e x (4 | 3) + b·i), the qkv output and rotary q,
     k copies (b·5e), attention inputs and output (b·4e), the MLP's hidden tensors (b·i x 2, SwiGLU 3)."""
     b, e, i = (2 if bf16 else 4), d.vision_hidden, d.vision_intermediate
+    if d.vision_kind == "internvit":
+        return _internvit_layer_bytes(d, b)
     swiglu = d.vision_kind == "qwen2.5"
     inputs = b * e * ((4 if swiglu else 3) if bf16 else 3) + b * i
     return 16.0 * e + inputs + b * 9 * e + b * i * (3 if swiglu else 2)
+
+
+def _internvit_layer_bytes(d: ModelDims, b: int) -> float:
+    """Bytes kept per tile token (patch or cls) for one InternViT layer: two norms with their fp32
+    input (16e), linear inputs (q, k, v and proj each its own b·e under autocast, one shared by q/k/v
+    in fp32; fc2's b·i), the q, k, v outputs (b·3e), attention inputs and output (b·4e), the two
+    layer-scale products' inputs (b·2e), fc1's output before GELU (b·i); qk norms (b + 4)·2e."""
+    e, i = d.vision_hidden, d.vision_intermediate
+    inputs = b * e * (4 if b == 2 else 2) + b * i
+    total = 16.0 * e + inputs + b * 3 * e + b * 4 * e + b * 2 * e + b * i
+    return total + ((b + 4) * 2 * e if d.vision_qk_norm else 0)
+
+
+def _internvit_tower_tokens(d: ModelDims, vision_tokens: float) -> tuple[float, float]:
+    """InternVL: (tiles, tokens through the tower) of `vision_tokens` decoder tokens: a tile writes
+    (grid / merge)² tokens and runs grid² patches + its cls token through every layer."""
+    grid = d.image_size // d.patch_size
+    tiles = vision_tokens / max((grid // d.merge_size) ** 2, 1)
+    return tiles, tiles * d.tile_patches
+
+
+def _projector_bytes(d: ModelDims, b: int, trains: bool) -> float:
+    """Per decoder vision token, InternVL's pixel shuffle and projector: the shuffle's contiguous copy
+    of merge² features (b·m²e, transient), the LayerNorm's fp32 input and output (8·m²e), linear_1's
+    input (b·m²e), its output and GELU's (2b·h). Frozen, under no_grad: only the shuffle's copy and
+    one of these at a time."""
+    merged = d.vision_hidden * d.merge_size**2
+    if not trains:
+        return 2.0 * b * merged
+    return b * merged + 8.0 * merged + b * merged + 2.0 * b * d.vision_out
 
 
 @dataclass(frozen=True)
@@ -192,6 +226,11 @@ def _activation_rows(d: ModelDims, c: ParamCounts, x: PlanInputs) -> dict[str, f
         decoder = ((d.layers - d.linear_layers) * full + d.linear_layers * lin) * tokens
     decoder += 2 * 4.0 * d.hidden * tokens  # the embedding output and the final norm's
     patches = x.vision_share * tokens * d.merge_size**2
+    projector = 0.0
+    if d.vision_kind == "internvit":  # whole tiles (cls token included) through the tower
+        patches = _internvit_tower_tokens(d, x.vision_share * tokens)[1]
+        trains = c.trainable_by_part["vision"] + c.trainable_by_part["merger"] > 0
+        projector = _projector_bytes(d, 2 if x.bf16 else 4, trains) * x.vision_share * tokens
     block = vision_block_bytes(d, x.bf16)
     if c.trainable_by_part["vision"] == 0:  # under no_grad: one block's tensors at a time
         vision = block * patches
@@ -199,6 +238,7 @@ def _activation_rows(d: ModelDims, c: ParamCounts, x: PlanInputs) -> dict[str, f
         vision = (d.vision_depth * 4.0 * d.vision_hidden + block) * patches
     else:
         vision = d.vision_depth * block * patches
+    vision += projector
     chunk = min(x.loss_chunk_tokens or tokens, tokens)
     return {
         "activations: decoder": decoder,

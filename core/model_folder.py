@@ -94,6 +94,21 @@ def deep_merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[st
     return out
 
 
+def _resolved_tie(config: dict[str, Any]) -> dict[str, Any]:
+    """The config with `tie_word_embeddings` written out where the family takes it from its decoder.
+
+    transformers' InternVL config ties the LM head to the embeddings unless the top level says
+    otherwise, while InternVL releases put the choice in `text_config` (untied from 2B up: their
+    checkpoints hold an `lm_head.weight` of its own); building from the top-level default would train
+    and export a model other than the one released."""
+    family = next((f for f in FAMILIES.values() if f.model_type == config.get("model_type")), None)
+    text = config.get("text_config")
+    if family is None or not family.tie_from_text_config or "tie_word_embeddings" in config:
+        return config
+    tie = text.get("tie_word_embeddings", False) if isinstance(text, dict) else False
+    return {**config, "tie_word_embeddings": tie if isinstance(tie, bool) else False}
+
+
 def folder_error(problem: str) -> ConfigError:
     """A model folder's file refused (outside it, not a regular file, over its caps)."""
     return ConfigError(f"model.path: {problem}")
@@ -212,7 +227,8 @@ class ModelFolder:
             raise ConfigError(
                 f"cannot read {self.config_path} ({exc}): point model.path at a Hugging Face model folder"
             ) from exc
-        return deep_merge(data, self.overrides)
+        merged = deep_merge(data, self.overrides)
+        return _resolved_tie(merged) if isinstance(merged, dict) else merged
 
     def detected_family(self) -> Family:
         """The family config.json's `model_type` names."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -25,7 +25,7 @@ from packtrain.core.model_folder import ModelFolder
 from packtrain.core.model_folder import deep_merge as deep_merge  # re-exported: the trainer merges with it
 
 # Module kinds of the vision tower (`VisionDims.kind`) and the decoder (`ModelDims.text_kind`).
-VISION_KINDS = ("qwen2", "qwen2.5", "qwen3")
+VISION_KINDS = ("qwen2", "qwen2.5", "qwen3", "internvit")
 TEXT_KINDS = ("qwen2", "qwen3", "qwen3.5")
 _FAMILY_KINDS = {  # family -> (text kind, vision kind)
     "qwen2-vl": ("qwen2", "qwen2"),
@@ -34,6 +34,7 @@ _FAMILY_KINDS = {  # family -> (text kind, vision kind)
     "qwen3-vl-moe": ("qwen3", "qwen3"),
     "qwen3.5": ("qwen3.5", "qwen3"),
     "qwen3.5-moe": ("qwen3.5", "qwen3"),
+    "internvl": ("qwen2", "internvit"),  # the decoder: text_config.model_type (`INTERNVL_TEXT`)
 }
 _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2-vl": {"vocab_size": 152064, "hidden_size": 8192, "intermediate_size": 29568,
@@ -58,6 +59,21 @@ _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
                      "moe_intermediate_size": 1408, "num_experts_per_tok": 4, "num_experts": 60},
 }  # fmt: skip
 _TEXT_DEFAULTS["qwen2.5-vl"] = _TEXT_DEFAULTS["qwen2-vl"]
+# InternVL's decoder is whatever text_config.model_type names (InternVLConfig's default: qwen2); the
+# ones planned here, with the defaults of their transformers config classes.
+INTERNVL_TEXT: dict[str, dict[str, Any]] = {
+    "qwen2": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32},
+    "qwen3": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+              "head_dim": 128, "attention_bias": False},
+}  # fmt: skip
+_TEXT_DEFAULTS["internvl"] = INTERNVL_TEXT["qwen2"]
+# InternVLConfig's own keys: the pixel-shuffle ratio (0.5: 2x2 patches per token) and a tied LM head,
+# which transformers 5 applies whatever text_config says.
+_TOP_DEFAULTS: dict[str, dict[str, Any]] = {
+    "internvl": {"downsample_ratio": 0.5, "tie_word_embeddings": True}
+}
 _QWEN3_VISION = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
                  "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
                  "out_hidden_size": 3584, "num_position_embeddings": 2304}  # fmt: skip
@@ -71,6 +87,13 @@ _VISION_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3.5": {**_QWEN3_VISION, "deepstack_visual_indexes": []},
 }  # fmt: skip
 _VISION_DEFAULTS["qwen3-vl-moe"] = _VISION_DEFAULTS["qwen3-vl"]
+_VISION_DEFAULTS["internvl"] = {  # InternVLVisionConfig: InternViT-300M
+    "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096,
+    "attention_bias": False, "use_qk_norm": False, "norm_type": "layer_norm", "image_size": [448, 448],
+    "patch_size": [14, 14], "num_channels": 3, "use_mask_token": False,
+    "use_absolute_position_embeddings": True, "use_mean_pooling": True,
+}  # fmt: skip
+INTERNVIT_NORMS = ("layer_norm", "rms_norm")
 _VISION_DEFAULTS["qwen3.5-moe"] = _VISION_DEFAULTS["qwen3.5"]
 
 # Inclusive bounds of a config's numbers, text and vision: several times the largest released
@@ -112,7 +135,14 @@ VISION_LIMITS: dict[str, tuple[int, int]] = {
     "spatial_merge_size": (1, 16),
     "num_position_embeddings": (1, 1 << 20),
     "window_size": (1, 65536),
+    # InternViT's names (InternVLVisionConfig); image_size and patch_size may be a pair there
+    "num_hidden_layers": (1, 256),
+    "num_attention_heads": (1, 1024),
+    "num_channels": (1, 16),
+    "image_size": (1, 16384),
 }
+_PAIRS = frozenset({"image_size", "patch_size"})  # InternViT: an int or a (height, width) pair
+MAX_MERGE = 16  # InternVL's 1 / downsample_ratio (2 in every release), as VISION_LIMITS' spatial_merge_size
 MAX_MLP_RATIO = 64  # Qwen2-VL's vision MLP width over its embedding width (4 in every release)
 # Keys a config may set to null: derived or checked by another rule (head_dim from the hidden size, the
 # dense MLP width where layers are experts, the expert count of a MoE family, Qwen2-VL's tower width).
@@ -163,6 +193,22 @@ class ModelDims:
     merge_size: int
     vision_positions: int  # Qwen3-VL / Qwen3.5 learned position embeddings (0: none)
     deepstack: int  # Qwen3-VL DeepStack mergers
+    # Set only where a family has more than one decoder or an InternViT tower (defaults: the Qwen
+    # families', so a record written before them still reads).
+    text_type: str = ""  # the decoder's kind (InternVL: qwen2 or qwen3); "": the family's
+    image_size: int = (
+        0  # InternViT: the tile side in pixels, (image_size / patch_size)² patches + a cls token
+    )
+    vision_rms_norm: bool = False  # InternViT: RMSNorm blocks (norm_type rms_norm) rather than LayerNorm
+    vision_qk_norm: bool = False  # InternViT: an RMSNorm over q and over k (use_qk_norm)
+    vision_qkv_bias: bool = False  # InternViT: q/k/v biases (attention_bias)
+    vision_final_norm: bool = False  # InternViT without mean pooling: a LayerNorm after the blocks
+    vision_mask_token: bool = False  # InternViT: a learned mask token (use_mask_token)
+
+    @property
+    def tile_patches(self) -> int:
+        """InternViT: the tokens one tile runs through the tower (its patches and the cls token)."""
+        return (self.image_size // self.patch_size) ** 2 + 1 if self.image_size else 0
 
     @property
     def linear_layers(self) -> int:
@@ -174,7 +220,7 @@ class ModelDims:
 
     @property
     def text_kind(self) -> str:
-        return _FAMILY_KINDS[self.family][0]
+        return self.text_type or _FAMILY_KINDS[self.family][0]
 
     @property
     def vision_kind(self) -> str:
@@ -186,7 +232,7 @@ class ModelDims:
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> ModelDims:
         """The record `to_dict` wrote (a PackJob's status carries it); ConfigError if incomplete."""
-        names = [f.name for f in fields(cls)]
+        names = [f.name for f in fields(cls) if f.name in doc or f.default is MISSING]
         missing = [n for n in names if n not in doc]
         if missing or doc.get("family") not in _FAMILY_KINDS:
             raise ConfigError(f"model dimensions lack {missing or ['a known family']}: re-run the pack")
@@ -197,8 +243,37 @@ class ModelDims:
 def _section(config: Mapping[str, Any], key: str, family: str, flat_text: bool) -> dict[str, Any]:
     """text_config or vision_config over the class defaults (Qwen2-VL's text keys may sit at the top)."""
     defaults = (_TEXT_DEFAULTS if key == "text_config" else _VISION_DEFAULTS)[family]
+    if family == "internvl" and key == "text_config":
+        defaults = INTERNVL_TEXT.get(_text_type(config), {})
     top = {k: v for k, v in config.items() if k not in ("text_config", "vision_config")} if flat_text else {}
     return {**defaults, **top, **dict(config.get(key) or {})}
+
+
+def _text_type(config: Mapping[str, Any]) -> Any:
+    """InternVL's decoder: text_config.model_type, qwen2 when it names none (InternVLConfig's default)."""
+    text = config.get("text_config")
+    return (text.get("model_type") if isinstance(text, Mapping) else None) or "qwen2"
+
+
+def _top(config: Mapping[str, Any], family: str, key: str) -> Any:
+    """A top-level config key of a family with its own (InternVL's), over its config class default."""
+    return config.get(key, _TOP_DEFAULTS.get(family, {}).get(key))
+
+
+def _side(value: Any) -> int | None:
+    """InternViT's image_size / patch_size as one side: an int, or a square (n, n) pair; else None."""
+    if isinstance(value, list | tuple) and len(value) == 2 and value[0] == value[1]:
+        value = value[0]
+    return value if _whole(value) else None
+
+
+def _merge_of(ratio: Any) -> int | None:
+    """InternVL's pixel shuffle merges 1 / downsample_ratio patches a side: a whole number from 1 to
+    MAX_MERGE (the projector's width is int(1 / ratio)², the shuffle's reshape needs it exact)."""
+    if not isinstance(ratio, int | float) or isinstance(ratio, bool) or not 0 < ratio <= 1:
+        return None
+    merge = round(1 / ratio)
+    return merge if merge <= MAX_MERGE and abs(merge * ratio - 1) < 1e-9 else None
 
 
 def _layer_types(text: Mapping[str, Any], layers: int) -> list[str]:
@@ -229,16 +304,30 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else f"{text[:37]}..."
 
 
-def _range_problems(section: Mapping[str, Any], name: str, at: str) -> list[str]:
+def _range_problems(section: Mapping[str, Any], name: str, at: str, pairs: bool = False) -> list[str]:
+    """Each bounded key a whole number within its bounds (with `pairs`, `_PAIRS` keys a pair of them)."""
     out = []
     limits = TEXT_LIMITS if name == "text_config" else VISION_LIMITS
     for key, (low, high) in limits.items():
         value = section.get(key)
         if key not in section or (value is None and key in _NULLABLE[name]):
             continue
-        if not _whole(value) or not low <= value <= high:
-            out.append(f"{at}{key} is {_shown(value)}: it must be a whole number from {low} to {high}")
+        pair = pairs and key in _PAIRS
+        values = value if pair and isinstance(value, list) and len(value) == 2 else [value]
+        if not all(_whole(v) and low <= v <= high for v in values):
+            what = " (or a pair of them)" if pair else ""
+            out.append(f"{at}{key} is {_shown(value)}: it must be a whole number from {low} to {high}{what}")
     return out
+
+
+def _internvl_top_problems(config: Mapping[str, Any], at: str) -> list[str]:
+    """InternVLConfig's own numbers: the pixel-shuffle ratio (wherever it is set, overrides alone too)."""
+    if "downsample_ratio" in config and _merge_of(config["downsample_ratio"]) is None:
+        return [
+            f"{at}downsample_ratio is {_shown(config['downsample_ratio'])}: it must be 1 / n for a whole n "
+            f"from 1 to {MAX_MERGE} (0.5: 2x2 patches per token)"
+        ]
+    return []
 
 
 def _list_problems(section: Mapping[str, Any], name: str, at: str, full: bool) -> list[str]:
@@ -304,7 +393,7 @@ def _vision_rules(v: Mapping[str, Any], text_hidden: int, family: str, at: str) 
     """The vision tower's rules on a resolved vision section: whole heads, a merger that feeds the decoder."""
     qwen2 = family == "qwen2-vl"
     width = "embed_dim" if qwen2 and v.get("embed_dim") else "hidden_size"
-    out = _divides(v, "num_heads", width, at)
+    out = _divides(v, "num_attention_heads" if family == "internvl" else "num_heads", width, at)
     ratio = v.get("mlp_ratio")
     if qwen2 and not (
         isinstance(ratio, int | float)
@@ -315,6 +404,8 @@ def _vision_rules(v: Mapping[str, Any], text_hidden: int, family: str, at: str) 
         out.append(
             f"{at}mlp_ratio is {_shown(ratio)}: it must be a number above 0 and at most {MAX_MLP_RATIO}"
         )
+    if family == "internvl":
+        return out
     merger = "hidden_size" if qwen2 else "out_hidden_size"
     if v[merger] != text_hidden:
         out.append(
@@ -324,6 +415,29 @@ def _vision_rules(v: Mapping[str, Any], text_hidden: int, family: str, at: str) 
     window, step = v.get("window_size"), v["patch_size"] * v["spatial_merge_size"]
     if family == "qwen2.5-vl" and _whole(window) and window < step:
         out.append(f"{at}window_size {window} is under patch_size x spatial_merge_size ({step}): raise it")
+    return out
+
+
+def _internvit_rules(v: Mapping[str, Any], merge: int, at: str) -> list[str]:
+    """InternViT on square tiles: a whole number of patches a side, and of merged patches (the pixel
+    shuffle reshapes the patch grid by `merge`), position rows within bounds, a known norm."""
+    image, patch = _side(v["image_size"]), _side(v["patch_size"])
+    if image is None or patch is None:
+        return [f"{at}image_size and patch_size must be square (one number, or a pair of equal ones)"]
+    if image % patch:
+        return [f"{at}image_size {image} is not a whole number of patch_size {patch} patches"]
+    grid, out = image // patch, []
+    if grid % merge:
+        out.append(
+            f"{at}image_size / patch_size ({grid} patches a side) is not a whole number of merged patches "
+            f"(1 / downsample_ratio = {merge}): make them one"
+        )
+    if grid * grid + 1 > VISION_LIMITS["num_position_embeddings"][1]:
+        out.append(f"{at}image_size / patch_size gives {grid * grid} patches a tile: too many positions")
+    if v.get("norm_type") not in INTERNVIT_NORMS:
+        out.append(
+            f"{at}norm_type is {_shown(v.get('norm_type'))}: it must be one of {', '.join(INTERNVIT_NORMS)}"
+        )
     return out
 
 
@@ -346,21 +460,36 @@ def dimension_problems(config: Any, family: str | None = None, at: str = "") -> 
     flat = family is None or family in ("qwen2-vl", "qwen2.5-vl")
     views: list[tuple[str, Mapping[str, Any], str]] = [("text_config", config, at)] if flat else []
     views += [(name, sec, f"{at}{name}.") for name, sec in sections.items() if isinstance(sec, Mapping)]
-    out = []
+    pairs = family in (None, "internvl")
+    out = _internvl_top_problems(config, at) if pairs else []
     for name, view, where in views:
-        out += _range_problems(view, name, where)
+        out += _range_problems(view, name, where, pairs=pairs and name == "vision_config")
         out += _list_problems(view, name, where, full=False)
     if out or family is None:
         return out + [
             p for name, view, where in views if name == "text_config" for p in _pair_problems(view, where)
         ]
+    return _whole_config_problems(config, family, at, flat)
+
+
+def _whole_config_problems(config: Mapping[str, Any], family: str, at: str, flat: bool) -> list[str]:
+    """The rules between keys of a whole config.json, the family's defaults under it."""
+    text_at = f"{at}text_config." if "text_config" in config else at
+    if family == "internvl" and _text_type(config) not in INTERNVL_TEXT:
+        return [
+            f"{text_at}model_type is {_shown(_text_type(config))}: packtrain plans InternVL with a "
+            f"{' or '.join(INTERNVL_TEXT)} decoder"
+        ]
     text = _section(config, "text_config", family, flat_text=flat)
     vision = _section(config, "vision_config", family, flat_text=False)
-    text_at = f"{at}text_config." if "text_config" in config else at
     out = _list_problems(text, "text_config", text_at, full=True)
     out += _list_problems(vision, "vision_config", f"{at}vision_config.", full=True)
     out += _text_rules(text, family, text_at)
-    return out + _vision_rules(vision, text["hidden_size"], family, f"{at}vision_config.")
+    out += _vision_rules(vision, text["hidden_size"], family, f"{at}vision_config.")
+    if family == "internvl":
+        merge = _merge_of(_top(config, family, "downsample_ratio"))
+        out += _internvit_rules(vision, merge or 1, f"{at}vision_config.")
+    return out
 
 
 def limits_schema() -> dict[str, Any]:
@@ -430,13 +559,8 @@ def model_dims(config: Mapping[str, Any], family: str | None = None) -> ModelDim
     linear = tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention")
     moe = _moe_layers(name, text, layers)
     tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-    v_hidden = (
-        int(vision.get("embed_dim") or vision["hidden_size"])
-        if name == "qwen2-vl"
-        else int(vision["hidden_size"])
-    )
-    v_inter = int(v_hidden * vision["mlp_ratio"]) if name == "qwen2-vl" else int(vision["intermediate_size"])
-    v_out = int(vision["hidden_size"]) if name == "qwen2-vl" else int(vision["out_hidden_size"])
+    if name == "internvl":
+        tied = _top(config, name, "tie_word_embeddings")
     return ModelDims(
         family=name,
         vocab=int(text["vocab_size"]),
@@ -459,18 +583,62 @@ def model_dims(config: Mapping[str, Any], family: str | None = None) -> ModelDim
         expert_intermediate=int(text.get("moe_intermediate_size", 0)) if moe else 0,
         shared_expert_intermediate=int(text.get("shared_expert_intermediate_size", 0)) if moe else 0,
         moe_layer_indexes=moe,
-        vision_depth=int(vision["depth"]),
-        vision_hidden=v_hidden,
-        vision_intermediate=v_inter,
-        vision_heads=int(vision["num_heads"]),
-        vision_out=v_out,
-        patch_size=int(vision["patch_size"]),
-        temporal_patch_size=int(vision["temporal_patch_size"]),
-        in_channels=int(vision.get("in_channels") or vision.get("in_chans") or 3),
-        merge_size=int(vision["spatial_merge_size"]),
-        vision_positions=int(vision.get("num_position_embeddings", 0)) if name.startswith("qwen3") else 0,
-        deepstack=len(vision.get("deepstack_visual_indexes") or []) if name.startswith("qwen3-vl") else 0,
+        **(
+            _internvit_fields(config, vision, hidden)
+            if name == "internvl"
+            else _qwen_vision_fields(name, vision)
+        ),
     )
+
+
+def _qwen_vision_fields(name: str, vision: Mapping[str, Any]) -> dict[str, Any]:
+    """The Qwen vision towers' `ModelDims` fields."""
+    qwen2 = name == "qwen2-vl"
+    v_hidden = int(vision.get("embed_dim") or vision["hidden_size"]) if qwen2 else int(vision["hidden_size"])
+    return {
+        "vision_depth": int(vision["depth"]),
+        "vision_hidden": v_hidden,
+        "vision_intermediate": int(v_hidden * vision["mlp_ratio"])
+        if qwen2
+        else int(vision["intermediate_size"]),
+        "vision_heads": int(vision["num_heads"]),
+        "vision_out": int(vision["hidden_size"]) if qwen2 else int(vision["out_hidden_size"]),
+        "patch_size": int(vision["patch_size"]),
+        "temporal_patch_size": int(vision["temporal_patch_size"]),
+        "in_channels": int(vision.get("in_channels") or vision.get("in_chans") or 3),
+        "merge_size": int(vision["spatial_merge_size"]),
+        "vision_positions": int(vision.get("num_position_embeddings", 0)) if name.startswith("qwen3") else 0,
+        "deepstack": len(vision.get("deepstack_visual_indexes") or []) if name.startswith("qwen3-vl") else 0,
+    }
+
+
+def _internvit_fields(
+    config: Mapping[str, Any], vision: Mapping[str, Any], text_hidden: int
+) -> dict[str, Any]:
+    """InternVL's `ModelDims` fields: InternViT (checked square by `_internvit_rules`) and its decoder's kind;
+    the projector writes the decoder's width."""
+    image, patch = int(_side(vision["image_size"]) or 0), int(_side(vision["patch_size"]) or 1)
+    positions = (image // patch) ** 2 + 1 if vision.get("use_absolute_position_embeddings") else 0
+    return {
+        "vision_depth": int(vision["num_hidden_layers"]),
+        "vision_hidden": int(vision["hidden_size"]),
+        "vision_intermediate": int(vision["intermediate_size"]),
+        "vision_heads": int(vision["num_attention_heads"]),
+        "vision_out": text_hidden,
+        "patch_size": patch,
+        "temporal_patch_size": 1,
+        "in_channels": int(vision["num_channels"]),
+        "merge_size": _merge_of(_top(config, "internvl", "downsample_ratio")) or 1,
+        "vision_positions": positions,
+        "deepstack": 0,
+        "text_type": str(_text_type(config)),
+        "image_size": image,
+        "vision_rms_norm": vision["norm_type"] == "rms_norm",
+        "vision_qk_norm": bool(vision.get("use_qk_norm")),
+        "vision_qkv_bias": bool(vision.get("attention_bias")),
+        "vision_final_norm": not vision.get("use_mean_pooling", True),
+        "vision_mask_token": bool(vision.get("use_mask_token")),
+    }
 
 
 @dataclass(frozen=True)
@@ -496,7 +664,50 @@ def _norm(prefix: str, part: str, width: int, bias: bool) -> Iterator[Tensor]:
         yield Tensor(f"{prefix}.bias", width, part)
 
 
+def _internvit_layer(d: ModelDims, i: int) -> Iterator[Tensor]:
+    """One InternViT layer (InternVLVisionLayer): separate q/k/v, the optional qk RMSNorms over the
+    whole width, two norms, a GELU MLP and the two layer-scale vectors."""
+    p, e, inner = f"model.vision_tower.encoder.layer.{i}", d.vision_hidden, d.vision_intermediate
+    yield Tensor(f"{p}.lambda_1", e, "vision")
+    yield Tensor(f"{p}.lambda_2", e, "vision")
+    for name in ("q_proj", "k_proj", "v_proj"):
+        yield from _linear(f"{p}.attention.{name}", "vision", e, e, d.vision_qkv_bias)
+    yield from _linear(f"{p}.attention.projection_layer", "vision", e, e, True)
+    if d.vision_qk_norm:
+        yield Tensor(f"{p}.attention.q_norm.weight", e, "vision")
+        yield Tensor(f"{p}.attention.k_norm.weight", e, "vision")
+    yield from _linear(f"{p}.mlp.fc1", "vision", e, inner, True)
+    yield from _linear(f"{p}.mlp.fc2", "vision", inner, e, True)
+    yield from _norm(f"{p}.layernorm_before", "vision", e, not d.vision_rms_norm)
+    yield from _norm(f"{p}.layernorm_after", "vision", e, not d.vision_rms_norm)
+
+
+def _internvit_outside(d: ModelDims) -> Iterator[Tensor]:
+    """InternViT's embeddings (cls token, optional mask token, patch conv, positions), its final
+    LayerNorm without mean pooling, and the projector: a LayerNorm and two linears over the pixel
+    shuffle's merge² x width features."""
+    e, p = d.vision_hidden, "model.vision_tower"
+    yield Tensor(f"{p}.embeddings.cls_token", e, "vision")
+    if d.vision_mask_token:
+        yield Tensor(f"{p}.embeddings.mask_token", e, "vision")
+    yield Tensor(
+        f"{p}.embeddings.patch_embeddings.projection.weight", e * d.in_channels * d.patch_size**2, "vision"
+    )
+    yield Tensor(f"{p}.embeddings.patch_embeddings.projection.bias", e, "vision")
+    if d.vision_positions:
+        yield Tensor(f"{p}.embeddings.position_embeddings", d.vision_positions * e, "vision")
+    if d.vision_final_norm:
+        yield from _norm(f"{p}.layernorm", "vision", e, True)
+    merged, q = e * d.merge_size**2, "model.multi_modal_projector"
+    yield from _norm(f"{q}.layer_norm", "merger", merged, True)
+    yield from _linear(f"{q}.linear_1", "merger", merged, d.vision_out, True)
+    yield from _linear(f"{q}.linear_2", "merger", d.vision_out, d.vision_out, True)
+
+
 def _vision_block(d: ModelDims, i: int) -> Iterator[Tensor]:
+    if d.vision_kind == "internvit":
+        yield from _internvit_layer(d, i)
+        return
     p, e, inner = f"model.visual.blocks.{i}", d.vision_hidden, d.vision_intermediate
     layer_norm = d.vision_kind != "qwen2.5"  # Qwen2.5-VL's blocks use RMSNorm (no bias)
     yield from _norm(f"{p}.norm1", "vision", e, layer_norm)
@@ -528,6 +739,9 @@ def _merger(d: ModelDims, prefix: str, postshuffle: bool) -> Iterator[Tensor]:
 
 
 def _patch_embed(d: ModelDims) -> Iterator[Tensor]:
+    if d.vision_kind == "internvit":  # with the projector: all of the vision side outside its layers
+        yield from _internvit_outside(d)
+        return
     e = d.vision_hidden
     conv = e * d.in_channels * d.temporal_patch_size * d.patch_size**2
     yield Tensor("model.visual.patch_embed.proj.weight", conv, "vision")
@@ -537,13 +751,16 @@ def _patch_embed(d: ModelDims) -> Iterator[Tensor]:
 
 
 def _mergers(d: ModelDims) -> Iterator[Tensor]:
+    if d.vision_kind == "internvit":  # its projector comes with `_patch_embed`
+        return
     yield from _merger(d, "model.visual.merger", postshuffle=False)
     for j in range(d.deepstack):
         yield from _merger(d, f"model.visual.deepstack_merger_list.{j}", postshuffle=True)
 
 
 def vision_tensors(d: ModelDims) -> Iterator[Tensor]:
-    """The vision tower: patch embedding (a Conv3d), position embedding, blocks and mergers."""
+    """The vision tower: patch embedding (a Conv3d; InternViT's a Conv2d), position embedding, blocks
+    and mergers (InternVL's projector)."""
     yield from _patch_embed(d)
     for i in range(d.vision_depth):
         yield from _vision_block(d, i)
@@ -742,6 +959,7 @@ _TEXT_KEYS = frozenset(
         *("linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts"),
         *("num_local_experts", "num_experts_per_tok", "moe_intermediate_size"),
         *("shared_expert_intermediate_size", "mlp_only_layers", "decoder_sparse_step"),
+        "model_type",  # InternVL's text_config: which decoder
     }
 )
 _VISION_KEYS = frozenset(
@@ -749,6 +967,9 @@ _VISION_KEYS = frozenset(
         *("depth", "embed_dim", "hidden_size", "mlp_ratio", "intermediate_size", "num_heads"),
         *("out_hidden_size", "patch_size", "temporal_patch_size", "in_channels", "in_chans"),
         *("spatial_merge_size", "num_position_embeddings", "deepstack_visual_indexes"),
+        *("num_hidden_layers", "num_attention_heads", "attention_bias", "use_qk_norm", "norm_type"),
+        *("image_size", "num_channels", "use_mask_token", "use_absolute_position_embeddings"),
+        "use_mean_pooling",
     }
 )
 
@@ -757,7 +978,7 @@ def planning_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The keys of a config.json `model_dims` reads, and only those: what a PackJob reports to the
     operator (a termination message holds 4 KiB), which merges an SFTJob's configOverrides into it
     as the trainer merges them into config.json."""
-    out: dict[str, Any] = {k: v for k, v in config.items() if k in _TEXT_KEYS or k == "model_type"}
+    out: dict[str, Any] = {k: v for k, v in config.items() if k in _TEXT_KEYS or k == "downsample_ratio"}
     for key, keep in (("text_config", _TEXT_KEYS), ("vision_config", _VISION_KEYS)):
         if isinstance(config.get(key), Mapping):
             out[key] = {k: v for k, v in config[key].items() if k in keep}

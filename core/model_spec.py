@@ -16,6 +16,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from pydantic.alias_generators import to_camel
+
 from packtrain.core.chat_template import check_size as check_template_size
 from packtrain.core.chat_template import compile_template as bounded_compile
 from packtrain.core.chat_template import read_template
@@ -248,6 +250,8 @@ def vision_spec(folder: Path | ModelFolder, cfg: ModelConfig, family: Family | N
 
 # The processor numbers a folder may set, as bounds (inclusive) on `VisionSpec`'s fields: the spec's
 # own ceilings where a spec field has one, the vision tower's (`model_size.VISION_LIMITS`) otherwise.
+MAX_TILES = 64
+MAX_TILE_SIZE = 2048
 _SPEC_LIMITS: dict[str, tuple[float, float]] = {
     "patch_size": VISION_LIMITS["patch_size"],
     "merge_size": VISION_LIMITS["spatial_merge_size"],
@@ -262,6 +266,9 @@ _SPEC_LIMITS: dict[str, tuple[float, float]] = {
     "fps": (1e-3, 1e3),
     "tokens_per_second": (1e-3, 1e6),
     "rescale_factor": (1e-9, 1.0),
+    # Tiled families: the canvas search is over max_tiles² grids, and a tile is whole merged patches.
+    "min_tiles": (1, MAX_TILES),
+    "max_tiles": (1, MAX_TILES),
 }
 
 
@@ -274,6 +281,12 @@ def _checked(spec: VisionSpec, folder: Path) -> VisionSpec:
         for key, (low, high) in _SPEC_LIMITS.items()
         if (value := getattr(spec, key)) is not None and not low <= value <= high
     ]
+    if spec.tile_size:
+        factor = spec.patch_size * spec.merge_size
+        if not (factor <= spec.tile_size <= MAX_TILE_SIZE and spec.tile_size % factor == 0):
+            problems.append(f"tile size {spec.tile_size} (a multiple of {factor} up to {MAX_TILE_SIZE})")
+        if spec.min_tiles > spec.max_tiles:
+            problems.append(f"min_patches {spec.min_tiles} over max_patches {spec.max_tiles}")
     stats = (*spec.image_mean, *spec.image_std)
     if len(spec.image_mean) != 3 or len(spec.image_std) != 3 or not all(-1e3 <= v <= 1e3 for v in stats):
         problems.append("image_mean / image_std: three finite numbers each")
@@ -288,6 +301,13 @@ def _checked(spec: VisionSpec, folder: Path) -> VisionSpec:
 
 
 def _vision_spec(model: ModelFolder, cfg: ModelConfig, fam: Family) -> VisionSpec:
+    if fam.tiling is not None:
+        return _tiled_spec(model, cfg, fam)
+    if cfg.min_tiles is not None or cfg.max_tiles is not None:
+        raise ConfigError(
+            f"model: minTiles / maxTiles cut images into tiles, but {fam.name} sizes images by pixels: "
+            "set model.minPixels / model.maxPixels instead"
+        )
     files = model.processor_files
     pre = model.json_file(IMAGE_PROCESSOR_FILE) if IMAGE_PROCESSOR_FILE in files else {}
     vid = model.json_file(VIDEO_PROCESSOR_FILE) if VIDEO_PROCESSOR_FILE in files else pre
@@ -325,6 +345,61 @@ def _vision_spec(model: ModelFolder, cfg: ModelConfig, fam: Family) -> VisionSpe
         image_mean=tuple(float(x) for x in pre.get("image_mean", fam.image_mean)),
         image_std=tuple(float(x) for x in pre.get("image_std", fam.image_std)),
         rescale_factor=float(pre.get("rescale_factor", 1 / 255)),
+    )
+
+
+# The settings of a family whose images are sized by pixels (patches); a tiled family refuses them.
+_PATCH_SETTINGS = ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels")
+
+
+def _tiled_spec(model: ModelFolder, cfg: ModelConfig, fam: Family) -> VisionSpec:
+    """A tiled family's (InternVL's) settings: tile side from the image processor's `size`, tile
+    bounds from its `min_patches` / `max_patches`, mean/std from it too.
+
+    Tiling is always on: `InternVLProcessor` passes its own `crop_to_patches=True` with every call,
+    which wins over the image processor's config (the official files say false; transformers 5.25
+    tiles regardless). Videos: the official video config says 384x384 frames and CLIP mean/std, but
+    the vision tower takes 448 tiles (384/14 is no whole number of patches: the pixel shuffle cannot
+    take them), so a frame is one tile normalized like an image, as OpenGVLab's own `load_video`
+    does; token ids do not depend on it (one tile's tokens per frame either way).
+    """
+    assert fam.tiling is not None
+    files = model.processor_files
+    pre = model.json_file(IMAGE_PROCESSOR_FILE) if IMAGE_PROCESSOR_FILE in files else {}
+    vid = model.json_file(VIDEO_PROCESSOR_FILE) if VIDEO_PROCESSOR_FILE in files else {}
+    size = pre.get("size") or {}
+    side = int(size.get("height", fam.tiling.tile_size))
+    if int(size.get("width", side)) != side:
+        raise ConfigError(f"{model.path}: {IMAGE_PROCESSOR_FILE} size {size} is not square; tiles are")
+    tile_area = side * side
+    unused = [to_camel(k) for k in _PATCH_SETTINGS if getattr(cfg, k) is not None]
+    if unused:
+        raise ConfigError(
+            f"model: {', '.join(unused)} size a {fam.name} image by pixels, but {fam.name} cuts images into "
+            f"{side}x{side} tiles: set model.minTiles / model.maxTiles instead"
+        )
+    max_tiles = int(cfg.max_tiles or pre.get("max_patches", fam.tiling.max_tiles))
+    return replace(
+        VisionSpec(),
+        patch_size=int(pre.get("patch_size", fam.patch_size)),
+        merge_size=fam.merge_size,
+        temporal_patch_size=1,
+        min_pixels=tile_area,
+        max_pixels=tile_area * max_tiles,
+        video_min_pixels=tile_area,
+        video_max_pixels=tile_area,
+        fps=float(cfg.fps or vid.get("fps") or VisionSpec.fps),
+        min_frames=int(cfg.min_frames or VisionSpec.min_frames),
+        max_frames=min(int(cfg.max_frames or VisionSpec.max_frames), MAX_FRAMES_CEILING),
+        frame_sampling=fam.frame_sampling,
+        video_resize=fam.video_resize,
+        image_mean=tuple(float(x) for x in pre.get("image_mean", fam.image_mean)),
+        image_std=tuple(float(x) for x in pre.get("image_std", fam.image_std)),
+        rescale_factor=float(pre.get("rescale_factor", 1 / 255)),
+        tile_size=side,
+        min_tiles=int(cfg.min_tiles or pre.get("min_patches", fam.tiling.min_tiles)),
+        max_tiles=max_tiles,
+        thumbnail=fam.tiling.thumbnail,
     )
 
 
@@ -401,6 +476,8 @@ def processor_settings(spec: VisionSpec) -> tuple[dict[str, Any], dict[str, Any]
     the volume rule's only (Qwen2-VL's video processor has one too, which the frame rule does not
     apply). Set them on the processor (its config files): Qwen3-VL's `sample_frames` ignores
     `min_frames`/`max_frames` passed with a call."""
+    if spec.tile_size:
+        return _tiled_settings(spec)
     volume = spec.video_resize == "volume"
     image = {"size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}}
     video: dict[str, Any] = {
@@ -416,13 +493,33 @@ def processor_settings(spec: VisionSpec) -> tuple[dict[str, Any], dict[str, Any]
     return image, video
 
 
+def _tiled_settings(spec: VisionSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A tiled family's: the tile and its bounds; video frames sampled (the processor's `sample_frames`
+    with fps; it has no frame bounds) and made one tile each, normalized like images (`_tiled_spec`)."""
+    tile = {"height": spec.tile_size, "width": spec.tile_size}
+    image = {
+        "size": tile,
+        "crop_to_patches": True,
+        "min_patches": spec.min_tiles,
+        "max_patches": spec.max_tiles,
+    }
+    video = {
+        "size": tile,
+        "do_sample_frames": True,
+        "fps": spec.fps,
+        "image_mean": list(spec.image_mean),
+        "image_std": list(spec.image_std),
+    }
+    return image, video
+
+
 def _over(config: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
     """`settings` over a processor config. A top-level `min_pixels`/`max_pixels` (Qwen2-VL's files)
     overrides `size` when the processor loads, so where present it carries the same bounds."""
     out = {**config, **settings}
     size = settings["size"]
     for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
-        if key in config:
+        if key in config and edge in size:
             out[key] = size[edge]
     return out
 

@@ -18,6 +18,7 @@ import struct
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import BinaryIO
 
@@ -60,6 +61,12 @@ class VisionSpec:
     image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
     image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
     rescale_factor: float = 1 / 255
+    # Tiled families (InternVL): the square tile's side (0: not tiled), the tile count bounds of an
+    # image's canvas, and whether a thumbnail follows the tiles of a many-tile canvas.
+    tile_size: int = 0
+    min_tiles: int = 1
+    max_tiles: int = 12
+    thumbnail: bool = True
 
     @property
     def factor(self) -> int:
@@ -120,14 +127,58 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+@lru_cache(maxsize=16)
+def tile_canvases(min_tiles: int, max_tiles: int) -> tuple[tuple[int, int], ...]:
+    """`get_all_supported_aspect_ratios`: every (columns, rows) with min..max tiles, by tile count
+    (a stable sort: equal counts keep the columns-major order the tie-break depends on)."""
+    grids = [
+        (c, r)
+        for c in range(1, max_tiles + 1)
+        for r in range(1, max_tiles + 1)
+        if min_tiles <= c * r <= max_tiles
+    ]
+    return tuple(sorted(grids, key=lambda g: g[0] * g[1]))
+
+
+def tile_canvas(height: int, width: int, tile: int, min_tiles: int, max_tiles: int) -> tuple[int, int]:
+    """`get_optimal_tiled_canvas`: the (columns, rows) whose aspect ratio is closest to the image's; on
+    a tie the later (more tiles) one, while the image's area is over half the canvas's."""
+    aspect = width / height
+    area = width * height
+    best_diff, best = float("inf"), (1, 1)
+    for grid in tile_canvases(min_tiles, max_tiles):
+        diff = abs(aspect - grid[0] / grid[1])
+        if diff < best_diff:
+            best_diff, best = diff, grid
+        elif diff == best_diff and area > 0.5 * tile * tile * grid[0] * grid[1]:
+            best = grid
+    return best
+
+
+def tile_count(columns: int, rows: int, thumbnail: bool) -> int:
+    """Tiles of a canvas as the model sees them: its columns x rows, and the thumbnail of a
+    many-tile canvas (`crop_image_to_patches(use_thumbnail=True)`)."""
+    return columns * rows + (1 if thumbnail and columns * rows != 1 else 0)
+
+
 def image_grid(info: ImageInfo, spec: VisionSpec) -> Grid:
-    """Patch grid of an image: one temporal step (the processor repeats the frame to fill it)."""
+    """Patch grid of an image: one temporal step (the processor repeats the frame to fill it); a
+    tiled family's: height x width is the tile canvas and grid_t its tiles, thumbnail included."""
+    if spec.tile_size:
+        t = spec.tile_size
+        cols, rows = tile_canvas(info.height, info.width, t, spec.min_tiles, spec.max_tiles)
+        side = t // spec.patch_size
+        return Grid(rows * t, cols * t, tile_count(cols, rows, spec.thumbnail), side, side)
     h, w = smart_resize(info.height, info.width, spec.factor, spec.min_pixels, spec.max_pixels)
     return Grid(h, w, 1, h // spec.patch_size, w // spec.patch_size)
 
 
 def video_grid(info: VideoInfo, num_frames: int, spec: VisionSpec) -> Grid:
-    """Patch grid of a video; an odd frame count is padded by repeating the last frame."""
+    """Patch grid of a video; an odd frame count is padded by repeating the last frame. A tiled
+    family's frame is one tile (see `model_spec._tiled_spec` for its size and normalization)."""
+    if spec.tile_size:
+        side = spec.tile_size // spec.patch_size
+        return Grid(spec.tile_size, spec.tile_size, num_frames, side, side)
     if spec.video_resize == "volume":
         h, w = _volume_resize(num_frames, info.height, info.width, spec)
     else:
@@ -178,6 +229,8 @@ def sample_frame_indices(total_frames: int, video_fps: float, spec: VisionSpec) 
     """Indices of the decoded frames the family's video processor keeps when sampling at `spec.fps`."""
     if spec.frame_sampling == "linspace":
         return _linspace_indices(total_frames, video_fps, spec)
+    if spec.frame_sampling == "shifted":
+        return _shifted_indices(total_frames, video_fps, spec)
     return _stride_indices(total_frames, video_fps, spec)
 
 
@@ -201,6 +254,43 @@ def _stride_indices(total_frames: int, video_fps: float, spec: VisionSpec) -> li
     count = math.ceil(total_frames / step)
     values = (np.arange(count, dtype=np.float64) * step).astype(np.float32)
     return values.astype(np.int32).tolist()
+
+
+def _shifted_indices(total_frames: int, video_fps: float, spec: VisionSpec) -> list[int]:
+    """`InternVLVideoProcessor.sample_frames` with fps and its default `initial_shift=True`: n frames
+    by a fixed stride, starting half a stride in. n = int(duration * fps) as there, kept within
+    minFrames..maxFrames and the clip (the processor has no such bounds: it fails on 0 frames or
+    more than the clip has; within them the served processor samples these very frames).
+
+    The reference is `torch.arange(shift, total, total / n).int()` in float32, whose CPU kernel
+    computes `start + i * step` in double and rounds to float32: reproduced bit for bit.
+    """
+    n = int(total_frames / video_fps * spec.fps)
+    n = min(max(n, spec.min_frames), spec.max_frames, total_frames)
+    if n < 1:
+        raise MediaError(RejectReason.CORRUPT_MEDIA, f"video has {total_frames} frame(s); none to sample")
+    return shifted_indices(total_frames, n)
+
+
+# torch's CPU `arange` kernel writes float32 values two vectors of 8 at a time (the same on default,
+# AVX2 and AVX512 builds, measured): each vector is float32(start + step * i) + k * step, k < 8,
+# rounded to float32; the tail is scalar, start + step * i in double rounded to float32.
+_ARANGE_LANES = 8
+
+
+def shifted_indices(total_frames: int, n: int) -> list[int]:
+    """`torch.arange(total / n / 2, total, total / n).int()`: `n` frames of `total_frames` (1 <= n),
+    bit for bit with torch's kernel (`tests/packer/test_internvl_parity.py` checks many pairs)."""
+    step = total_frames / n
+    start = step / 2
+    count = math.ceil((total_frames - start) / step)
+    values = start + np.arange(count, dtype=np.float64) * step
+    vectorized = count // (2 * _ARANGE_LANES) * 2 * _ARANGE_LANES
+    if vectorized:
+        bases = (start + step * np.arange(0, vectorized, _ARANGE_LANES, dtype=np.float64)).astype(np.float32)
+        lanes = np.arange(_ARANGE_LANES, dtype=np.float64) * step
+        values[:vectorized] = (bases.astype(np.float64)[:, None] + lanes[None, :]).reshape(-1)
+    return values.astype(np.float32).astype(np.int32).tolist()
 
 
 def _linspace_indices(total_frames: int, video_fps: float, spec: VisionSpec) -> list[int]:

@@ -146,19 +146,22 @@ class SampleTokenizer:
         return truncate_sample(sample, max_length, self.media_spans(sample))
 
     def media_spans(self, sample: TokenizedSample) -> list[tuple[int, int]]:
-        """The token span of each media item: its vision run, or a timestamped video's groups with
-        their timestamps (one run per temporal group)."""
+        """The token span of each media item: its vision run, a timestamped video's groups with
+        their timestamps (one run per temporal group), or a tiled family's video frames from the
+        first frame's run through the last's (the first `Frame1: ` stays with the text before it)."""
         m = self.model.ids
         runs = _runs(sample.input_ids, m.vision_start, m.vision_end)
         spans: list[tuple[int, int]] = []
         k = 0
+        tiled = self.model.family.tiling is not None
         for item in sample.media:
-            grouped = self.model.family.video_timestamps and item.kind == "video"
+            grouped = (self.model.family.video_timestamps or tiled) and item.kind == "video"
             count = item.grid_t if grouped else 1
             if k + count > len(runs):
                 break
             end = runs[k + count - 1][1]
-            spans.append((end - len(self._video_block(item)) if grouped else runs[k][0], end))
+            stamped = grouped and not tiled
+            spans.append((end - len(self._video_block(item)) if stamped else runs[k][0], end))
             k += count
         if len(spans) != len(sample.media) or k != len(runs):
             raise ValueError(
@@ -247,10 +250,15 @@ class SampleTokenizer:
         A timestamped video brings a vision start/end pair per temporal group, so the template's
         outer pair around its pad goes with the pad, as the family's processor writes it
         (`Qwen3VLProcessor`: Qwen's release and transformers >= 5.25; see `core/layout.py`).
+        A tiled family's pad (an image, or one video frame: `_frame_pads`) becomes `<img>`, its
+        context tokens and `</img>`, as `InternVLProcessor` writes it.
         """
+        m = self.model.ids
+        if self.model.family.tiling is not None:
+            per = item.num_tokens if item.kind == "image" else item.grid_h * item.grid_w // item.merge_size**2
+            return p, p + 1, [m.vision_start, *[m.image_pad] * per, m.vision_end]
         if not (self.model.family.video_timestamps and item.kind == "video"):
             return p, p + 1, [ids[p]] * item.num_tokens
-        m = self.model.ids
         wrapped = 0 < p < len(ids) - 1 and ids[p - 1] == m.vision_start and ids[p + 1] == m.vision_end
         return p - wrapped, p + 1 + wrapped, self._video_block(item)
 
@@ -326,17 +334,25 @@ class SampleTokenizer:
         long text is tokenized only until it is over maxLength: `long_text`). Plain list operations
         (slices share int objects), since per-token Python or numpy work would cost as much as the
         tokenizer itself."""
+        tiled = self.model.family.tiling is not None
+        owners = list(range(len(media)))
+        if tiled:
+            text, owners = self._frame_pads(text, media)
         ids, complete = self.pieces(text, self.packing.max_length)
         labels, trained = self._labels(ids, text, complete)
         if trained == 0 and complete:  # a prefix without labels: truncation finds none, the rest is over
             raise SampleError(RejectReason.EMPTY_CONVERSATION, "no token is left to train on")
-        pads, media = self._pads(ids, text, media, complete)
+        pads, per_pad = self._pads(ids, text, [media[k] for k in owners], complete)
+        if tiled:
+            ids, labels, pads, per_pad, media = _whole_videos(ids, labels, pads, per_pad, owners, media)
+        else:
+            media = per_pad
         if not media:
             return ids, labels, media, complete
         out_ids: list[int] = []
         out_labels: list[int] = []
         prev = 0
-        for p, item in zip(pads, media, strict=True):
+        for p, item in zip(pads, per_pad, strict=True):
             a, b, block = self._media_tokens(ids, p, item)
             out_ids += ids[prev:a]
             out_labels += labels[prev:a]
@@ -346,6 +362,32 @@ class SampleTokenizer:
         out_ids += ids[prev:]
         out_labels += labels[prev:]
         return out_ids, out_labels, media, complete
+
+    def _frame_pads(self, text: str, media: list[MediaItem]) -> tuple[str, list[int]]:
+        """A tiled family's text with each video pad written as the processor writes the video, one
+        pad per frame in place of each frame's vision run (`Frame1: <video>` `\n` `Frame2: <video>`…),
+        and the index in `media` of each pad's item, in order.
+
+        `InternVLProcessor` tokenizes the text with every video expanded, so the text glued before a
+        video tokenizes with `Frame1: ` (`WatchFrame1: ` is one pre-token `WatchFrame`). A pad and
+        the `<img>`/`</img>` it becomes are all added tokens, which split the text: every text piece
+        between them is the processor's own, so these ids with each pad expanded are its ids.
+        """
+        tiling = self.model.family.tiling
+        assert tiling is not None
+        pad = self.model.family.video_pad
+        pieces = text.split(pad)
+        videos = [x for x in media if x.kind == "video"]
+        if len(pieces) - 1 != len(videos):
+            return text, list(range(len(media)))  # the pad count check in `_pads` rejects it
+        out = [pieces[0]]
+        for item, piece in zip(videos, pieces[1:], strict=True):
+            frames = (tiling.frame_prefix.format(n=n + 1) + pad for n in range(item.grid_t))
+            out += [tiling.frame_separator.join(frames), piece]
+        owners = [
+            k for k, item in enumerate(media) for _ in range(item.grid_t if item.kind == "video" else 1)
+        ]
+        return "".join(out), owners
 
     def _labels(self, ids: list[int], text: str, complete: bool) -> tuple[list[int], int]:
         """The labels of `ids` (the first ids of `text` when not `complete`) and how many are trained."""
@@ -391,6 +433,26 @@ class SampleTokenizer:
                 f"the rendered text has {found} media pad token(s) for {len(media)} media item(s)",
             )
         return pads, media[: len(pads)]
+
+
+def _whole_videos(
+    ids: list[int],
+    labels: list[int],
+    pads: list[int],
+    per_pad: list[MediaItem],
+    owners: list[int],
+    media: list[MediaItem],
+) -> tuple[list[int], list[int], list[int], list[MediaItem], list[MediaItem]]:
+    """A tiled family's pads with their items (`owners`: each pad's index in `media`), and the items
+    they hold: a prefix (a long text tokenized only until it is over maxLength) that holds only some
+    frames of its last video is cut before that video's first frame pad, so every item kept is whole
+    (the cut is far past maxLength: the first frame pad alone became a whole vision run)."""
+    held = owners[: len(pads)]
+    if held and media[held[-1]].kind == "video" and held.count(held[-1]) < media[held[-1]].grid_t:
+        first = held.index(held[-1])
+        ids, labels = ids[: pads[first]], labels[: pads[first]]
+        pads, per_pad, held = pads[:first], per_pad[:first], held[:first]
+    return ids, labels, pads, per_pad, [media[k] for k in sorted(set(held))]
 
 
 def _fast_encoder(backend: Any) -> Callable[[str], list[int]]:

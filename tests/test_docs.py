@@ -20,7 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/: the shared test tooling (as a script)
 from support.paths import MODELS
-from support.qwen_sizes import RELEASED, released_overrides
+from support.qwen_sizes import RELEASED, internvl_overrides, released_overrides
 
 from packtrain.core.memory_plan import DEFAULT_LORA, GIB, PlanInputs, parse_bytes, plan_memory
 from packtrain.core.model_size import model_dims, read_config
@@ -62,12 +62,24 @@ def _fewest_gpus(dims, lora: bool, length: int, gpu_memory: int) -> tuple[int, f
     return None
 
 
+# The InternVL3.5 sizes the table shows (all six are in `support.qwen_sizes`; `train --plan` takes any).
+INTERNVL_SIZES = ("8B", "38B")
+
+
 def sizing_table() -> str:
-    """The README's GPU sizing table: Qwen2.5-VL at its released sizes, from the memory planner."""
+    """The README's GPU sizing table: Qwen2.5-VL and InternVL3.5 at released sizes, from the memory
+    planner."""
     head = "| model | maxLength | training | " + " | ".join(GPUS) + " |"
     lines = [head, "| --- | --- | --- | " + " | ".join("---" for _ in GPUS) + " |"]
-    for size in RELEASED:
-        dims = model_dims(read_config(MODELS / "qwen2.5-vl", released_overrides(size)))
+    models = [
+        (f"Qwen2.5-VL-{size}", read_config(MODELS / "qwen2.5-vl", released_overrides(size)))
+        for size in RELEASED
+    ] + [
+        (f"InternVL3.5-{size}", read_config(MODELS / "internvl3.5", internvl_overrides(size)))
+        for size in INTERNVL_SIZES
+    ]
+    for name, config in models:
+        dims = model_dims(config)
         for length in LENGTHS:
             for lora in (False, True):
                 cells = []
@@ -77,9 +89,7 @@ def sizing_table() -> str:
                         f"{fit[0]} × {fit[1]:.0f} GiB" if fit else f"does not fit {WORLD_SIZES[-1]} GPUs"
                     )
                 what = "LoRA r16" if lora else "full"
-                lines.append(
-                    f"| Qwen2.5-VL-{size} | {length // 1024}k | {what} | " + " | ".join(cells) + " |"
-                )
+                lines.append(f"| {name} | {length // 1024}k | {what} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

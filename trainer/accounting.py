@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from packtrain.core.contract import TrainSummary
+from packtrain.core.model_folder import family_for_model_type
 from packtrain.trainer.data.batch import Batch
 from packtrain.trainer.distributed import all_reduce_max, all_reduce_sum
 from packtrain.trainer.metrics import ModelShape, TrainMetrics, step_flops
@@ -22,13 +25,106 @@ from packtrain.trainer.metrics import ModelShape, TrainMetrics, step_flops
 TOTALS = ("tokens", "effective", "samples", "flops")
 
 
-def batch_counts(shape: ModelShape, micro: Sequence[Batch]) -> dict[str, float]:
+@dataclass(frozen=True)
+class TiledShape:
+    """A tiled family's (InternVL's) FLOPs shape: the decoder as `ModelShape` (its vision terms zero),
+    and the tower and projector per 448-pixel tile, the unit its pixels come in."""
+
+    llm: ModelShape
+    vision_params: int  # InternViT: embeddings, layers (the projector apart)
+    projector_params: int
+    vision_depth: int
+    vision_dim: int
+    tile_tokens: int  # through the tower: (image_size / patch_size)² patches + the cls token
+    tile_merged: int  # into the decoder: after the pixel shuffle
+    vision_factor: float  # FLOPs per parameter and token, as `ModelShape`'s (2: frozen, forward only)
+    projector_factor: float
+
+
+def _part_factor(params: list[torch.nn.Parameter]) -> float:
+    """`metrics._factor` of one part: 2 forward only when none trains, else 4 + 2 x the trainable share."""
+    total = sum(p.numel() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    return 2.0 if trainable == 0 else 4.0 + 2.0 * trainable / max(total, 1)
+
+
+def model_shape(hf: Any) -> ModelShape | TiledShape:
+    """The FLOPs shape of the Hugging Face model `hf` (LoRA and freezing applied): InternVL's tiled
+    tower counted per tile, every other family's by `ModelShape.from_model`."""
+    from packtrain.trainer.model.build import parameter_groups  # the model package loads on use
+
+    if family_for_model_type(getattr(hf.config, "model_type", None)).vision_input != "tiles":
+        return ModelShape.from_model(hf, parameter_groups(hf))
+    text, vision = hf.config.text_config, hf.config.vision_config
+    tower, projector = (
+        list(hf.model.vision_tower.parameters()),
+        list(hf.model.multi_modal_projector.parameters()),
+    )
+    layers = list(hf.model.language_model.layers.parameters())
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    llm = ModelShape(
+        llm_params=sum(p.numel() for p in layers),
+        lm_head_params=hf.lm_head.weight.numel(),
+        vision_params=0,
+        layers=text.num_hidden_layers,
+        attn_dim=text.num_attention_heads * head_dim,
+        vision_depth=0,
+        vision_dim=0,
+        spatial_merge=1,
+        vision_full_layers=0,
+        vision_window=0,
+        full_attention_layers=text.num_hidden_layers,
+        linear_attention_layers=0,
+        linear_flops_per_token=0.0,
+        llm_factor=_part_factor(layers),
+    )
+    grid, merge = vision.image_size[0] // vision.patch_size[0], round(1 / hf.config.downsample_ratio)
+    return TiledShape(
+        llm=llm,
+        vision_params=sum(p.numel() for p in tower),
+        projector_params=sum(p.numel() for p in projector),
+        vision_depth=vision.num_hidden_layers,
+        vision_dim=vision.hidden_size,
+        tile_tokens=grid * grid + 1,
+        tile_merged=(grid // merge) ** 2,
+        vision_factor=_part_factor(tower),
+        projector_factor=_part_factor(projector),
+    )
+
+
+def vision_flops(shape: TiledShape, tiles: int) -> float:
+    """Training FLOPs of `tiles` tiles: the tower's matmuls per token, its full (non-causal) attention
+    within each tile (4 forward, x3 when it trains), the projector per decoder token."""
+    attn_factor = 4.0 if shape.vision_factor == 2.0 else 12.0
+    tower = shape.vision_factor * shape.vision_params * shape.tile_tokens
+    attention = attn_factor * shape.vision_depth * shape.vision_dim * shape.tile_tokens**2
+    projector = shape.projector_factor * shape.projector_params * shape.tile_merged
+    return float(tiles) * (tower + attention + projector)
+
+
+def batch_tiles(batch: Batch) -> int:
+    """The tiles (image tiles, thumbnails and video frames) of a tiled family's micro-batch: the rows
+    of its (tiles, channels, height, width) pixels."""
+    return sum(
+        int(v.shape[0])
+        for v in (batch.inputs.pixel_values, batch.inputs.pixel_values_videos)
+        if v is not None and v.dim() == 4
+    )
+
+
+def micro_batch_flops(shape: ModelShape | TiledShape, batch: Batch) -> float:
+    if isinstance(shape, TiledShape):
+        return step_flops(shape.llm, batch) + vision_flops(shape, batch_tiles(batch))
+    return step_flops(shape, batch)
+
+
+def batch_counts(shape: ModelShape | TiledShape, micro: Sequence[Batch]) -> dict[str, float]:
     """Token slots (with padding), real tokens, samples and model FLOPs of one step's micro-batches."""
     return {
         "tokens": float(sum(b.info.padded_tokens for b in micro)),
         "effective": float(sum(b.info.num_tokens for b in micro)),
         "samples": float(sum(len(b.info.seq_lens) for b in micro)),
-        "flops": float(sum(step_flops(shape, b) for b in micro)),
+        "flops": float(sum(micro_batch_flops(shape, b) for b in micro)),
     }
 
 
@@ -38,7 +134,7 @@ class RunAccounting:
     def __init__(
         self,
         metrics: TrainMetrics,
-        shape: ModelShape | None,  # None: a run that steps no more (its summary only)
+        shape: ModelShape | TiledShape | None,  # None: a run that steps no more (its summary only)
         device: torch.device,
         world_size: int,
         start_step: int,

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from packtrain.trainer.model.parts import vision_blocks
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -145,7 +147,7 @@ def parallelize(
 
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         hf: Any = module.hf  # VLMForTraining's Hugging Face model
-        for block in hf.model.visual.blocks:
+        for block in vision_blocks(hf):
             fully_shard(block, mp_policy=policy)
         for layer in hf.model.language_model.layers:
             fully_shard(layer, mp_policy=policy)

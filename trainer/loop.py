@@ -30,6 +30,7 @@ from packtrain.trainer.metrics import Stopwatch, TrainMetrics, device_peak_tflop
 from packtrain.trainer.model import param_groups
 from packtrain.trainer.model.linear_attention import linear_path
 from packtrain.trainer.model.loss import aux_objective, global_label_tokens, micro_batch_objective
+from packtrain.trainer.model.parts import vision_side
 from packtrain.trainer.recipe import Finished, Run, setup
 from packtrain.trainer.state import checkpoint, export, output
 
@@ -86,7 +87,8 @@ def train_step(
     # optimizer (a step whose batches hold no media on any rank ran the vision tower on dummies
     # only: its zero gradients are dropped, so it is not updated, as when training alone)
     if env.distributed and distributed.all_reduce_sum(_media_batches(micro), device) == 0:
-        _drop_grads(run.hf.model.visual)
+        for module in vision_side(run.hf):
+            _drop_grads(module)
     loss = distributed.all_reduce_sum(float(loss_sum), device) / max(global_tokens, 1)
     norm = non_finite.grad_norm(model, t.max_grad_norm)
     if math.isfinite(loss) and math.isfinite(norm):

@@ -99,6 +99,9 @@ class ModelShape:
         full = getattr(vision, "fullatt_block_indexes", None)
         window = getattr(vision, "window_size", 0) // vision.patch_size if full is not None else 0
         kinds = list(getattr(text, "layer_types", None) or [])[: text.num_hidden_layers]
+        # InternViT names its depth like a text model; its pixel shuffle is InternVL's downsample_ratio.
+        depth = getattr(vision, "depth", None) or vision.num_hidden_layers
+        merge = getattr(vision, "spatial_merge_size", None) or round(1 / hf.config.downsample_ratio)
         linear = sum(kind == "linear_attention" for kind in kinds)
         return cls(
             llm_params=counts["llm"] - _inactive_expert_params(hf, text),
@@ -106,10 +109,10 @@ class ModelShape:
             vision_params=counts["vision"],
             layers=text.num_hidden_layers,
             attn_dim=text.num_attention_heads * head_dim,
-            vision_depth=vision.depth,
+            vision_depth=depth,
             vision_dim=getattr(vision, "embed_dim", None) or vision.hidden_size,
-            spatial_merge=vision.spatial_merge_size,
-            vision_full_layers=vision.depth if full is None else len(full),
+            spatial_merge=merge,
+            vision_full_layers=depth if full is None else len(full),
             vision_window=window * window,
             full_attention_layers=text.num_hidden_layers - linear,
             linear_attention_layers=linear,

@@ -22,6 +22,7 @@ from packtrain.core.model_spec import ModelSpec
 from packtrain.core.report import rejects_warning
 from packtrain.core.sft_config import DEFAULT_MAX_STEPS, SFTSpecCore
 from packtrain.trainer import distributed
+from packtrain.trainer.accounting import TiledShape, model_shape
 from packtrain.trainer.data.layout_check import check_pack_layout
 from packtrain.trainer.data.media import PixelSpec
 from packtrain.trainer.data.packed import EvalDataset, PackedDataset, eval_dataset
@@ -36,7 +37,6 @@ from packtrain.trainer.model.build import (
     checked_spec,
     init_used,
     load_config,
-    parameter_groups,
     pretrained_weights,
 )
 from packtrain.trainer.model.init_weights import LoadReport, cast_frozen, materialize
@@ -81,7 +81,7 @@ class Model:
 
     hf: Any  # the Hugging Face model (for the export)
     model: torch.nn.Module  # what trains: VLMForTraining, wrapped by DDP/FSDP when distributed
-    shape: ModelShape
+    shape: ModelShape | TiledShape
     adapter: Any  # the PeftModel around `hf` with model.lora (for the adapter export), else None
     load: LoadReport | None = None  # what materialising the weights read and held on this rank
 
@@ -93,7 +93,7 @@ class Run:
     dataset: PackedDataset
     hf: Any  # the Hugging Face model (for the export)
     model: torch.nn.Module  # what trains: VLMForTraining, wrapped by DDP/FSDP when distributed
-    shape: ModelShape
+    shape: ModelShape | TiledShape
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     dtype: torch.dtype
@@ -178,9 +178,7 @@ def setup_scoring(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.devi
         raise ValueError(f"data.packJobRef {cfg.data.pack_job_ref!r} must be resolved to data.path")
     dtype, backend, weights, (folder, config) = _start(cfg, device)
     spec = checked_spec(folder, config)
-    dataset = EvalDataset(
-        cfg.data.path, spec, PixelSpec.from_vision(spec.vision), **_reading(cfg, env, config)
-    )
+    dataset = EvalDataset(cfg.data.path, spec, PixelSpec.from_model(spec), **_reading(cfg, env, config))
     _check_pack(dataset, cfg, spec)
     built = _setup_model(cfg, env, device, dtype, backend, weights, (folder, config))
     return Scoring(dataset, built, dtype, init_used(weights))
@@ -233,7 +231,7 @@ def _setup_data(
     dataset = PackedDataset(
         path,
         spec,
-        PixelSpec.from_vision(spec.vision),
+        PixelSpec.from_model(spec),
         grad_accum=t.grad_accum,
         seed=t.seed,
         eval_fraction=cfg.data.eval_fraction,
@@ -313,7 +311,7 @@ def _setup_model(
     core = VLMForTraining(
         hf, backend, always_run_vision=env.distributed, loss_chunk_tokens=t.loss_chunk_tokens
     )
-    shape = ModelShape.from_model(hf, parameter_groups(core))
+    shape = model_shape(hf)
     loads: list[LoadReport] = []
     model = distributed.parallelize(
         core, t.strategy, env, device, compute_dtype=dtype,

@@ -41,6 +41,8 @@ class ModelFacts:
     video_pad_id: int | None
     merge_size: int = 2
     video_groups: bool = False  # a video is one pad run per temporal group (Qwen3-VL timestamps)
+    # A video is one image-context run per frame (InternVL: `Frame{n}: <img>…</img>`); no video pad id.
+    video_frames_as_images: bool = False
 
 
 def _int(value: Any) -> int | None:
@@ -68,9 +70,16 @@ def model_facts(folder: str | Path) -> tuple[ModelFacts, str | None]:
         merge = _int(pre.get("merge_size")) or merge
     except (OSError, ValueError, AttributeError):
         pass
-    groups = any(f.video_timestamps for f in FAMILIES.values() if f.model_type == config.get("model_type"))
+    family = [f for f in FAMILIES.values() if f.model_type == config.get("model_type")]
+    groups = any(f.video_timestamps for f in family)
+    frames = any(f.video_fill == "image_pad" for f in family)
     facts = ModelFacts(
-        vocab, _int(config.get("image_token_id")), _int(config.get("video_token_id")), merge, groups
+        vocab,
+        _int(config.get("image_token_id")),
+        None if frames else _int(config.get("video_token_id")),
+        merge,
+        groups,
+        frames,
     )
     note = (
         None if vocab else f"{folder}/config.json names no vocab_size: token ids are not checked against it"
@@ -129,10 +138,14 @@ def grid_problem(
     input_ids: np.ndarray, seq_lens: Sequence[int], media: Sequence[dict[str, Any]], facts: ModelFacts
 ) -> str | None:
     """Each sub-sample's vision-token runs, in order, against its media refs: one run of
-    grid_t·grid_h·grid_w / merge² pad tokens per image or video."""
-    if facts.image_pad_id is None or facts.video_pad_id is None:
+    grid_t·grid_h·grid_w / merge² pad tokens per image or video; one per temporal group of a
+    timestamped video, one image-context run per frame of a tiled family's video."""
+    frames = facts.video_frames_as_images
+    if facts.image_pad_id is None or (facts.video_pad_id is None and not frames):
         return None
-    pads = {facts.image_pad_id: "image", facts.video_pad_id: "video"}
+    pads = {facts.image_pad_id: "image"}
+    if facts.video_pad_id is not None and not frames:
+        pads[facts.video_pad_id] = "video"
     m2 = facts.merge_size**2
     offset = 0
     for k, n in enumerate(seq_lens):
@@ -147,7 +160,9 @@ def grid_problem(
             grid = [int(ref[g]) for g in ("grid_t", "grid_h", "grid_w")]
             if min(grid) < 1 or grid[1] % facts.merge_size or grid[2] % facts.merge_size:
                 return f"sub-sample {k}: media grid {grid} is not a whole number of merged patches"
-            if ref["kind"] == "video" and facts.video_groups:
+            if ref["kind"] == "video" and frames:
+                want += [("image", grid[1] * grid[2] // m2)] * grid[0]
+            elif ref["kind"] == "video" and facts.video_groups:
                 want += [("video", grid[1] * grid[2] // m2)] * grid[0]
             else:
                 want.append((ref["kind"], grid[0] * grid[1] * grid[2] // m2))
@@ -168,10 +183,12 @@ def ref_problem(
     video_pixels: int = MAX_PIXELS_CEILING,
     patch_size: int | None = None,
     temporal_patch_size: int | None = None,
+    tile_size: int | None = None,
 ) -> str | None:
     """A media ref against the pack's pixel caps, before anything is decoded or allocated for it: the
     resized size (per image or frame) at most `image_pixels` / `video_pixels`, at most
-    MAX_FRAMES_CEILING frames, and, when the patch sizes are given, a grid that is that size."""
+    MAX_FRAMES_CEILING frames, and, when the patch sizes are given, a grid that is that size (a tiled
+    family's: `tile_size` squares, a thumbnail after two or more, one tile per video frame)."""
     kind, h, w = ref["kind"], int(ref["height"]), int(ref["width"])
     grid = [int(ref[g]) for g in ("grid_t", "grid_h", "grid_w")]
     frames = list(ref["frames"] or ())
@@ -182,12 +199,30 @@ def ref_problem(
         return f"{kind} resized to {w}x{h}, outside the pack's pixel cap ({cap} per {kind} or frame)"
     if len(frames) > MAX_FRAMES_CEILING or (kind == "video") != bool(frames):
         return f"{kind} with {len(frames)} sampled frames (a video has 1 to {MAX_FRAMES_CEILING}, images 0)"
+    if tile_size is not None and patch_size is not None:
+        return _tile_problem(kind, h, w, grid, len(frames), tile_size, patch_size)
     if patch_size is not None and (grid[1] * patch_size, grid[2] * patch_size) != (h, w):
         return f"media grid {grid} is not its resized size {w}x{h} in patches of {patch_size}"
     if temporal_patch_size is not None:
         want_t = 1 if kind == "image" else -(-len(frames) // temporal_patch_size)
         if grid[0] != want_t:
             return f"media grid {grid}: grid_t should be {want_t} for {len(frames)} sampled frames"
+    return None
+
+
+def _tile_problem(
+    kind: str, h: int, w: int, grid: list[int], frames: int, tile: int, patch_size: int
+) -> str | None:
+    """A tiled family's ref: a canvas of whole tiles (a video frame: one tile), each tile a full
+    patch grid, and as many tiles in grid_t as the canvas holds (plus its thumbnail)."""
+    if (grid[1] * patch_size, grid[2] * patch_size) != (tile, tile):
+        return f"media grid {grid} is not one {tile}x{tile} tile in patches of {patch_size}"
+    if h % tile or w % tile or (kind == "video" and (h, w) != (tile, tile)):
+        return f"{kind} resized to {w}x{h}, which is not a canvas of whole {tile}x{tile} tiles"
+    tiles = (h // tile) * (w // tile)
+    want_t = frames if kind == "video" else tiles + (tiles > 1)
+    if grid[0] != want_t:
+        return f"media grid {grid}: grid_t should be {want_t} for a {w}x{h} {kind} ({frames} frames)"
     return None
 
 
@@ -227,12 +262,29 @@ def blob_problem(blob: dict[str, Any], ref: dict[str, Any]) -> str | None:
             return f"media {key[:12]}…: not an image of an allowed format ({', '.join(IMAGE_FORMATS)})"
         return None
     want = (ref["width"], ref["height"])
+    if blob["kind"] == "image" and blob["frames"]:
+        return _tiles_problem(key, list(blob["frames"]), ref)
     images = [blob["data"]] if blob["kind"] == "image" else list(blob["frames"])
     if blob["kind"] == "video" and len(images) != len(ref["frames"]):
         return f"media {key[:12]}…: {len(images)} resized frames for {len(ref['frames'])} sampled"
     for data in images:
         if (got := _png_size(data)) != want:
             return f"media {key[:12]}…: resized image is {got}, the ref says {want}"
+    return None
+
+
+def _tiles_problem(key: str, frames: list[bytes], ref: dict[str, Any]) -> str | None:
+    """A tiled family's resized image: the canvas at the ref's size, then a square thumbnail whose
+    side tiles the canvas when grid_t counts one (tiles + 1)."""
+    w, h, grid_t = int(ref["width"]), int(ref["height"]), int(ref["grid_t"])
+    if len(frames) > 2 or _png_size(frames[0]) != (w, h):
+        return f"media {key[:12]}…: resized tiles are not a {w}x{h} canvas and at most a thumbnail"
+    if len(frames) == 2:
+        side = (_png_size(frames[1]) or (0, 1))[0]
+        if _png_size(frames[1]) != (side, side) or side < 1 or h % side or w % side:
+            return f"media {key[:12]}…: its thumbnail is not a square tile of the {w}x{h} canvas"
+        if (h // side) * (w // side) + 1 != grid_t:
+            return f"media {key[:12]}…: {grid_t} tiles in its grid, the canvas and thumbnail hold others"
     return None
 
 

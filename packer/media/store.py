@@ -168,6 +168,7 @@ def media_blob(
     roots: frozenset[str] | None = None,
     *,
     alpha: Alpha,
+    tile_size: int = 0,
 ) -> dict[str, Any]:
     """The MEDIA_SCHEMA row for one media reference of a converted sample (re-opened inside `roots`);
     a resized image's transparency is handled by `alpha` (the pack's `model.alpha`: no default here,
@@ -175,6 +176,10 @@ def media_blob(
 
     A video whose sampled frames do not decode raises MediaError (the dataset's fault: a reject); a
     file that changed or vanished since convert raises ConfigError (the pack's inputs moved: re-pack).
+
+    A tiled family's (`tile_size`) resized image is frames = [the tile canvas (ref height x width),
+    the thumbnail (the original at tile_size², only when grid_t counts one)], no data: the trainer
+    cuts the tiles row-major from the canvas, so it never needs the original.
     """
     path = Path(ref["path"])
     kind = ref["kind"]
@@ -186,6 +191,12 @@ def media_blob(
                 check_frames(f, list(ref["frames"]), str(path))
             return {"key": ref["key"], "kind": kind, "encoding": "original", "data": data, "frames": []}
         h, w = ref["height"], ref["width"]
+        if kind == "image" and tile_size:
+            rgb = decode_rgb(data, alpha)
+            tiles = [_png(resize_uint8(rgb, h, w))]
+            if ref["grid_t"] > (h // tile_size) * (w // tile_size):
+                tiles.append(_png(resize_uint8(rgb, tile_size, tile_size)))
+            return {"key": ref["key"], "kind": "image", "encoding": "resized", "data": b"", "frames": tiles}
         if kind == "image":
             pixels = resize_uint8(decode_rgb(data, alpha), h, w)
             return {

@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 from packtrain.core.config import PackConfig
 from packtrain.core.contract import MaterializeSummary
 from packtrain.core.errors import ConfigError, MediaError
+from packtrain.core.model_spec import vision_spec
 from packtrain.core.pack.schema import MEDIA_REF, SEQUENCE_SCHEMA
 from packtrain.core.pack.shards import (
     MANIFEST,
@@ -212,13 +213,16 @@ def _shard_media(
     blobs: dict[str, dict[str, Any]] = {}
     bad: dict[str, MediaError] = {}
     limits, roots = MediaLimits.of(cfg.source), MediaRoots(cfg.source).all_roots()
+    tile = vision_spec(Path(cfg.model.path), cfg.model).tile_size
     if embedded is not None:  # media convert took from the dataset files, kept by sha256
         roots |= {os.path.realpath(embedded)}
     for i, key in enumerate(flat_media.field("key").to_pylist()):
         if key not in blobs and key not in bad:
             try:
                 ref = flat_media[i].as_py()
-                blobs[key] = media_blob(ref, cfg.packing.media_storage, limits, roots, alpha=cfg.model.alpha)
+                blobs[key] = media_blob(
+                    ref, cfg.packing.media_storage, limits, roots, alpha=cfg.model.alpha, tile_size=tile
+                )
             except MediaError as exc:
                 bad[key] = exc
     return blobs, bad

@@ -399,9 +399,11 @@ def test_name_by_content_runs_beside_the_old_job_until_pruned(new_repo: Callable
     # Deletion is not instant: the jobs' finalizers and the garbage collector each take a turn.
     wait_for(
         "the pruned jobs and their children to be deleted",
-        lambda: not any(owned(repo, uid) for uid in old.values())
-        and names(repo, "packjobs") == ["pack-v2"]
-        and names(repo, "sftjobs") == ["train-v2"],
+        lambda: (
+            not any(owned(repo, uid) for uid in old.values())
+            and names(repo, "packjobs") == ["pack-v2"]
+            and names(repo, "sftjobs") == ["train-v2"]
+        ),
         timeout=60,
         diagnostics=repo.diagnostics,
     )

@@ -28,12 +28,14 @@ NAMES = sorted(FAMILIES)
 # The MoE variants share the dense model's tokenizer and processors; ../shared holds no MoE folder, so
 # theirs is the dense one with the MoE config's model type and architecture.
 DENSE_OF = {"qwen3.5-moe": "qwen3.5", "qwen3-vl-moe": "qwen3-vl"}
+# Shared folders named other than their family.
+FOLDER_OF = {"internvl": "internvl3.5"}
 
 
 @functools.cache
 def _folder(family: str) -> Path:
     if family not in DENSE_OF:
-        return MODELS / family
+        return MODELS / FOLDER_OF.get(family, family)
     folder = Path(tempfile.mkdtemp(prefix=f"{family}-"))
     shutil.copytree(MODELS / DENSE_OF[family], folder, dirs_exist_ok=True)
     config = json.loads((folder / "config.json").read_text())
@@ -64,9 +66,11 @@ def test_each_model_folder_binds_to_its_entry(shared_dir: Path, name: str) -> No
         assert getattr(spec.token_ids, role) == tokenizer.convert_tokens_to_ids(text)
     config = json.loads((folder / "config.json").read_text())
     assert spec.token_ids.image_pad == config["image_token_id"]
-    assert spec.token_ids.video_pad == config["video_token_id"]
+    # InternVL's config names no video token: its videos are image-context runs, one per frame.
+    assert spec.token_ids.video_pad == config.get("video_token_id", spec.token_ids.video_pad)
+    assert ("video_token_id" in config) == (FAMILIES[name].video_fill == "video_pad")
     pre = json.loads((folder / "preprocessor_config.json").read_text())
-    assert spec.vision.patch_size == pre["patch_size"] == FAMILIES[name].patch_size
+    assert spec.vision.patch_size == pre.get("patch_size", 14) == FAMILIES[name].patch_size
     assert spec.vision.image_mean == tuple(pre["image_mean"])
 
 

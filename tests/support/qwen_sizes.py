@@ -1,4 +1,5 @@
-"""Qwen2.5-VL's released text sizes, as `model.configOverrides` over the shared 3B config.
+"""Released model sizes as `model.configOverrides` over a shared config: Qwen2.5-VL over the 3B
+config, InternVL3.5 over the 8B config.
 
 The vision tower stays the 3B's, its output widened to the decoder's hidden size; the vocabulary
 is the released 152,064 with an untied LM head. One table for the planner's tests and its table.
@@ -29,3 +30,48 @@ def released_overrides(size: str) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "vision_config": {"out_hidden_size": hidden},
     }
+
+
+# InternVL3.5 (the `-HF` releases) as `model.configOverrides` over the shared InternVL3.5-8B config:
+# InternViT-300M (the shared config's) or InternViT-6B, and a Qwen3 decoder of the size's own.
+# text: hidden, intermediate, layers, attention heads, KV heads (head_dim 128, vocabulary 151,936). Every
+# size has its own LM head: the published totals (1.06B, 2.35B, 4.73B) are the untied counts (tied, the
+# small three would be 0.91B, 2.04B and 4.34B), though Qwen3-0.6B to 4B tie theirs.
+INTERNVL35_TEXT = {
+    "1B": (1024, 3072, 28, 16, 8),  # Qwen3-0.6B
+    "2B": (2048, 6144, 28, 16, 8),  # Qwen3-1.7B
+    "4B": (2560, 9728, 36, 32, 8),  # Qwen3-4B
+    "8B": (4096, 12288, 36, 32, 8),  # Qwen3-8B
+    "14B": (5120, 17408, 40, 40, 8),  # Qwen3-14B
+    "38B": (5120, 25600, 64, 64, 8),  # Qwen3-32B
+}
+# InternViT-6B: 45 layers of width 3200 (25 heads, MLP 12800), RMSNorm, qk norm, no q/k/v bias
+INTERNVIT_6B = {
+    "num_hidden_layers": 45,
+    "hidden_size": 3200,
+    "num_attention_heads": 25,
+    "intermediate_size": 12800,
+    "norm_type": "rms_norm",
+    "use_qk_norm": True,
+    "attention_bias": False,
+}
+INTERNVL35 = tuple(INTERNVL35_TEXT)
+
+
+def internvl_overrides(size: str) -> dict[str, Any]:
+    """The config.json keys that turn the shared InternVL3.5-8B config into the released `size`
+    ("1B" ... "38B"); the head untied explicitly (transformers 5 ties InternVL's unless told)."""
+    hidden, inter, layers, heads, kv = INTERNVL35_TEXT[size]
+    text = {
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "layer_types": ["full_attention"] * layers,
+        "tie_word_embeddings": False,
+    }
+    vision = INTERNVIT_6B if size == "38B" else {}
+    return {"tie_word_embeddings": False, "text_config": text, "vision_config": vision}

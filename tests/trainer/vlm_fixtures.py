@@ -237,7 +237,10 @@ def _ref(
 
 def packed_row(samples: list[Sample], family: str) -> dict[str, Any]:
     """A SEQUENCE_SCHEMA row holding `samples` back to back, with pixels decoded by packtrain."""
-    spec = PixelSpec.from_folder(FOLDER[family])
+    return _row(samples, PixelSpec.from_folder(FOLDER[family]))
+
+
+def _row(samples: list[Sample], spec: PixelSpec) -> dict[str, Any]:
     row: dict[str, Any] = {
         "input_ids": [],
         "labels": [],
@@ -259,3 +262,117 @@ def packed_row(samples: list[Sample], family: str) -> dict[str, Any]:
             row["media"].append({**ref, "sample": k})
             row["pixels"].append(media_pixels(s.blobs[ref["key"]], ref, spec))
     return row
+
+
+# InternVL (tiled): kept apart from TINY / FAMILIES, whose tests run the Qwen-style demo samples.
+# A Qwen3-shaped tiny decoder and a one-layer, 16-wide InternViT at the real 448-pixel tile (1024
+# patches, pixel-shuffled to the real 256 tokens per tile), so the processor runs unmodified.
+INTERNVL = "internvl"
+INTERNVL_FOLDER = MODELS / "internvl3.5"
+INTERNVL_TINY: dict[str, Any] = {
+    "text_config": {
+        **{k: v for k, v in TINY_TEXT.items() if k != "rope_scaling"},
+        "head_dim": 32,
+        "layer_types": ["full_attention"] * 2,
+        "max_window_layers": 2,
+    },
+    "vision_config": {
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        # The released config's 1e-10 init range leaves a random tower all but constant (gradients
+        # of ~1e-13 and below, pure rounding): a usual range makes its gradients mean something.
+        "initializer_range": 0.02,
+    },
+}
+IMAGENET = {"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
+# A video frame is one 448x448 tile normalized like an image (the pack contract), not the official
+# video processor config's 384x384 CLIP-normalized frames: the reference processor is told so.
+INTERNVL_VIDEO_KWARGS = {"size": {"height": 448, "width": 448}, "do_sample_frames": False, **IMAGENET}
+
+
+def _internvl_refs(
+    hf: dict[str, torch.Tensor], image_paths: list[str], video_paths: list[str], processor: Any
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """The pack contract's refs for a tiled family: an image's canvas (rows*448 x cols*448, the
+    processor's own `get_optimal_tiled_canvas`) and tile count, a video's 448x448 frames."""
+    from transformers.models.got_ocr2.image_processing_got_ocr2 import get_optimal_tiled_canvas
+
+    ip = processor.image_processor
+    tile, grid = ip.size["height"], ip.size["height"] // 14
+    media, blobs = [], {}
+    for p in image_paths:
+        data = (DEMO / p).read_bytes()
+        key = hashlib.sha256(data).hexdigest()
+        width, height = Image.open(DEMO / p).size
+        cols, rows = get_optimal_tiled_canvas((height, width), (tile, tile), ip.min_patches, ip.max_patches)
+        n = cols * rows + (cols * rows > 1)
+        blobs[key] = {"key": key, "kind": "image", "encoding": "original", "data": data, "frames": []}
+        media.append(_tile_ref("image", key, rows * tile, cols * tile, n, grid, []))
+    for p in video_paths:
+        data = (DEMO / p).read_bytes()
+        key = hashlib.sha256(data).hexdigest()
+        blobs[key] = {"key": key, "kind": "video", "encoding": "original", "data": data, "frames": []}
+        media.append(_tile_ref("video", key, tile, tile, len(VIDEO_FRAMES), grid, VIDEO_FRAMES))
+    assert sum(m["grid_t"] for m in media) == (len(hf["pixel_values"]) if "pixel_values" in hf else 0)
+    return media, blobs
+
+
+def _tile_ref(kind: str, key: str, height: int, width: int, n: int, grid: int, frames: list[int]) -> dict:
+    return {
+        "sample": 0,
+        "kind": kind,
+        "key": key,
+        "height": height,
+        "width": width,
+        "grid_t": n,
+        "grid_h": grid,
+        "grid_w": grid,
+        "frames": frames,
+        "second_per_grid": 0.0,
+    }
+
+
+@functools.cache
+def internvl_samples() -> list[Sample]:
+    """text-only, one image of several tiles plus thumbnail, a video of 4 frames, and a multi-turn
+    sample with two images, each through InternVLProcessor alone (cached: treat as read-only)."""
+    processor = AutoProcessor.from_pretrained(INTERNVL_FOLDER)
+    images_demo = json.loads((DEMO / "mllm_demo.json").read_text())
+    video_demo = json.loads((DEMO / "mllm_video_demo.json").read_text())
+    picks = [
+        (
+            "text",
+            [{**t, "content": t["content"].replace("<image>", "")} for t in images_demo[2]["messages"]],
+            [],
+            [],
+        ),
+        ("tiled-image", images_demo[1]["messages"], images_demo[1]["images"], []),
+        ("video", video_demo[0]["messages"], [], video_demo[0]["videos"]),
+        ("multi-turn", images_demo[0]["messages"], images_demo[0]["images"], []),
+    ]
+    context = processor.tokenizer.convert_tokens_to_ids(["<IMG_CONTEXT>", "<img>", "</img>"])
+    out = []
+    for name, turns, image_paths, video_paths in picks:
+        text = processor.apply_chat_template(_messages(turns), tokenize=False)
+        kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
+        if image_paths:
+            kwargs["images"] = [Image.open(DEMO / p) for p in image_paths]
+        if video_paths:
+            frames = [decode_video_frames((DEMO / p).read_bytes(), VIDEO_FRAMES) for p in video_paths]
+            kwargs["videos"] = [torch.from_numpy(v).permute(0, 3, 1, 2) for v in frames]
+            kwargs["videos_kwargs"] = INTERNVL_VIDEO_KWARGS
+        hf = dict(processor(**kwargs))
+        ids = hf["input_ids"][0].tolist()
+        media, blobs = _internvl_refs(hf, image_paths, video_paths, processor)
+        labels = _labels(ids, processor.tokenizer)
+        labels = [-100 if t in context else lab for t, lab in zip(ids, labels, strict=True)]
+        out.append(Sample(name, ids, labels, hf, media, blobs))
+    return out
+
+
+def internvl_row(samples: list[Sample]) -> dict[str, Any]:
+    """A SEQUENCE_SCHEMA row of InternVL `samples` back to back, tiles decoded by packtrain."""
+    spec = PixelSpec.from_folder(INTERNVL_FOLDER)
+    return _row(samples, spec)

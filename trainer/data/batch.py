@@ -37,11 +37,13 @@ class ModelInputs:
     labels: torch.Tensor  # as stored in the pack
     shift_labels: torch.Tensor  # next-token targets that never cross a sample boundary
     # Packed (4, 1, T): the text row restarting per sample, then per-sample mRoPE; padded (3, B, L).
+    # A 1-D family (InternVL): packed (1, T), restarting per sample; padded (B, L).
     position_ids: torch.Tensor
     attention_mask: torch.Tensor | None = None  # padded only: (B, L), 1 on real tokens
     cu_seq_lens: torch.Tensor | None = None  # packed only: sub-sample boundaries (int32, n + 1)
     max_length: int | None = None  # packed only: the longest sub-sample
-    pixel_values: torch.Tensor | None = None  # image patches, in order of appearance
+    # Image patches in order of appearance; a tiled family: (N, 3, tile, tile), images' and videos' tiles.
+    pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     pixel_values_videos: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None

@@ -8,12 +8,13 @@ processors. Decoding and resizing are `packtrain.core.pixels`, the one pixel
 pipeline the packer's `mediaStorage: resized` also uses (upright RGB, transparency
 handled by the pack's `model.alpha`, torchvision's antialiased bicubic resize of
 uint8 pixels); then fused
-rescale+normalize in float32 and patchify grouped by the merge windows. Runs in
-dataloader workers.
+rescale+normalize in float32 and patchify grouped by the merge windows. A tiled family
+(InternVL) gets whole tiles instead (`tile_pixels`). Runs in dataloader workers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from torchvision.transforms.v2 import functional as tvF
 
 from packtrain.core.config import Alpha
 from packtrain.core.families import CLIP_MEAN, CLIP_STD
-from packtrain.core.model_spec import model_spec
+from packtrain.core.model_spec import ModelSpec, model_spec
 from packtrain.core.mp4_index import check_mp4_index
 from packtrain.core.pixels import SNIFF_BYTES, decode_rgb, image_rgb, resize_uint8, sniff_container
 from packtrain.core.vision import VisionSpec
@@ -48,6 +49,16 @@ class PixelSpec:
     temporal_patch_size: int = 2
     merge_size: int = 2
     alpha: Alpha = "white"
+    tile_size: int | None = None  # a tiled family (InternVL): whole square tiles, not patches
+
+    @classmethod
+    def from_model(cls, spec: ModelSpec) -> PixelSpec:
+        """`from_vision`, with the tile size of a tiled family (`Family.tiling`)."""
+        tiling = spec.family.tiling if spec.family.vision_input == "tiles" else None
+        if spec.family.vision_input == "tiles" and tiling is None:
+            raise ValueError(f"{spec.family.name} takes tiles but its registry entry has no tiling")
+        pixels = cls.from_vision(spec.vision)
+        return pixels if tiling is None else dataclasses.replace(pixels, tile_size=tiling.tile_size)
 
     @classmethod
     def from_vision(cls, vision: VisionSpec) -> PixelSpec:
@@ -63,7 +74,7 @@ class PixelSpec:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> PixelSpec:
-        return cls.from_vision(model_spec(folder).vision)
+        return cls.from_model(model_spec(folder))
 
     @property
     def patch_dim(self) -> int:
@@ -149,8 +160,62 @@ def video_pixels_from_frames(frames: np.ndarray, height: int, width: int, spec: 
     return patchify_video(_normalize(video, spec), spec)
 
 
+def _tiles_of_image(blob: dict[str, Any], height: int, width: int, n: int, spec: PixelSpec) -> np.ndarray:
+    """An image's (n, tile, tile, 3) uint8 tiles: the canvas (height x width) cut row-major, then the
+    thumbnail (the whole image at tile x tile) when `n` counts one more tile than the canvas holds.
+
+    As GotOcr2ImageProcessor with `crop_to_patches` does: it resizes the uint8 image with torchvision's
+    antialiased bicubic (the one `resize_uint8` is) to the canvas and, for the thumbnail, the original
+    to one tile; both from the *original* image, never the thumbnail from the canvas."""
+    tile = int(spec.tile_size or 0)
+    rows, cols = height // tile, width // tile
+    if rows < 1 or cols < 1 or rows * tile != height or cols * tile != width:
+        raise ValueError(f"image canvas {height}x{width} is not whole {tile}-pixel tiles")
+    if n not in (rows * cols, rows * cols + 1):
+        raise ValueError(f"the pack counted {n} tiles for a {rows}x{cols} canvas")
+    if blob["encoding"] == "resized":  # [canvas PNG, thumbnail PNG]: RGB PNGs, no alpha
+        frames = [decode_rgb(png, spec.alpha) for png in blob["frames"]]
+        if len(frames) != 1 + (n > rows * cols):
+            raise ValueError(f"a resized tiled image has {len(frames)} frames for {n} tiles")
+        canvas = resize_uint8(frames[0], height, width)
+        thumbnail = [resize_uint8(f, tile, tile) for f in frames[1:]]
+    else:
+        rgb = decode_rgb(blob["data"], spec.alpha)
+        canvas = resize_uint8(rgb, height, width)
+        thumbnail = [resize_uint8(rgb, tile, tile)] if n > rows * cols else []
+    tiles = canvas.reshape(rows, tile, cols, tile, 3).transpose(0, 2, 1, 3, 4).reshape(-1, tile, tile, 3)
+    return np.concatenate([tiles, np.stack(thumbnail)]) if thumbnail else tiles
+
+
+def tile_pixels(blob: dict[str, Any], ref: dict[str, Any], spec: PixelSpec) -> torch.Tensor:
+    """A tiled family's media → (grid_t, 3, tile, tile) normalized tiles, in the model's order.
+
+    A video frame is one tile: each sampled frame resized to tile x tile and normalized like an image
+    (the image processor's mean and std, as the family was trained, not its video processor config's
+    smaller CLIP-normalized frames, whose patch grid the pixel shuffle cannot take)."""
+    tile, n = int(spec.tile_size or 0), int(ref["grid_t"])
+    if ref["kind"] == "image":
+        tiles = _tiles_of_image(blob, int(ref["height"]), int(ref["width"]), n, spec)
+    elif ref["kind"] == "video":
+        if blob["encoding"] == "resized":
+            tiles = np.stack(
+                [resize_uint8(decode_rgb(png, spec.alpha), tile, tile) for png in blob["frames"]]
+            )
+        else:
+            tiles = decode_video_frames(blob["data"], ref["frames"], (tile, tile))
+    else:
+        raise ValueError(f"unknown media kind {ref['kind']!r}")
+    if tiles.shape[0] != n:
+        raise ValueError(f"media {ref['key'][:12]}: decoded {tiles.shape[0]} tiles but the pack counted {n}")
+    frames = torch.from_numpy(np.require(tiles, requirements=["C", "W"])).permute(0, 3, 1, 2)
+    return _normalize(frames, spec)
+
+
 def media_pixels(blob: dict[str, Any], ref: dict[str, Any], spec: PixelSpec) -> torch.Tensor:
-    """A MEDIA_SCHEMA blob + its MEDIA_REF → patch tensor, checked against the ref's grid."""
+    """A MEDIA_SCHEMA blob + its MEDIA_REF → patch tensor (tiles for a tiled family), checked against
+    the ref's grid."""
+    if spec.tile_size is not None:
+        return tile_pixels(blob, ref, spec)
     height, width = int(ref["height"]), int(ref["width"])
     if ref["kind"] == "image":
         pixels = image_pixels(blob["data"], height, width, spec)

@@ -88,7 +88,26 @@ def _media_of(
     return torch.cat(pixels), torch.tensor(grids, dtype=torch.long), torch.tensor(spg, dtype=torch.float32)
 
 
+def _tiles_in_order(rows: Sequence[dict[str, Any]]) -> _Media:
+    """A tiled family's media: every image's and video's tiles in one `pixel_values`, in order of
+    appearance, with one grid per media item (as InternVLProcessor merges videos into its
+    `pixel_values`): images and video frames fill the same `<IMG_CONTEXT>` runs, in that order."""
+    pixels, grids = [], []
+    for row in rows:
+        media, decoded = row.get("media") or [], row.get("pixels") or []
+        if len(decoded) != len(media):
+            raise ValueError("rows with media must carry decoded `pixels` (one tensor per media ref)")
+        for ref, px in zip(media, decoded, strict=True):
+            pixels.append(px)
+            grids.append([int(ref["grid_t"]), int(ref["grid_h"]), int(ref["grid_w"])])
+    if not pixels:
+        return {}
+    return {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.tensor(grids, dtype=torch.long)}
+
+
 def _media_tensors(rows: Sequence[dict[str, Any]], spec: ModelSpec) -> _Media:
+    if spec.family.vision_input == "tiles":
+        return _tiles_in_order(rows)
     out: _Media = {}
     image = _media_of(rows, "image")
     if image is not None:
@@ -125,11 +144,12 @@ def collate_packed(rows: Sequence[dict[str, Any]], spec: ModelSpec) -> Batch:
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lens_t, 0)
     shifted = torch.from_numpy(np.concatenate(shift_parts))[None]
+    positions = torch.from_numpy(np.concatenate(pos_parts, axis=1))[:, None, :]
     inputs = ModelInputs(
         input_ids=torch.from_numpy(np.concatenate(ids_parts))[None],
         labels=torch.from_numpy(np.concatenate(label_parts))[None],
         shift_labels=shifted,
-        position_ids=torch.from_numpy(np.concatenate(pos_parts, axis=1))[:, None, :],
+        position_ids=positions[0] if spec.family.positions == "1d" else positions,
         cu_seq_lens=cu,
         max_length=int(lens_t.max()),
         **_media_tensors(rows, spec),
@@ -180,7 +200,8 @@ def collate_padded(
     labels = torch.full((b, width), IGNORE_INDEX, dtype=torch.long)
     shifted = torch.full((b, width), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((b, width), dtype=torch.long)
-    pos = torch.ones((3, b, width), dtype=torch.long)
+    linear = spec.family.positions == "1d"
+    pos = torch.ones((1 if linear else 3, b, width), dtype=torch.long)
     for i, s in enumerate(samples):
         n = lengths[i]
         sid = np.asarray(s["input_ids"], dtype=np.int64)
@@ -195,7 +216,7 @@ def collate_padded(
         input_ids=ids,
         labels=labels,
         shift_labels=shifted,
-        position_ids=pos,
+        position_ids=pos[0] if linear else pos,
         attention_mask=mask,
         **_media_tensors(samples, spec),
     )
@@ -249,7 +270,7 @@ class PackedDataset(torch.utils.data.Dataset):
         self.manifest = self._reader.manifest
         # Transparency is the pack's choice (its resized media were made with it), never the caller's.
         self.pixel_spec = dataclasses.replace(
-            pixel_spec or PixelSpec.from_vision(spec.vision), alpha=pack_alpha(self.manifest)
+            pixel_spec or PixelSpec.from_model(spec), alpha=pack_alpha(self.manifest)
         )
         self.seq_lens = self._reader.seq_lens()
         # Sequences held out as the evaluation set are never units of training.
@@ -342,12 +363,20 @@ class PackedDataset(torch.utils.data.Dataset):
 
     def _facts(self) -> ModelFacts:
         """The model's pad ids and merge size that `grid_problem` checks the vision-token runs with."""
-        ids, groups = self.spec.token_ids, self.spec.family.video_timestamps
-        return ModelFacts(self.vocab_size, ids.image_pad, ids.video_pad, self.spec.vision.merge_size, groups)
+        ids, family = self.spec.token_ids, self.spec.family
+        frames = family.video_fill == "image_pad"  # InternVL: one image-context run per video frame
+        return ModelFacts(
+            self.vocab_size,
+            ids.image_pad,
+            ids.video_pad,
+            self.spec.vision.merge_size,
+            family.video_timestamps,
+            frames,
+        )
 
-    def _pixel_caps(self) -> tuple[int, int, int, int]:
+    def _pixel_caps(self) -> tuple[int, int, int, int, int | None]:
         """The pack's own pixel caps (its config's, else the processor's), doubled for the rounding up to
-        whole merged patches that min-pixel bounds allow, and its patch sizes."""
+        whole merged patches that min-pixel bounds allow, its patch sizes and a tiled family's tile."""
         model = (self.manifest.get("config") or {}).get("model") or {}
         vision, p = self.spec.vision, self.pixel_spec
 
@@ -356,7 +385,7 @@ class PackedDataset(torch.utils.data.Dataset):
             return value if isinstance(value, int) and value > 0 else default
 
         image, video = cap("maxPixels", vision.max_pixels), cap("videoMaxPixels", vision.video_max_pixels)
-        return 2 * image, 2 * video, p.patch_size, p.temporal_patch_size
+        return 2 * image, 2 * video, p.patch_size, p.temporal_patch_size, p.tile_size
 
     def _refuse(self, seq: int, problem: str) -> NoReturn:
         shard, index = self.reader.locate(seq)

@@ -8,6 +8,10 @@ at 0 at every sample boundary and no sample inherits another's offset. What
 differs between families (Qwen2.5-VL's temporal ids in seconds, Qwen3-VL's one
 placeholder run per temporal group of a video) is read from the family registry
 entry; a test checks the rule against each family's own `get_rope_index`.
+
+A family with plain 1-D positions (InternVL: `Family.positions == "1d"`) gets one row that
+restarts at 0 at every sample, vision tokens counted like text, as its language model numbers
+a sample alone.
 """
 
 from __future__ import annotations
@@ -67,14 +71,31 @@ def _vision_positions(
     return pos
 
 
+def _linear_positions(ids: np.ndarray, media: Sequence[Mapping[str, Any]], spec: ModelSpec) -> np.ndarray:
+    """(1, L) positions 0..L-1 of one sample of a 1-D family, after its vision tokens are checked
+    against its media grids (each tile or frame `(h/m)*(w/m)` tokens)."""
+    m = spec.vision.merge_size
+    pads = [spec.token_ids.image_pad]
+    if spec.family.video_fill == "video_pad":
+        pads.append(spec.token_ids.video_pad)
+    tokens = int(np.isin(ids, pads).sum())
+    want = sum(int(r["grid_t"]) * (int(r["grid_h"]) // m) * (int(r["grid_w"]) // m) for r in media)
+    if tokens != want:
+        raise ValueError(f"the sample has {tokens} vision placeholder tokens but its media grids give {want}")
+    return np.arange(len(ids), dtype=np.int64)[None]
+
+
 def sample_positions(
     input_ids: Sequence[int] | np.ndarray, media: Sequence[Mapping[str, Any]], spec: ModelSpec
 ) -> np.ndarray:
-    """(3, L) mRoPE positions of one sample alone, as `get_rope_index` computes them.
+    """(3, L) mRoPE positions of one sample alone, as `get_rope_index` computes them ((1, L) for a
+    1-D family).
 
     `media` are the sample's media refs (shard format: kind, grid_t/h/w, second_per_grid) in order.
     """
     ids = np.asarray(input_ids, dtype=np.int64)
+    if spec.family.positions == "1d":
+        return _linear_positions(ids, media, spec)
     m = spec.vision.merge_size
     runs = {kind: iter(grids) for kind, grids in _runs(media, spec).items()}
     parts: list[np.ndarray] = []
@@ -113,14 +134,18 @@ def packed_positions(
     spec: ModelSpec,
 ) -> np.ndarray:
     """(4, L) positions of a packed sequence: row 0 the 1-D text position that restarts at each
-    sample (what `transformers` reads sample boundaries from), rows 1-3 each sample's own mRoPE."""
+    sample (what `transformers` reads sample boundaries from), rows 1-3 each sample's own mRoPE.
+    A 1-D family: (1, L), that restarting row alone."""
     ids = np.asarray(input_ids, dtype=np.int64)
     if sum(seq_lens) != len(ids):
         raise ValueError(f"seq_lens sum to {sum(seq_lens)} but the sequence has {len(ids)} tokens")
-    rows = np.empty((4, len(ids)), dtype=np.int64)
+    linear = spec.family.positions == "1d"
+    rows = np.empty((1 if linear else 4, len(ids)), dtype=np.int64)
     offset = 0
     for n, media in zip(seq_lens, sample_media, strict=True):
         rows[0, offset : offset + n] = np.arange(n)
-        rows[1:, offset : offset + n] = sample_positions(ids[offset : offset + n], media, spec)
+        own = sample_positions(ids[offset : offset + n], media, spec)
+        if not linear:
+            rows[1:, offset : offset + n] = own
         offset += n
     return rows

@@ -1,4 +1,4 @@
-"""Building Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 with `transformers`, and the packed forward.
+"""Building Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 / InternVL with `transformers`, and the packed forward.
 
 `build_model` builds the model from the folder's config.json (merged with overrides, read once
 by `core.model_folder.ModelFolder`) empty; `materialize` then loads the real weights when present
@@ -36,6 +36,7 @@ from packtrain.trainer.model.linear_attention import (
     resolve_linear,
 )
 from packtrain.trainer.model.loss import token_losses
+from packtrain.trainer.model.parts import is_tiled, vision_blocks, vision_side
 from packtrain.trainer.model.vision_attention import one_call_vision
 
 
@@ -74,6 +75,18 @@ def checked_spec(
             f"model.family is {spec.family.name} but {folder} holds a {config.model_type} model; "
             "drop model.family or point model.path at a matching folder"
         )
+    pairs = _tiled_pairs(config, spec) if spec.family.tiling is not None else _patch_pairs(config, spec)
+    for key, (model_value, folder_value) in pairs.items():
+        if model_value != folder_value:
+            raise ConfigError(
+                f"{key} is {model_value} in the model config but {folder_value} in {folder}'s processor "
+                "and tokenizer files (what packs are counted with); remove it from model.configOverrides"
+            )
+    return spec
+
+
+def _patch_pairs(config: PretrainedConfig, spec: ModelSpec) -> dict[str, tuple[Any, Any]]:
+    """(model config, folder) values a patch family's pack and model must agree on."""
     vision = config.vision_config
     pairs: dict[str, tuple[Any, Any]] = {
         "image_token_id": (config.image_token_id, spec.token_ids.image_pad),
@@ -84,13 +97,28 @@ def checked_spec(
     }
     if spec.family.time_scaled_rope:
         pairs["vision_config.tokens_per_second"] = (vision.tokens_per_second, spec.vision.tokens_per_second)
-    for key, (model_value, folder_value) in pairs.items():
-        if model_value != folder_value:
-            raise ConfigError(
-                f"{key} is {model_value} in the model config but {folder_value} in {folder}'s processor "
-                "and tokenizer files (what packs are counted with); remove it from model.configOverrides"
-            )
-    return spec
+    return pairs
+
+
+def _square(value: Any) -> Any:
+    """A square size given as one number or a pair (InternViT writes `[448, 448]`)."""
+    if isinstance(value, list | tuple) and len(value) == 2 and value[0] == value[1]:
+        return value[0]
+    return value
+
+
+def _tiled_pairs(config: PretrainedConfig, spec: ModelSpec) -> dict[str, tuple[Any, Any]]:
+    """(model config, folder) values a tiled family's pack and model must agree on: the context token
+    (images and video frames alike), the patch, the pixel shuffle (`downsample_ratio` = 1 / merge) and
+    the tile, all of which fix the 256 tokens a tile is counted as."""
+    vision, tiling = config.vision_config, spec.family.tiling
+    assert tiling is not None
+    return {
+        "image_token_id": (config.image_token_id, spec.token_ids.image_pad),
+        "vision_config.patch_size": (_square(vision.patch_size), spec.vision.patch_size),
+        "vision_config.image_size": (_square(vision.image_size), tiling.tile_size),
+        "downsample_ratio": (config.downsample_ratio, 1 / spec.vision.merge_size),
+    }
 
 
 def pretrained_weights(folder: str | Path | ModelFolder, init: str) -> Path | None:
@@ -175,7 +203,7 @@ def apply_layer_options(
     """
     hf: Any = model
     layers = list(hf.model.language_model.layers)
-    blocks = list(hf.model.visual.blocks)
+    blocks = vision_blocks(hf)
     for module in (layers if activation_checkpointing else []) + (blocks if vision_checkpointing else []):
         module.forward = _checkpointed(module.forward, module)
     if compile:
@@ -203,8 +231,11 @@ class VLMForTraining(nn.Module):
         # Linear-attention layers get the packed row's sample boundaries too (see linear_attention).
         self.linear_attention = has_linear_attention(model)
         self.router = Router.of(model)
+        self.tiled = is_tiled(model)
         # One attention call per vision block over all images, frames and windows (vision_attention).
-        one_call_vision(model, backend)
+        # A tiled tower already is: its tiles are a batch of equal squares, attended within each.
+        if not self.tiled:
+            one_call_vision(model, backend)
 
     def _encode_media(self, inputs: ModelInputs) -> tuple[dict[str, Any], torch.Tensor | None]:
         """Images and videos through the vision tower in *one* call (each grid stays isolated:
@@ -214,6 +245,8 @@ class VLMForTraining(nn.Module):
         the same order on every rank; a rank without media runs a tiny dummy image instead and
         returns a zero term to add to the loss, so every parameter gets a gradient everywhere.
         """
+        if self.tiled:
+            return self._encode_tiles(inputs)
         visual = self.hf.model.visual
         parts = [
             (kind, px, grid)
@@ -247,6 +280,24 @@ class VLMForTraining(nn.Module):
             encoded[kind] = type(out)(pooler_output=features[items], **extra)
             first += len(grid)
         return encoded, None
+
+    def _encode_tiles(self, inputs: ModelInputs) -> tuple[dict[str, Any], torch.Tensor | None]:
+        """A tiled family (InternVL): every tile of the micro-batch (images' tiles and thumbnails, video
+        frames, in order of appearance) through the tower, pixel shuffle and projector in one
+        `get_image_features` call; the model's forward scatters them, in order, over the
+        `<IMG_CONTEXT>` tokens. Each tile is its own batch row, so the tower needs no boundaries.
+        Without media (and `always_run_vision`) one zero tile runs instead, for a zero term."""
+        model: Any = self.hf.model
+        pixels = inputs.pixel_values
+        if pixels is None:
+            if not self.always_run_vision:
+                return {}, None
+            tile = _square(self.hf.config.vision_config.image_size)
+            tower = model.vision_tower
+            dummy = torch.zeros(1, 3, tile, tile, dtype=tower.dtype, device=tower.device)
+            return {}, model.get_image_features(dummy, return_dict=True).pooler_output.sum() * 0.0
+        out = model.get_image_features(pixels, return_dict=True)
+        return {"image": out}, None
 
     def forward(self, inputs: ModelInputs) -> dict[str, torch.Tensor]:
         encoded, zero = self._encode_media(inputs)
@@ -326,7 +377,8 @@ class Router:
 def parameter_groups(model: nn.Module) -> dict[str, int]:
     """Parameter counts used by the FLOPs estimate: LLM body, LM head, vision tower."""
     hf: Any = model.hf if isinstance(model, VLMForTraining) else model
-    layers, visual = list(hf.model.language_model.layers.parameters()), list(hf.model.visual.parameters())
+    layers = list(hf.model.language_model.layers.parameters())
+    visual = [p for module in vision_side(hf) for p in module.parameters()]
     body = sum(p.numel() for p in layers)
     vision = sum(p.numel() for p in visual)
     head = hf.lm_head.weight.numel()
