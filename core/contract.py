@@ -255,8 +255,8 @@ REJECT_REASONS: dict[RejectReason, str] = {
     "container (truncated, too few frames, text named as a video); a video whose sampled frames do not "
     "decode is found by materialize",
     RejectReason.MEDIA_TYPE_MISMATCH: "a video used as an image, or an image used as a video",
-    RejectReason.UNSUPPORTED_MEDIA: "audio, or a media path that is not a regular file (folder, FIFO, "
-    "device)",
+    RejectReason.UNSUPPORTED_MEDIA: "audio, a video for a family whose model takes none "
+    "(llava-onevision-1.5), or a media path that is not a regular file (folder, FIFO, device)",
     RejectReason.MEDIA_TOO_LARGE: "a media file over source.maxImageBytes / source.maxVideoBytes, an "
     "image over source.maxImageSourcePixels, one whose metadata (EXIF, ICC, XMP, text) is over 1 MiB, "
     "or an mp4/mov whose sample tables declare over 1,000,000 samples or whose edit lists declare over "

@@ -68,7 +68,8 @@ ToolStyle = Literal["json", "xml"]
 @dataclass(frozen=True)
 class ModuleLayout:
     """Where the parts of a family's model sit: submodule paths from its `model_class` (module lists
-    are expanded by the trainer), as plain strings so this module needs no torch.
+    are expanded by the trainer; a path may also name one parameter, such as a vision tower's class
+    token), as plain strings so this module needs no torch.
 
     The four parts are what `model.freeze` and `training.lrMultipliers` name; every parameter must
     fall under one of them (the trainer refuses a model with parameters outside every part).
@@ -149,6 +150,13 @@ class Family:
     # Whether the LM head is tied is said by `text_config` when the top level does not say it (InternVL:
     # transformers' top-level default would tie it; `model_folder` writes the decoder's choice out).
     tie_from_text_config: bool = False
+    # Where `model_class` lives: None for transformers; else a packtrain module that implements the
+    # architecture itself (a family transformers has no class for) and registers its config type.
+    model_module: str | None = None
+    videos: bool = True  # False: a video is a per-sample reject (the model has no video path)
+    # The tower's output for an image depends on the other images of its call (LLaVA-OneVision-1.5's
+    # class-token offset): the trainer's one tower call takes the images grouped per packed sample.
+    vision_groups_by_sample: bool = False
     # Special tokens, by name.
     im_start: str = "<|im_start|>"
     assistant_header: str = "<|im_start|>assistant\n"  # rendered text that opens an assistant turn
@@ -402,8 +410,60 @@ INTERNVL = Family(
     ),
 )
 
+# LLaVA-OneVision-1.5 (lmms-lab/LLaVA-OneVision-1.5-*-Instruct): Qwen2.5-VL's tokenizer, template and
+# processor (images in 14-pixel patches with temporal_patch_size 1, merged 2x2), a RICE-ViT tower (a
+# class token per image, 2-D rotary positions) and a Qwen3-shaped decoder with plain 1-D positions.
+# transformers has no class for it and upstream's remote code is never run: packtrain implements it
+# (`trainer/model/llava_onevision.py`, parameter names as released). Videos are rejected per sample:
+# upstream's model code has no video path (it refuses the processor's video inputs).
+LLAVA_ONEVISION_1_5 = replace(
+    QWEN2_5_VL,
+    name="llava-onevision-1.5",
+    model_type="llavaonevision1_5",
+    model_class="LlavaOneVision15ForConditionalGeneration",
+    model_module="packtrain.trainer.model.llava_onevision",
+    temporal_patch_size=1,
+    time_scaled_rope=False,
+    positions="1d",
+    videos=False,
+    max_pixels=1600 * 1600,
+    tie_from_text_config=True,
+    vision_groups_by_sample=True,
+    # The class token and its rotary entry are parameters of the tower itself (a path may name one).
+    modules=ModuleLayout(
+        vision=(
+            "model.visual.patch_embed",
+            "model.visual.class_embedding",
+            "model.visual.class_pos_emb",
+            "model.visual.pre_layernorm",
+            "model.visual.blocks",
+        ),
+        merger=("model.visual.merger",),
+        llm=_LLM,
+        embeddings=_EMBEDDINGS,
+        vision_chain=(
+            "model.visual.patch_embed",
+            "model.visual.pre_layernorm",
+            "model.visual.blocks",
+            "model.visual.merger",
+        ),
+        lora_llm=_LORA_LLM,
+        lora_vision=r"model\.visual\.(?:blocks|merger)\.",
+    ),
+)
+
 FAMILIES: dict[str, Family] = {
-    f.name: f for f in (QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_5, QWEN3_5_MOE, QWEN3_VL_MOE, INTERNVL)
+    f.name: f
+    for f in (
+        QWEN2_VL,
+        QWEN2_5_VL,
+        QWEN3_VL,
+        QWEN3_5,
+        QWEN3_5_MOE,
+        QWEN3_VL_MOE,
+        INTERNVL,
+        LLAVA_ONEVISION_1_5,
+    )
 }
 
 FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)

@@ -63,6 +63,12 @@ PROBES = (
 PROBE_ANSWER = "Ok."
 
 
+def family_probes(family: Family) -> tuple[Probe, ...]:
+    """The probes that apply to `family`: a family whose model takes no video (`Family.videos`
+    false: the packer rejects a video) is probed on images only."""
+    return tuple(p for p in PROBES if family.videos or not p.videos)
+
+
 def cache_dir() -> Path:
     """Where checks remember an agreement: `$PACKTRAIN_CACHE_DIR`, else `$XDG_CACHE_HOME/packtrain`,
     else `~/.cache/packtrain`."""
@@ -86,7 +92,7 @@ def processing_digest(folder: Path, facts: list[str], code: list[bytes]) -> str:
 
 
 def family_layout(family: Family) -> dict[str, str]:
-    """The layout the packer writes for `family`, by media kind."""
+    """The layout the packer writes for `family`, by media kind (an images-only family: no video)."""
     if family.tiling is not None:
         # InternVL: the template's newline after each placeholder; a video is frame-prefixed image runs.
         run = f"{family.vision_start}{family.image_pad}*{family.vision_end}"
@@ -97,7 +103,7 @@ def family_layout(family: Family) -> dict[str, str]:
     video = f"{family.vision_start}{family.video_pad}*{family.vision_end}"
     if family.video_timestamps:
         video = f"(<t seconds>{video})+"
-    return {"image": image, "video": video}
+    return {"image": image, "video": video} if family.videos else {"image": image}
 
 
 def layout_of_text(text: str, family: Family) -> dict[str, str]:

@@ -22,7 +22,9 @@ bf16 (`MixedPrecisionPolicy(param_dtype)`) for its forward and backward. Per GPU
                         patches x blocks, patches = vision_share x tokens x merge_size² (a pack
                         does not record its vision share: VISION_SHARE by default); InternVL: whole
                         448-pixel tiles, each (448/14)² + 1 = 1,025 tokens through the tower for its
-                        256 decoder tokens, plus the pixel shuffle and projector per decoder token
+                        256 decoder tokens, plus the pixel shuffle and projector per decoder token;
+                        RICE-ViT (LLaVA-OneVision-1.5): a class token per image beside its patches
+                        (`RICE_CLASS_TOKEN_SHARE`) and the pre-LayerNorm's fp32 input
     logits          1.25 x chunk x vocab x (4 + 2 under bf16): one chunk's fp32 logits (and their bf16
                     matmul output) at a time, `training.lossChunkTokens` rows
     reserve         RESERVE_BYTES + RESERVE_FRACTION of the rest (CUDA context, NCCL, fragmentation)
@@ -52,6 +54,11 @@ VISION_SHARE = 0.5
 # plus the bf16 matmul output under autocast; x1.25 for the softmax gradient's temporaries (a CPU
 # run of the loss alone peaks at ~1.2x one fp32 chunk over the LM head's weight gradient).
 LOGITS_OVERHEAD = 1.25
+# RICE-ViT runs a class token with each image's patches. The plan does not know how many images a
+# row holds, so it counts them as the smallest image the processor writes by default (min_pixels
+# 56x56: 4x4 = 16 patches): one more tower row per 16 patches, an upper bound (a typical image has
+# hundreds of patches, so the real share is far under 1%).
+RICE_CLASS_TOKEN_SHARE = 1 / 16
 Strategy = Literal["ddp", "fsdp"]
 
 
@@ -226,19 +233,23 @@ def _activation_rows(d: ModelDims, c: ParamCounts, x: PlanInputs) -> dict[str, f
         decoder = ((d.layers - d.linear_layers) * full + d.linear_layers * lin) * tokens
     decoder += 2 * 4.0 * d.hidden * tokens  # the embedding output and the final norm's
     patches = x.vision_share * tokens * d.merge_size**2
-    projector = 0.0
+    outside = 0.0  # what the tower keeps outside its blocks: InternVL's projector, RICE's pre-LayerNorm
+    trains = c.trainable_by_part["vision"] > 0
     if d.vision_kind == "internvit":  # whole tiles (cls token included) through the tower
         patches = _internvit_tower_tokens(d, x.vision_share * tokens)[1]
-        trains = c.trainable_by_part["vision"] + c.trainable_by_part["merger"] > 0
-        projector = _projector_bytes(d, 2 if x.bf16 else 4, trains) * x.vision_share * tokens
+        projector_trains = trains or c.trainable_by_part["merger"] > 0
+        outside = _projector_bytes(d, 2 if x.bf16 else 4, projector_trains) * x.vision_share * tokens
+    elif d.vision_kind == "rice":  # class tokens; the pre-LayerNorm keeps its fp32 input when it trains
+        patches *= 1 + RICE_CLASS_TOKEN_SHARE
+        outside = (4.0 * d.vision_hidden if trains else 0.0) * patches
     block = vision_block_bytes(d, x.bf16)
-    if c.trainable_by_part["vision"] == 0:  # under no_grad: one block's tensors at a time
+    if not trains:  # under no_grad: one block's tensors at a time
         vision = block * patches
     elif x.vision_checkpointing:
         vision = (d.vision_depth * 4.0 * d.vision_hidden + block) * patches
     else:
         vision = d.vision_depth * block * patches
-    vision += projector
+    vision += outside
     chunk = min(x.loss_chunk_tokens or tokens, tokens)
     return {
         "activations: decoder": decoder,

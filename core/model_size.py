@@ -8,7 +8,8 @@ JSON-able record a PackJob can carry to the operator. The tests check the counts
 `sum(p.numel())` of the real transformers models built on the meta device, freeze and LoRA included.
 
 Missing config keys take the transformers config classes' defaults (`_TEXT_DEFAULTS`,
-`_VISION_DEFAULTS`; a test checks them against the classes).
+`_VISION_DEFAULTS`; a test checks them against the classes); LLaVA-OneVision-1.5's, which transformers
+has no class of the released layout for, are upstream's config classes' (its 4B sizes).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from packtrain.core.model_folder import ModelFolder
 from packtrain.core.model_folder import deep_merge as deep_merge  # re-exported: the trainer merges with it
 
 # Module kinds of the vision tower (`VisionDims.kind`) and the decoder (`ModelDims.text_kind`).
-VISION_KINDS = ("qwen2", "qwen2.5", "qwen3", "internvit")
+VISION_KINDS = ("qwen2", "qwen2.5", "qwen3", "internvit", "rice")
 TEXT_KINDS = ("qwen2", "qwen3", "qwen3.5")
 _FAMILY_KINDS = {  # family -> (text kind, vision kind)
     "qwen2-vl": ("qwen2", "qwen2"),
@@ -35,7 +36,9 @@ _FAMILY_KINDS = {  # family -> (text kind, vision kind)
     "qwen3.5": ("qwen3.5", "qwen3"),
     "qwen3.5-moe": ("qwen3.5", "qwen3"),
     "internvl": ("qwen2", "internvit"),  # the decoder: text_config.model_type (`INTERNVL_TEXT`)
+    "llava-onevision-1.5": ("qwen3", "rice"),
 }
+LLAVA_OV = "llava-onevision-1.5"
 _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2-vl": {"vocab_size": 152064, "hidden_size": 8192, "intermediate_size": 29568,
                  "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8},
@@ -69,6 +72,13 @@ INTERNVL_TEXT: dict[str, dict[str, Any]] = {
               "head_dim": 128, "attention_bias": False},
 }  # fmt: skip
 _TEXT_DEFAULTS["internvl"] = INTERNVL_TEXT["qwen2"]
+# LLaVA-OneVision-1.5: upstream's text config class defaults are Qwen3-4B's sizes (the released 8B
+# config.json sets every size explicitly); its RICE-ViT defaults are RICE-ViT-L, the tower of
+# every release, its merger writing `text_hidden_size` (the 4B's 2560 by default).
+_TEXT_DEFAULTS[LLAVA_OV] = {
+    "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "attention_bias": False,
+}  # fmt: skip
 # InternVLConfig's own keys: the pixel-shuffle ratio (0.5: 2x2 patches per token) and a tied LM head,
 # which transformers 5 applies whatever text_config says.
 _TOP_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -95,6 +105,11 @@ _VISION_DEFAULTS["internvl"] = {  # InternVLVisionConfig: InternViT-300M
 }  # fmt: skip
 INTERNVIT_NORMS = ("layer_norm", "rms_norm")
 _VISION_DEFAULTS["qwen3.5-moe"] = _VISION_DEFAULTS["qwen3.5"]
+_VISION_DEFAULTS[LLAVA_OV] = {  # RiceConfig
+    "depth": 24, "embed_dim": 1024, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16,
+    "in_channels": 3, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 1,
+    "text_hidden_size": 2560,
+}  # fmt: skip
 
 # Inclusive bounds of a config's numbers, text and vision: several times the largest released
 # model's (Qwen's largest: 94 layers, hidden 8192, 512 experts, a 248k vocabulary), yet finite, so
@@ -128,6 +143,7 @@ VISION_LIMITS: dict[str, tuple[int, int]] = {
     "intermediate_size": (1, 262144),
     "num_heads": (1, 1024),
     "out_hidden_size": (1, 65536),
+    "text_hidden_size": (1, 65536),  # RICE-ViT's merger output (LLaVA-OneVision-1.5)
     "patch_size": (1, 128),
     "temporal_patch_size": (1, 16),
     "in_channels": (1, 16),
@@ -406,7 +422,9 @@ def _vision_rules(v: Mapping[str, Any], text_hidden: int, family: str, at: str) 
         )
     if family == "internvl":
         return out
-    merger = "hidden_size" if qwen2 else "out_hidden_size"
+    if family == LLAVA_OV:
+        out += _rice_rules(v, at)
+    merger = "hidden_size" if qwen2 else "text_hidden_size" if family == LLAVA_OV else "out_hidden_size"
     if v[merger] != text_hidden:
         out.append(
             f"{at}{merger} {v[merger]} is not the decoder's hidden_size {text_hidden}: the merger feeds the "
@@ -415,6 +433,29 @@ def _vision_rules(v: Mapping[str, Any], text_hidden: int, family: str, at: str) 
     window, step = v.get("window_size"), v["patch_size"] * v["spatial_merge_size"]
     if family == "qwen2.5-vl" and _whole(window) and window < step:
         out.append(f"{at}window_size {window} is under patch_size x spatial_merge_size ({step}): raise it")
+    return out
+
+
+def _rice_rules(v: Mapping[str, Any], at: str) -> list[str]:
+    """RICE-ViT: its attention is `embed_dim` wide, everything around it `hidden_size` (they must be
+    one width); its 2-D rotary halves each head twice (rows, columns), so a head is a multiple of 4
+    wide; its patch embedding is a 2-D conv over one frame (temporal_patch_size 1)."""
+    out = []
+    width, heads, embed = v["hidden_size"], v["num_heads"], v.get("embed_dim")
+    if embed is not None and embed != width:
+        out.append(
+            f"{at}embed_dim {embed} is not {at}hidden_size {width}: RICE-ViT's attention and blocks "
+            "share one width, so set them equal"
+        )
+    if width % heads == 0 and (width // heads) % 4:
+        out.append(
+            f"{at}hidden_size / num_heads is {width // heads}: RICE-ViT's 2-D rotary needs a head width "
+            "that is a multiple of 4"
+        )
+    if v["temporal_patch_size"] != 1:
+        out.append(
+            f"{at}temporal_patch_size is {v['temporal_patch_size']}: RICE-ViT embeds one frame a patch"
+        )
     return out
 
 
@@ -586,6 +627,8 @@ def model_dims(config: Mapping[str, Any], family: str | None = None) -> ModelDim
         **(
             _internvit_fields(config, vision, hidden)
             if name == "internvl"
+            else _rice_fields(vision)
+            if name == LLAVA_OV
             else _qwen_vision_fields(name, vision)
         ),
     )
@@ -609,6 +652,24 @@ def _qwen_vision_fields(name: str, vision: Mapping[str, Any]) -> dict[str, Any]:
         "merge_size": int(vision["spatial_merge_size"]),
         "vision_positions": int(vision.get("num_position_embeddings", 0)) if name.startswith("qwen3") else 0,
         "deepstack": len(vision.get("deepstack_visual_indexes") or []) if name.startswith("qwen3-vl") else 0,
+    }
+
+
+def _rice_fields(vision: Mapping[str, Any]) -> dict[str, Any]:
+    """RICE-ViT's `ModelDims` fields (LLaVA-OneVision-1.5): one frame a patch, the merger writing
+    `text_hidden_size` (checked equal to the decoder's hidden size)."""
+    return {
+        "vision_depth": int(vision["depth"]),
+        "vision_hidden": int(vision["hidden_size"]),
+        "vision_intermediate": int(vision["intermediate_size"]),
+        "vision_heads": int(vision["num_heads"]),
+        "vision_out": int(vision["text_hidden_size"]),
+        "patch_size": int(vision["patch_size"]),
+        "temporal_patch_size": 1,
+        "in_channels": int(vision.get("in_channels") or 3),
+        "merge_size": int(vision["spatial_merge_size"]),
+        "vision_positions": 0,
+        "deepstack": 0,
     }
 
 
@@ -714,7 +775,7 @@ def _vision_block(d: ModelDims, i: int) -> Iterator[Tensor]:
     yield from _norm(f"{p}.norm2", "vision", e, layer_norm)
     yield from _linear(f"{p}.attn.qkv", "vision", e, 3 * e, True)
     yield from _linear(f"{p}.attn.proj", "vision", e, e, True)
-    if d.vision_kind == "qwen2":
+    if d.vision_kind in ("qwen2", "rice"):
         yield from _linear(f"{p}.mlp.fc1", "vision", e, inner, True)
         yield from _linear(f"{p}.mlp.fc2", "vision", inner, e, True)
     elif d.vision_kind == "qwen2.5":
@@ -728,8 +789,8 @@ def _vision_block(d: ModelDims, i: int) -> Iterator[Tensor]:
 
 def _merger(d: ModelDims, prefix: str, postshuffle: bool) -> Iterator[Tensor]:
     e, merged = d.vision_hidden, d.vision_hidden * d.merge_size**2
-    if d.vision_kind in ("qwen2", "qwen2.5"):
-        yield from _norm(f"{prefix}.ln_q", "merger", e, d.vision_kind == "qwen2")
+    if d.vision_kind in ("qwen2", "qwen2.5", "rice"):
+        yield from _norm(f"{prefix}.ln_q", "merger", e, d.vision_kind != "qwen2.5")
         yield from _linear(f"{prefix}.mlp.0", "merger", merged, merged, True)
         yield from _linear(f"{prefix}.mlp.2", "merger", merged, d.vision_out, True)
         return
@@ -745,6 +806,10 @@ def _patch_embed(d: ModelDims) -> Iterator[Tensor]:
     e = d.vision_hidden
     conv = e * d.in_channels * d.temporal_patch_size * d.patch_size**2
     yield Tensor("model.visual.patch_embed.proj.weight", conv, "vision")
+    if d.vision_kind == "rice":  # a class token (and its rotary entry) per image, the pre-LayerNorm
+        yield Tensor("model.visual.class_embedding", e, "vision")
+        yield Tensor("model.visual.class_pos_emb", e // d.vision_heads // 2, "vision")
+        yield from _norm("model.visual.pre_layernorm", "vision", e, True)
     if d.vision_kind == "qwen3":
         yield Tensor("model.visual.patch_embed.proj.bias", e, "vision")
         yield Tensor("model.visual.pos_embed.weight", d.vision_positions * e, "vision")
@@ -969,7 +1034,7 @@ _VISION_KEYS = frozenset(
         *("spatial_merge_size", "num_position_embeddings", "deepstack_visual_indexes"),
         *("num_hidden_layers", "num_attention_heads", "attention_bias", "use_qk_norm", "norm_type"),
         *("image_size", "num_channels", "use_mask_token", "use_absolute_position_embeddings"),
-        "use_mean_pooling",
+        *("use_mean_pooling", "text_hidden_size"),
     }
 )
 

@@ -310,7 +310,10 @@ def _vision_spec(model: ModelFolder, cfg: ModelConfig, fam: Family) -> VisionSpe
         )
     files = model.processor_files
     pre = model.json_file(IMAGE_PROCESSOR_FILE) if IMAGE_PROCESSOR_FILE in files else {}
-    vid = model.json_file(VIDEO_PROCESSOR_FILE) if VIDEO_PROCESSOR_FILE in files else pre
+    # A family without videos reads every setting from the image processor (LLaVA-OneVision-1.5's
+    # video config says temporal patches of 2, its image processor and vision tower 1).
+    has_video = fam.videos and VIDEO_PROCESSOR_FILE in files
+    vid = model.json_file(VIDEO_PROCESSOR_FILE) if has_video else pre
     vision_config = model.config_json.get("vision_config") or {}
     min_px = cfg.min_pixels or _pixels(pre, "min_pixels", "shortest_edge") or fam.min_pixels
     max_px = cfg.max_pixels or _pixels(pre, "max_pixels", "longest_edge") or fam.max_pixels

@@ -28,6 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from packtrain.core.errors import EXIT_CONFIG, EXIT_INTERRUPTED, ConfigError
+from packtrain.core.families import FAMILIES
 from packtrain.core.output_lock import claim_output
 from packtrain.core.progress import METRICS_ANY_PORT, METRICS_PORT_EVENT, ProgressBar, follow
 from packtrain.core.report import rejects_warning
@@ -455,10 +456,22 @@ def print_next_steps(
         ]
     for final in filter(None, (s.get("final_model") or _final(s) for s in trains.values())):
         lines += [
-            f'  python -c "from transformers import AutoModelForImageTextToText as M; '
+            f'  python -c "{_class_import(Path(final))}'
+            "from transformers import AutoModelForImageTextToText as M; "
             f"M.from_pretrained('{final}')\"   # or serve it: vllm serve {final}"
         ]
     con.print("\n".join(lines), highlight=False, markup=False, soft_wrap=True)
+
+
+def _class_import(final: Path) -> str:
+    """`import <module>; ` where the exported family's class is packtrain's own (transformers has
+    none: importing the module registers it with the Auto classes), else nothing."""
+    try:
+        model_type = json.loads((final / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    family = next((f for f in FAMILIES.values() if f.model_type == model_type), None)
+    return f"import {family.model_module}; " if family is not None and family.model_module else ""
 
 
 def warn_rejects(con: Console, packs: dict[str, tuple[Path, dict]]) -> None:

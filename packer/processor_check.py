@@ -22,12 +22,12 @@ from packtrain.core import families, layout, model_spec, vision
 from packtrain.core.config import PackConfig, SourceConfig
 from packtrain.core.errors import ConfigError
 from packtrain.core.layout import (
-    PROBES,
     PROCESSING_SUFFIXES,
     TRANSFORMERS_FLOOR,
     Probe,
     cache_dir,
     family_layout,
+    family_probes,
     layout_difference,
     layout_of_text,
     probe_record,
@@ -103,7 +103,7 @@ def _check(cfg: PackConfig, tokenizer: SampleTokenizer) -> str | None:
         write_probe_media(media)
         source = SourceConfig(paths=[str(media / "probe.json")], media_root=str(media))
         ours = SampleTokenizer(source, cfg.model, _probe_packing(cfg), loaded=tokenizer.model)
-        for i, probe in enumerate(PROBES):
+        for i, probe in enumerate(family_probes(tokenizer.model.family)):
             _compare(
                 probe,
                 ours(RawRecord(media / "probe.json", i, probe_record(probe), None)),

@@ -124,6 +124,7 @@ class SampleTokenizer:
             sample_id = self._sample_id(raw)
             turns = self._parser.parse(raw.record)
             self._check_turns(turns)
+            self._check_media_kinds(turns)
             text = self._render_checked(turns)
             media = [
                 self._media.item(ref, raw.source.parent)
@@ -204,6 +205,19 @@ class SampleTokenizer:
                         f"turn {i} ({turn.role}) {field} contains the reserved token(s) {', '.join(found)}; "
                         "they would corrupt the turn, thinking or vision structure",
                     )
+
+    def _check_media_kinds(self, turns: list[Turn]) -> None:
+        """A reject for a video where the family's model takes none, before any media is read."""
+        family = self.model.family
+        if family.videos or not any(
+            isinstance(p, MediaRef) and p.kind == "video" for t in turns for p in t.parts
+        ):
+            return
+        raise SampleError(
+            RejectReason.UNSUPPORTED_MEDIA,
+            f"{family.name} takes images only: its model has no video path (upstream's code refuses the "
+            "processor's video inputs); drop the video, or pack it for another family",
+        )
 
     def _assistant_markers(self) -> tuple[list[int], int]:
         """Token ids that open and close an assistant turn, checked on a probe conversation.

@@ -20,7 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/: the shared test tooling (as a script)
 from support.paths import MODELS
-from support.qwen_sizes import RELEASED, internvl_overrides, released_overrides
+from support.qwen_sizes import RELEASED, internvl_overrides, llava_ov15_overrides, released_overrides
 
 from packtrain.core.memory_plan import DEFAULT_LORA, GIB, PlanInputs, parse_bytes, plan_memory
 from packtrain.core.model_size import model_dims, read_config
@@ -67,17 +67,21 @@ INTERNVL_SIZES = ("8B", "38B")
 
 
 def sizing_table() -> str:
-    """The README's GPU sizing table: Qwen2.5-VL and InternVL3.5 at released sizes, from the memory
-    planner."""
+    """The README's GPU sizing table: Qwen2.5-VL, InternVL3.5 and LLaVA-OneVision-1.5 at released
+    sizes, from the memory planner."""
     head = "| model | maxLength | training | " + " | ".join(GPUS) + " |"
     lines = [head, "| --- | --- | --- | " + " | ".join("---" for _ in GPUS) + " |"]
-    models = [
-        (f"Qwen2.5-VL-{size}", read_config(MODELS / "qwen2.5-vl", released_overrides(size)))
-        for size in RELEASED
-    ] + [
-        (f"InternVL3.5-{size}", read_config(MODELS / "internvl3.5", internvl_overrides(size)))
-        for size in INTERNVL_SIZES
-    ]
+    models = (
+        [
+            (f"Qwen2.5-VL-{size}", read_config(MODELS / "qwen2.5-vl", released_overrides(size)))
+            for size in RELEASED
+        ]
+        + [
+            (f"InternVL3.5-{size}", read_config(MODELS / "internvl3.5", internvl_overrides(size)))
+            for size in INTERNVL_SIZES
+        ]
+        + [("LLaVA-OV-1.5-8B", read_config(MODELS / "llava-onevision-1.5", llava_ov15_overrides("8B")))]
+    )
     for name, config in models:
         dims = model_dims(config)
         for length in LENGTHS:

@@ -90,6 +90,11 @@ class ModelShape:
     linear_flops_per_token: float  # training FLOPs of one such layer's conv-free state mixing, per token
     llm_factor: float = 6.0  # FLOPs per parameter and token: 2 forward + 2 input grads + 2 x trainable share
     vision_factor: float = 6.0  # a wholly frozen tower runs forward only (under no_grad): 2
+    # RICE-ViT (LLaVA-OneVision-1.5): a class token runs with each image's (frame's) patches, and the
+    # merger is counted apart, per merged token (elsewhere it is in vision_params, per patch).
+    vision_class_tokens: int = 0
+    merger_params: int = 0
+    merger_factor: float = 6.0
 
     @classmethod
     def from_model(cls, hf: Any, counts: dict[str, int]) -> ModelShape:
@@ -103,10 +108,12 @@ class ModelShape:
         depth = getattr(vision, "depth", None) or vision.num_hidden_layers
         merge = getattr(vision, "spatial_merge_size", None) or round(1 / hf.config.downsample_ratio)
         linear = sum(kind == "linear_attention" for kind in kinds)
+        tower, merger = _tower_and_merger(hf, counts)
+        rice = merger["merger"] > 0
         return cls(
             llm_params=counts["llm"] - _inactive_expert_params(hf, text),
             lm_head_params=counts["lm_head"],
-            vision_params=counts["vision"],
+            vision_params=tower["vision"],
             layers=text.num_hidden_layers,
             attn_dim=text.num_attention_heads * head_dim,
             vision_depth=depth,
@@ -118,8 +125,27 @@ class ModelShape:
             linear_attention_layers=linear,
             linear_flops_per_token=_linear_flops_per_token(text) if linear else 0.0,
             llm_factor=_factor(counts, "llm", frozen_forward_only=False),
-            vision_factor=_factor(counts, "vision", frozen_forward_only=True),
+            vision_factor=_factor(tower, "vision", frozen_forward_only=True),
+            vision_class_tokens=1 if rice else 0,
+            merger_params=merger["merger"],
+            merger_factor=_factor(merger, "merger", frozen_forward_only=True) if rice else 6.0,
         )
+
+
+def _tower_and_merger(hf: Any, counts: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """(vision, vision_trainable) and (merger, merger_trainable) counts: RICE-ViT's merger (a tower
+    with a class token) apart from the tower; every other family's merger inside it (zero apart)."""
+    visual: Any = getattr(hf.model, "visual", None)
+    merger = list(visual.merger.parameters()) if hasattr(visual, "class_embedding") else []
+    apart = {
+        "merger": sum(p.numel() for p in merger),
+        "merger_trainable": sum(p.numel() for p in merger if p.requires_grad),
+    }
+    tower = {
+        "vision": counts["vision"] - apart["merger"],
+        "vision_trainable": counts.get("vision_trainable", counts["vision"]) - apart["merger_trainable"],
+    }
+    return tower, apart
 
 
 def _inactive_expert_params(hf: Any, text: Any) -> int:
@@ -163,16 +189,29 @@ def step_flops(shape: ModelShape, batch: Batch) -> float:
     flops += 12.0 * shape.full_attention_layers * shape.attn_dim * attn  # causal: half of QK^T and AV, x3
     flops += shape.linear_attention_layers * shape.linear_flops_per_token * tokens
     for grid in (inputs.image_grid_thw, inputs.video_grid_thw):
-        if grid is None:
-            continue
-        patches = int(grid.prod(-1).sum())
-        frame_tokens = (grid[:, 1] * grid[:, 2]).double()
-        full = float((frame_tokens**2 * grid[:, 0]).sum())  # each frame attends within itself
-        windowed = min(full, patches * shape.vision_window) if shape.vision_window else full
-        attn = shape.vision_full_layers * full + (shape.vision_depth - shape.vision_full_layers) * windowed
-        attn_factor = 4.0 if shape.vision_factor == 2.0 else 12.0  # forward only, or x3 with its backward
-        flops += shape.vision_factor * shape.vision_params * patches + attn_factor * shape.vision_dim * attn
+        if grid is not None:
+            flops += vision_grid_flops(shape, grid)
     return flops
+
+
+def vision_grid_flops(shape: ModelShape, grid: torch.Tensor) -> float:
+    """Training FLOPs of the vision tower over media of `grid` (rows t, h, w): the tower's matmuls per
+    patch (and per class token), each frame's full attention within itself (4 forward, x3 when it
+    trains), and a separately counted merger per merged token."""
+    patches = int(grid.prod(-1).sum())
+    segments = int(grid[:, 0].sum())
+    frame_tokens = (grid[:, 1] * grid[:, 2]).double() + shape.vision_class_tokens
+    full = float((frame_tokens**2 * grid[:, 0]).sum())  # each frame attends within itself
+    windowed = min(full, patches * shape.vision_window) if shape.vision_window else full
+    attn = shape.vision_full_layers * full + (shape.vision_depth - shape.vision_full_layers) * windowed
+    attn_factor = 4.0 if shape.vision_factor == 2.0 else 12.0  # forward only, or x3 with its backward
+    tower_tokens = patches + shape.vision_class_tokens * segments
+    merged = patches / shape.spatial_merge**2
+    return (
+        shape.vision_factor * shape.vision_params * tower_tokens
+        + attn_factor * shape.vision_dim * attn
+        + shape.merger_factor * shape.merger_params * merged
+    )
 
 
 class GpuProbe:

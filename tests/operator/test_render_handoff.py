@@ -17,7 +17,13 @@ from test_first_hour import packtrain
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 # The local-first examples (`packtrain run`): their ../shared paths exist on no pod volume.
-LOCAL_FIRST = {"quickstart.yaml", "qwen3-vl.yaml", "qwen3.5.yaml", "internvl.yaml"}
+LOCAL_FIRST = {
+    "quickstart.yaml",
+    "qwen3-vl.yaml",
+    "qwen3.5.yaml",
+    "internvl.yaml",
+    "llava-onevision-1.5.yaml",
+}
 ALLOW = "--allow-unmounted"
 
 

@@ -1,7 +1,7 @@
 """Released model sizes as `model.configOverrides` over a shared config: Qwen2.5-VL over the 3B
-config, InternVL3.5 over the 8B config.
+config, InternVL3.5 and LLaVA-OneVision-1.5 over their 8B configs.
 
-The vision tower stays the 3B's, its output widened to the decoder's hidden size; the vocabulary
+Qwen2.5-VL's vision tower stays the 3B's, its output widened to the decoder's hidden size; the vocabulary
 is the released 152,064 with an untied LM head. One table for the planner's tests and its table.
 """
 
@@ -75,3 +75,36 @@ def internvl_overrides(size: str) -> dict[str, Any]:
     }
     vision = INTERNVIT_6B if size == "38B" else {}
     return {"tie_word_embeddings": False, "text_config": text, "vision_config": vision}
+
+
+# LLaVA-OneVision-1.5 (lmms-lab's `-Instruct` releases) as `model.configOverrides` over the shared 8B
+# config: RICE-ViT-L (the shared config's tower, in every size) and a Qwen3 decoder of the size's own.
+# text: hidden, intermediate, layers, attention heads, KV heads (head_dim 128, vocabulary 151,936, an
+# untied LM head: upstream's text config class default, which the 8B config keeps).
+LLAVA_OV15_TEXT = {
+    "4B": (2560, 9728, 36, 32, 8),  # Qwen3-4B
+    "8B": (4096, 12288, 36, 32, 8),  # Qwen3-8B: the shared config
+}
+LLAVA_OV15 = tuple(LLAVA_OV15_TEXT)
+
+
+def llava_ov15_overrides(size: str) -> dict[str, Any]:
+    """The config.json keys that turn the shared LLaVA-OneVision-1.5-8B config into the released
+    `size` ("4B", "8B"): the decoder's sizes, and the merger's output widened to its hidden size."""
+    hidden, inter, layers, heads, kv = LLAVA_OV15_TEXT[size]
+    text = {
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "layer_types": ["full_attention"] * layers,
+        "max_window_layers": layers,
+    }
+    return {
+        "tie_word_embeddings": False,
+        "text_config": text,
+        "vision_config": {"text_hidden_size": hidden},
+    }

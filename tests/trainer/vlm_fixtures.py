@@ -376,3 +376,70 @@ def internvl_row(samples: list[Sample]) -> dict[str, Any]:
     """A SEQUENCE_SCHEMA row of InternVL `samples` back to back, tiles decoded by packtrain."""
     spec = PixelSpec.from_folder(INTERNVL_FOLDER)
     return _row(samples, spec)
+
+
+# LLaVA-OneVision-1.5: Qwen2.5-VL's processor (temporal patches of 1) over the project's own model (a
+# RICE-ViT tower, a Qwen3 decoder with 1-D positions). Kept apart from TINY / FAMILIES: no videos.
+LLAVA_OV = "llava-onevision-1.5"
+LLAVA_OV_FOLDER = MODELS / "llava-onevision-1.5"
+LLAVA_OV_TINY: dict[str, Any] = {
+    "text_config": {
+        **{k: v for k, v in TINY_TEXT.items() if k != "rope_scaling"},
+        "head_dim": 32,
+        "layer_types": ["full_attention"] * 2,
+        "max_window_layers": 2,
+    },
+    "vision_config": {
+        "depth": 2,
+        "embed_dim": 32,
+        "hidden_size": 32,
+        "num_heads": 2,
+        "intermediate_size": 64,
+        "text_hidden_size": 64,
+    },
+}
+
+
+@functools.cache
+def llava_ov_samples() -> list[Sample]:
+    """text-only, one image, two images in one sample, and a multi-turn sample with two images, each
+    through `Qwen2_5_VLProcessor` alone (the folder's processor; cached: treat as read-only)."""
+    from transformers import Qwen2_5_VLProcessor
+
+    processor = Qwen2_5_VLProcessor.from_pretrained(LLAVA_OV_FOLDER, trust_remote_code=False)
+    spec = PixelSpec.from_folder(LLAVA_OV_FOLDER)
+    demo = json.loads((DEMO / "mllm_demo.json").read_text())
+    picks = [
+        ("text", [{**t, "content": t["content"].replace("<image>", "")} for t in demo[2]["messages"]], []),
+        ("one-image", demo[1]["messages"][:2], demo[1]["images"]),
+        (
+            "two-images",
+            [{**demo[0]["messages"][0], "content": "<image><image>Who are they?"}, demo[0]["messages"][1]],
+            demo[0]["images"],
+        ),
+        ("multi-turn", demo[3]["messages"], demo[3]["images"]),
+    ]
+    out = []
+    for name, turns, image_paths in picks:
+        text = processor.apply_chat_template(_messages(turns), tokenize=False)
+        kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
+        if image_paths:
+            kwargs["images"] = [Image.open(DEMO / p) for p in image_paths]
+            kwargs["images_kwargs"] = {"size": IMAGE_SIZE}
+        hf = dict(processor(**kwargs))
+        ids = hf["input_ids"][0].tolist()
+        media, blobs = [], {}
+        for p, (t, h, w) in zip(
+            image_paths, hf.get("image_grid_thw", torch.zeros(0, 3)).tolist(), strict=True
+        ):
+            data = (DEMO / p).read_bytes()
+            key = hashlib.sha256(data).hexdigest()
+            blobs[key] = {"key": key, "kind": "image", "encoding": "original", "data": data, "frames": []}
+            media.append(_ref("image", key, t, h, w, [], 0.0, spec))
+        out.append(Sample(name, ids, _labels(ids, processor.tokenizer), hf, media, blobs))
+    return out
+
+
+def llava_ov_row(samples: list[Sample]) -> dict[str, Any]:
+    """A SEQUENCE_SCHEMA row of LLaVA-OneVision-1.5 `samples` back to back, pixels decoded by packtrain."""
+    return _row(samples, PixelSpec.from_folder(LLAVA_OV_FOLDER))

@@ -48,6 +48,9 @@ class ModelInputs:
     pixel_values_videos: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
     second_per_grid_ts: torch.Tensor | None = None  # videos of time-scaled-rope families
+    # Images per sub-sample (packed) or per row (padded), in order: a family whose tower output
+    # depends on the images sharing its call (`Family.vision_groups_by_sample`) applies that per group.
+    image_groups: torch.Tensor | None = None
 
     @property
     def has_media(self) -> bool:

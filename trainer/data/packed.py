@@ -63,6 +63,7 @@ class _Media(TypedDict, total=False):
 
     pixel_values: torch.Tensor
     image_grid_thw: torch.Tensor
+    image_groups: torch.Tensor
     pixel_values_videos: torch.Tensor
     video_grid_thw: torch.Tensor
     second_per_grid_ts: torch.Tensor
@@ -105,6 +106,18 @@ def _tiles_in_order(rows: Sequence[dict[str, Any]]) -> _Media:
     return {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.tensor(grids, dtype=torch.long)}
 
 
+def _images_per_sample(rows: Sequence[dict[str, Any]]) -> torch.Tensor:
+    """How many images each sub-sample of `rows` holds, in order (a padded row is one sub-sample):
+    the groups a tower whose output depends on its call's images takes them in."""
+    counts = []
+    for row in rows:
+        samples = [int(m["sample"]) for m in row.get("media") or [] if m["kind"] == "image"]
+        if samples != sorted(samples):
+            raise ValueError(f"a row's images are not in sample order: {samples[:20]}")
+        counts += [samples.count(k) for k in range(len(row.get("seq_lens") or [1]))]
+    return torch.tensor(counts, dtype=torch.long)
+
+
 def _media_tensors(rows: Sequence[dict[str, Any]], spec: ModelSpec) -> _Media:
     if spec.family.vision_input == "tiles":
         return _tiles_in_order(rows)
@@ -112,6 +125,8 @@ def _media_tensors(rows: Sequence[dict[str, Any]], spec: ModelSpec) -> _Media:
     image = _media_of(rows, "image")
     if image is not None:
         out["pixel_values"], out["image_grid_thw"], _ = image
+        if spec.family.vision_groups_by_sample:
+            out["image_groups"] = _images_per_sample(rows)
     video = _media_of(rows, "video")
     if video is not None:
         out["pixel_values_videos"], out["video_grid_thw"], seconds = video

@@ -1,4 +1,5 @@
-"""Building Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 / InternVL with `transformers`, and the packed forward.
+"""Building Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 / InternVL with `transformers` (LLaVA-OneVision-1.5
+with packtrain's own class), and the packed forward.
 
 `build_model` builds the model from the folder's config.json (merged with overrides, read once
 by `core.model_folder.ModelFolder`) empty; `materialize` then loads the real weights when present
@@ -10,6 +11,7 @@ backend's isolation arguments, and the loss is computed on label tokens only.
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from packtrain.core.errors import ConfigError
+from packtrain.core.families import Family
 from packtrain.core.model_folder import ModelFolder
 from packtrain.core.model_spec import ModelSpec, family_for_model_type, model_spec
 from packtrain.core.sft_config import LOSS_CHUNK_TOKENS
@@ -57,8 +60,16 @@ def load_config(
     model.loaded_config()  # an unreadable config.json raises what reading it raised
     raw = dict(model.config)
     model_type = raw.pop("model_type", None)
-    family_for_model_type(model_type)  # a ConfigError naming the supported families
+    family_class(family_for_model_type(model_type))  # a ConfigError naming the supported families
     return AutoConfig.for_model(model_type, **raw)
+
+
+def family_class(family: Family) -> type[PreTrainedModel]:
+    """The class a family's model is built as: transformers' own, or packtrain's for a family
+    transformers has no class for (importing its module registers its config type with AutoConfig)."""
+    module = transformers if family.model_module is None else importlib.import_module(family.model_module)
+    cls: type[PreTrainedModel] = getattr(module, family.model_class)
+    return cls
 
 
 def checked_spec(
@@ -162,9 +173,7 @@ def build_model(
     (its overrides, and its config.json read once) and `config` the `load_config` already made of it."""
     model_folder = _model_folder(folder, overrides)
     config = load_config(model_folder) if config is None else config
-    model_class: type[PreTrainedModel] = getattr(
-        transformers, family_for_model_type(config.model_type).model_class
-    )
+    model_class = family_class(family_for_model_type(config.model_type))
     impl = HF_IMPLEMENTATION[attention]
     register_backend(attention)
     weights = pretrained_weights(model_folder, init)
@@ -232,6 +241,8 @@ class VLMForTraining(nn.Module):
         self.linear_attention = has_linear_attention(model)
         self.router = Router.of(model)
         self.tiled = is_tiled(model)
+        # LLaVA-OneVision-1.5: its tower takes the images grouped per sample (`vision_groups_by_sample`).
+        self.groups_by_sample = family_for_model_type(model.config.model_type).vision_groups_by_sample
         # One attention call per vision block over all images, frames and windows (vision_attention).
         # A tiled tower already is: its tiles are a batch of equal squares, attended within each.
         if not self.tiled:
@@ -242,7 +253,8 @@ class VLMForTraining(nn.Module):
         per-frame attention segments and per-grid windows), split back per modality.
 
         One call per micro-batch, whatever the media mix, keeps FSDP's per-block all-gathers in
-        the same order on every rank; a rank without media runs a tiny dummy image instead and
+        the same order on every rank (a tower whose features depend on the images sharing its call
+        gets them grouped per sample, `_groups`); a rank without media runs a tiny dummy image instead and
         returns a zero term to add to the loss, so every parameter gets a gradient everywhere.
         """
         if self.tiled:
@@ -267,7 +279,9 @@ class VLMForTraining(nn.Module):
             used = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
             return {}, sum(f.sum() for f in used) * 0.0
         grids = torch.cat([g for _, _, g in parts])
-        out = visual(torch.cat([px for _, px, _ in parts]).to(visual.dtype), grid_thw=grids)
+        out = visual(
+            torch.cat([px for _, px, _ in parts]).to(visual.dtype), grid_thw=grids, **self._groups(inputs)
+        )
         sizes = (grids.prod(-1) // self.hf.config.vision_config.spatial_merge_size**2).tolist()
         features = torch.split(out.pooler_output, sizes)
         # DeepStack (Qwen3-VL): per-layer features of the same tokens, split the same way; the model
@@ -280,6 +294,17 @@ class VLMForTraining(nn.Module):
             encoded[kind] = type(out)(pooler_output=features[items], **extra)
             first += len(grid)
         return encoded, None
+
+    def _groups(self, inputs: ModelInputs) -> dict[str, Any]:
+        """The tower's `group_sizes` (images per sample) for a family whose image features depend on
+        the images sharing the call: one call per micro-batch then equals one call per sample."""
+        if not self.groups_by_sample:
+            return {}
+        if inputs.pixel_values_videos is not None or inputs.image_groups is None:
+            raise ValueError(
+                "this family's vision tower takes images grouped per sample (image_groups) and no videos"
+            )
+        return {"group_sizes": inputs.image_groups.tolist()}
 
     def _encode_tiles(self, inputs: ModelInputs) -> tuple[dict[str, Any], torch.Tensor | None]:
         """A tiled family (InternVL): every tile of the micro-batch (images' tiles and thumbnails, video

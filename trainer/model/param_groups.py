@@ -56,7 +56,7 @@ def part_of_parameters(model: nn.Module) -> dict[int, Module]:
     modules = layout(hf)
     for part in MODULES:
         for path in modules.part(part):
-            for p in hf.get_submodule(path).parameters():
+            for p in _parameters_at(hf, path):
                 owner.setdefault(id(p), part)
     missing = [name for name, p in hf.named_parameters() if id(p) not in owner]
     if missing:
@@ -65,6 +65,15 @@ def part_of_parameters(model: nn.Module) -> dict[int, Module]:
             "add them to the family's `modules` in core/families.py"
         )
     return owner
+
+
+def _parameters_at(hf: nn.Module, path: str) -> list[nn.Parameter]:
+    """The parameters under submodule `path`, or the one parameter `path` names (a tower's own
+    class token)."""
+    try:
+        return list(hf.get_submodule(path).parameters())
+    except AttributeError:
+        return [hf.get_parameter(path)]
 
 
 def _no_grad(forward: Callable[..., Any]) -> Callable[..., Any]:

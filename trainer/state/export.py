@@ -247,7 +247,9 @@ def _finish_folder(
     """config.json and generation_config.json as `save_pretrained` writes them (the dtype the weights
     have), then the model folder's tokenizer and processor files."""
     config = copy.deepcopy(hf_model.config)
-    config.architectures = [type(hf_model).__name__.removeprefix("FSDP")]
+    # A family packtrain implements itself names the released class, as serving stacks know it.
+    released = getattr(hf_model, "released_architecture", None)
+    config.architectures = [released or type(hf_model).__name__.removeprefix("FSDP")]
     config.dtype = str(dtype).removeprefix("torch.")
     config.save_pretrained(out)
     if hf_model.can_generate():
