@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import packed_vs_alone as side
 import pytest
 import torch
-import torch.nn.functional as F
 import vlm_fixtures as fx
 
 from packtrain.core.model_spec import model_spec
@@ -22,7 +22,6 @@ from packtrain.trainer.data.batch import Batch
 from packtrain.trainer.data.packed import collate_packed
 from packtrain.trainer.model import lora, param_groups
 from packtrain.trainer.model.build import VLMForTraining, build_model
-from packtrain.trainer.model.loss import per_sample_sums
 
 TOL = 1e-5  # fp32; measured: losses ~1e-7, gradients ~1e-6 (printed)
 NAMES = ["text", "tiled-image", "video", "multi-turn"]
@@ -41,43 +40,22 @@ def batch() -> Batch:
     return collate_packed([fx.internvl_row(samples)], model_spec(fx.INTERNVL_FOLDER))
 
 
-def _grads(model) -> dict[str, torch.Tensor]:
-    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return out
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def _part_rel(packed: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], keys: list[str]) -> float:
     """Relative difference of a part's whole gradient (its parameters' gradients as one vector).
 
     Per parameter it would be rounding over rounding where the exact gradient is zero: the key bias
     of the ViT's attention shifts every score of a query alike, which the softmax cancels (its
     fp32 gradient is ~1e-14, noise)."""
-    return _rel(torch.cat([packed[k].flatten() for k in keys]), torch.cat([ref[k].flatten() for k in keys]))
+    return side.rel(*(torch.cat([g[k].flatten() for k in keys]) for g in (packed, ref)))
 
 
 def _packed(model, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-sample loss sums of the packed row, and the gradients of Σ sums / N."""
-    out = VLMForTraining(model, "sdpa")(batch.inputs)
-    (out["loss_sum"] / batch.info.num_label_tokens).backward()
-    n = len(batch.info.seq_lens)
-    sums = per_sample_sums(out["token_losses"], out["positions"], batch.info.sample_index, n)
-    return sums.detach(), _grads(model)
+    return side.packed(model, batch)
 
 
 def _reference(model, total: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Each sample alone through the Hugging Face model with the processor's outputs."""
-    sums = []
-    for s in fx.internvl_samples():
-        logits = model(**s.hf).logits[0, :-1]
-        token = F.cross_entropy(logits, torch.tensor(s.labels[1:]), reduction="none", ignore_index=-100)
-        (token.sum() / total).backward()
-        sums.append(token.sum().detach())
-    return torch.stack(sums), _grads(model)
+    return side.alone(model, fx.internvl_samples(), total)
 
 
 def _parts(grads: dict[str, torch.Tensor]) -> dict[str, list[str]]:
@@ -137,7 +115,7 @@ def test_text_only_rank_gives_vision_zero_gradients(model, batch):
     assert text.inputs.pixel_values is None
     out = VLMForTraining(model, "sdpa", always_run_vision=True)(text.inputs)
     out["loss_sum"].backward()
-    grads = _grads(model)
+    grads = side.grads(model)
     parts = _parts(grads)
     assert len(grads) == len(list(model.parameters()))
     assert all(grads[k].abs().max().item() == 0.0 for k in parts["vision"] + parts["projector"])
@@ -177,6 +155,6 @@ def test_packed_equals_each_sample_alone_with_lora_in_both_towers(batch):
     _, packed = _packed(model, batch)
     _, alone = _reference(model, batch.info.num_label_tokens)
     assert set(packed) == set(alone) == trainable
-    worst = max(_rel(packed[n], alone[n]) for n in trainable)
+    worst = max(side.rel(packed[n], alone[n]) for n in trainable)
     print(f"internvl fp32 LoRA (both towers): max rel diff of {len(trainable)} adapter grads {worst:.2e}")
     assert worst <= 10 * TOL

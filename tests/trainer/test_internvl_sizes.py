@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from count_checks import check_counts
 from support.paths import MODELS
 from support.qwen_sizes import INTERNVL35, internvl_overrides
 
@@ -24,7 +25,6 @@ from packtrain.core.model_size import (
     _TOP_DEFAULTS,
     _VISION_DEFAULTS,
     INTERNVL_TEXT,
-    LoraShape,
     deep_merge,
     dimension_problems,
     model_dims,
@@ -98,26 +98,10 @@ def _meta_model(raw: dict[str, Any]) -> Any:
         return transformers.InternVLForConditionalGeneration._from_config(config)
 
 
-def _check(model: Any, raw: dict[str, Any], freeze: list[str], lora_kw: dict[str, Any] | None) -> None:
-    spec = LoraSpec(**lora_kw) if lora_kw is not None else None
-    shape = LoraShape(spec.rank, tuple(spec.target_modules), spec.vision) if spec else None
-    counts = param_counts(model_dims(raw), freeze, shape)
-    params = list(model.parameters())  # tied weights once
-    assert counts.total == sum(p.numel() for p in params)
-    assert counts.trainable == sum(p.numel() for p in params if p.requires_grad)
-    by_part = param_groups.trainable_counts(model)
-    assert counts.trainable_by_part == {p: by_part[f"{p}_trainable"] for p in counts.trainable_by_part}
-    hf = param_groups.hf_model(model)
-    blocks = [*hf.model.language_model.layers, *hf.model.vision_tower.encoder.layer]
-    assert counts.largest_block == max(sum(p.numel() for p in b.parameters()) for b in blocks)
-    in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    assert counts.root == sum(p.numel() for p in params if id(p) not in in_blocks)
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_counts_equal_the_real_model_on_meta(variant, shared_dir):
     raw = _raw(VARIANTS[variant])
-    _check(_meta_model(raw), raw, [], None)
+    check_counts(_meta_model(raw), raw, [], None)
 
 
 @pytest.mark.parametrize("freeze,lora_kw", CASES)
@@ -128,7 +112,7 @@ def test_freeze_and_lora_counts_equal_the_trainers(variant, freeze, lora_kw, sha
     if lora_kw is not None:
         model = lora.apply(model, LoraSpec(**lora_kw), FOLDER)
     param_groups.freeze(model, freeze)
-    _check(model, raw, freeze, lora_kw)
+    check_counts(model, raw, freeze, lora_kw)
 
 
 def test_a_wrong_layout_is_caught():

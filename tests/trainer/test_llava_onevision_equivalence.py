@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import packed_vs_alone as side
 import pytest
 import torch
-import torch.nn.functional as F
 import vlm_fixtures as fx
 
 from packtrain.core.errors import ConfigError
@@ -29,7 +29,6 @@ from packtrain.trainer.data.batch import Batch
 from packtrain.trainer.data.packed import collate_packed
 from packtrain.trainer.model import lora, param_groups
 from packtrain.trainer.model.build import VLMForTraining, build_model, checked_spec, load_config
-from packtrain.trainer.model.loss import per_sample_sums
 from packtrain.trainer.model.vision_attention import counting_calls, per_segment
 
 TOL = 1e-10  # fp64
@@ -51,36 +50,19 @@ def batch() -> Batch:
     return Batch(packed.inputs.to(torch.device("cpu"), torch.float64), packed.info)
 
 
-def _grads(model) -> dict[str, torch.Tensor]:
-    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return out
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
-
-
 def _packed(model, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-sample loss sums of the packed row, and the gradients of Σ sums / N."""
-    out = VLMForTraining(model, "sdpa")(batch.inputs)
-    (out["loss_sum"] / batch.info.num_label_tokens).backward()
-    n = len(batch.info.seq_lens)
-    sums = per_sample_sums(out["token_losses"], out["positions"], batch.info.sample_index, n)
-    return sums.detach(), _grads(model)
+    return side.packed(model, batch)
 
 
 def _reference(model, total: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Each sample alone through the model's own forward with the processor's outputs."""
-    sums = []
     with per_segment(model):
-        for s in fx.llava_ov_samples():
-            inputs = {k: v.double() if k == "pixel_values" else v for k, v in s.hf.items()}
-            logits = model(**inputs).logits[0, :-1]
-            token = F.cross_entropy(logits, torch.tensor(s.labels[1:]), reduction="none", ignore_index=-100)
-            (token.sum() / total).backward()
-            sums.append(token.sum().detach())
-    return torch.stack(sums), _grads(model)
+        return side.alone(
+            model,
+            fx.llava_ov_samples(),
+            total,
+            lambda s: {k: v.double() if k == "pixel_values" else v for k, v in s.hf.items()},
+        )
 
 
 def _parts(grads: dict[str, torch.Tensor]) -> dict[str, list[str]]:
@@ -97,7 +79,7 @@ def _compare(model, batch: Batch) -> tuple[float, dict[str, float]]:
     assert set(packed_grads) == set(ref_grads) == {n for n, _ in model.named_parameters()}
     loss_rel = ((packed - ref).abs() / ref.abs()).max().item()
     worst = {
-        part: max(_rel(packed_grads[k], ref_grads[k]) for k in keys)
+        part: max(side.rel(packed_grads[k], ref_grads[k]) for k in keys)
         for part, keys in _parts(ref_grads).items()
     }
     return loss_rel, worst
@@ -152,7 +134,7 @@ def test_text_only_rank_gives_vision_zero_gradients(model):
     assert text.inputs.pixel_values is None
     out = VLMForTraining(model, "sdpa", always_run_vision=True)(text.inputs)
     out["loss_sum"].backward()
-    grads = _grads(model)
+    grads = side.grads(model)
     assert len(grads) == len(list(model.parameters()))
     vision = [k for k in grads if k.startswith("model.visual.")]
     assert vision and all(grads[k].abs().max().item() == 0.0 for k in vision)

@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 import vlm_fixtures as fx
+from count_checks import check_counts
 from support.paths import MODELS
 from test_moe import MOE
 
@@ -21,11 +22,8 @@ from packtrain.core.model_size import (
     _TEXT_DEFAULTS,
     _VISION_DEFAULTS,
     LLAVA_OV,
-    LoraShape,
     deep_merge,
     lora_target_regex,
-    model_dims,
-    param_counts,
 )
 from packtrain.core.sft_config import LORA_TARGET_MODULES, LoraSpec
 from packtrain.trainer.model import lora, param_groups
@@ -67,29 +65,13 @@ def _apply(model: Any, freeze: list[str], lora_kw: dict[str, Any] | None, folder
     param_groups.freeze(model, freeze)
 
 
-def _check(model: Any, raw: dict[str, Any], family: str, freeze: list[str], lora_kw: Any) -> None:
-    spec = LoraSpec(**lora_kw) if lora_kw is not None else None
-    shape = LoraShape(spec.rank, tuple(spec.target_modules), spec.vision) if spec else None
-    counts = param_counts(model_dims(raw, family), freeze, shape)
-    params = list(model.parameters())
-    assert counts.total == sum(p.numel() for p in params)
-    assert counts.trainable == sum(p.numel() for p in params if p.requires_grad)
-    by_part = param_groups.trainable_counts(model)
-    assert counts.trainable_by_part == {p: by_part[f"{p}_trainable"] for p in counts.trainable_by_part}
-    hf = param_groups.hf_model(model)
-    blocks = [*hf.model.language_model.layers, *hf.model.visual.blocks]
-    assert counts.largest_block == max(sum(p.numel() for p in b.parameters()) for b in blocks)
-    in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    assert counts.root == sum(p.numel() for p in params if id(p) not in in_blocks)
-
-
 @pytest.mark.parametrize("freeze,lora_kw", CASES)
 @pytest.mark.parametrize("folder", SHARED_CONFIGS)
 def test_counts_equal_the_real_model_on_meta(folder, freeze, lora_kw, shared_dir):
     raw = _raw(folder, {})
     model = _meta_model(load_config(MODELS / folder))
     _apply(model, freeze, lora_kw, folder)
-    _check(model, raw, _family(raw["model_type"]), freeze, lora_kw)
+    check_counts(model, raw, freeze, lora_kw, _family(raw["model_type"]))
 
 
 @pytest.mark.parametrize("freeze,lora_kw", CASES[:2] + CASES[5:7])
@@ -98,7 +80,7 @@ def test_counts_equal_the_tiny_models(family, freeze, lora_kw, shared_dir):
     raw = _raw(family, fx.TINY[family])
     model = _meta_model(load_config(MODELS / family, fx.TINY[family]))
     _apply(model, freeze, lora_kw, family)
-    _check(model, raw, family, freeze, lora_kw)
+    check_counts(model, raw, freeze, lora_kw, family)
 
 
 def _moe_raw(family: str) -> dict[str, Any]:
@@ -122,7 +104,7 @@ def test_counts_equal_the_mixture_of_experts_models(family, freeze, lora_kw):
     config = transformers.AutoConfig.for_model(**raw)
     model = _meta_model(config)
     _apply(model, freeze, lora_kw, "qwen3.5" if family == "qwen3.5-moe" else "qwen3-vl")
-    _check(model, raw, family, freeze, lora_kw)
+    check_counts(model, raw, freeze, lora_kw, family)
 
 
 def test_defaults_are_the_transformers_config_classes():

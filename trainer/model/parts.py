@@ -12,10 +12,12 @@ from typing import Any
 
 from torch import nn
 
+from packtrain.core.model_folder import family_for_model_type
+
 
 def is_tiled(hf: Any) -> bool:
-    """Whether `hf` is a tiled family's model (InternVL: tower and projector apart)."""
-    return hasattr(hf.model, "vision_tower")
+    """Whether `hf` is a tiled family's model (InternVL: tower and projector apart), as its entry says."""
+    return family_for_model_type(hf.config.model_type).vision_input == "tiles"
 
 
 def vision_side(hf: Any) -> list[nn.Module]:
