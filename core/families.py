@@ -157,6 +157,9 @@ class Family:
     # The tower's output for an image depends on the other images of its call (LLaVA-OneVision-1.5's
     # class-token offset): the trainer's one tower call takes the images grouped per packed sample.
     vision_groups_by_sample: bool = False
+    # Tokens the tower adds to each image before its blocks (RICE-ViT's class token): the tower's
+    # FLOPs count them, and its merger (which drops them) is counted apart from the tower.
+    vision_class_tokens: int = 0
     # Special tokens, by name.
     im_start: str = "<|im_start|>"
     assistant_header: str = "<|im_start|>assistant\n"  # rendered text that opens an assistant turn
@@ -429,6 +432,7 @@ LLAVA_ONEVISION_1_5 = replace(
     max_pixels=1600 * 1600,
     tie_from_text_config=True,
     vision_groups_by_sample=True,
+    vision_class_tokens=1,
     # The class token and its rotary entry are parameters of the tower itself (a path may name one).
     modules=ModuleLayout(
         vision=(

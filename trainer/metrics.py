@@ -40,6 +40,7 @@ from packtrain.core.contract import (
     TRAIN_TOKENS_PER_SECOND,
 )
 from packtrain.core.errors import ConfigError
+from packtrain.core.model_folder import family_for_model_type
 from packtrain.core.progress import METRICS_ANY_PORT
 
 if TYPE_CHECKING:  # imported where used: the device benchmark reads the FLOPs model without it
@@ -108,8 +109,8 @@ class ModelShape:
         depth = getattr(vision, "depth", None) or vision.num_hidden_layers
         merge = getattr(vision, "spatial_merge_size", None) or round(1 / hf.config.downsample_ratio)
         linear = sum(kind == "linear_attention" for kind in kinds)
-        tower, merger = _tower_and_merger(hf, counts)
-        rice = merger["merger"] > 0
+        class_tokens = family_for_model_type(hf.config.model_type).vision_class_tokens
+        tower, merger = _tower_and_merger(hf, counts, apart=class_tokens > 0)
         return cls(
             llm_params=counts["llm"] - _inactive_expert_params(hf, text),
             lm_head_params=counts["lm_head"],
@@ -126,17 +127,19 @@ class ModelShape:
             linear_flops_per_token=_linear_flops_per_token(text) if linear else 0.0,
             llm_factor=_factor(counts, "llm", frozen_forward_only=False),
             vision_factor=_factor(tower, "vision", frozen_forward_only=True),
-            vision_class_tokens=1 if rice else 0,
+            vision_class_tokens=class_tokens,
             merger_params=merger["merger"],
-            merger_factor=_factor(merger, "merger", frozen_forward_only=True) if rice else 6.0,
+            merger_factor=_factor(merger, "merger", frozen_forward_only=True) if class_tokens else 6.0,
         )
 
 
-def _tower_and_merger(hf: Any, counts: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
-    """(vision, vision_trainable) and (merger, merger_trainable) counts: RICE-ViT's merger (a tower
-    with a class token) apart from the tower; every other family's merger inside it (zero apart)."""
-    visual: Any = getattr(hf.model, "visual", None)
-    merger = list(visual.merger.parameters()) if hasattr(visual, "class_embedding") else []
+def _tower_and_merger(
+    hf: Any, counts: dict[str, int], *, apart: bool
+) -> tuple[dict[str, int], dict[str, int]]:
+    """(vision, vision_trainable) and (merger, merger_trainable) counts: the merger `apart` from the
+    tower where the family's tower adds class tokens (`Family.vision_class_tokens`: the merger sees
+    the patches only); every other family's merger inside it (zero apart)."""
+    merger = list(hf.model.visual.merger.parameters()) if apart else []
     apart = {
         "merger": sum(p.numel() for p in merger),
         "merger_trainable": sum(p.numel() for p in merger if p.requires_grad),

@@ -14,7 +14,6 @@ rescale+normalize in float32 and patchify grouped by the merge windows. A tiled 
 
 from __future__ import annotations
 
-import dataclasses
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,12 +52,11 @@ class PixelSpec:
 
     @classmethod
     def from_model(cls, spec: ModelSpec) -> PixelSpec:
-        """`from_vision`, with the tile size of a tiled family (`Family.tiling`)."""
-        tiling = spec.family.tiling if spec.family.vision_input == "tiles" else None
-        if spec.family.vision_input == "tiles" and tiling is None:
-            raise ValueError(f"{spec.family.name} takes tiles but its registry entry has no tiling")
-        pixels = cls.from_vision(spec.vision)
-        return pixels if tiling is None else dataclasses.replace(pixels, tile_size=tiling.tile_size)
+        """`from_vision`, refusing a tiled family whose folder gave no tile size (the packer counted
+        tiles of the folder's size, so the trainer cuts the same ones)."""
+        if spec.family.vision_input == "tiles" and not spec.vision.tile_size:
+            raise ValueError(f"{spec.family.name} takes tiles but {spec.folder} gives no tile size")
+        return cls.from_vision(spec.vision)
 
     @classmethod
     def from_vision(cls, vision: VisionSpec) -> PixelSpec:
@@ -70,6 +68,7 @@ class PixelSpec:
             patch_size=vision.patch_size,
             temporal_patch_size=vision.temporal_patch_size,
             merge_size=vision.merge_size,
+            tile_size=vision.tile_size or None,
         )
 
     @classmethod

@@ -122,12 +122,11 @@ def _tiled_pairs(config: PretrainedConfig, spec: ModelSpec) -> dict[str, tuple[A
     """(model config, folder) values a tiled family's pack and model must agree on: the context token
     (images and video frames alike), the patch, the pixel shuffle (`downsample_ratio` = 1 / merge) and
     the tile, all of which fix the 256 tokens a tile is counted as."""
-    vision, tiling = config.vision_config, spec.family.tiling
-    assert tiling is not None
+    vision = config.vision_config
     return {
         "image_token_id": (config.image_token_id, spec.token_ids.image_pad),
         "vision_config.patch_size": (_square(vision.patch_size), spec.vision.patch_size),
-        "vision_config.image_size": (_square(vision.image_size), tiling.tile_size),
+        "vision_config.image_size": (_square(vision.image_size), spec.vision.tile_size),
         "downsample_ratio": (config.downsample_ratio, 1 / spec.vision.merge_size),
     }
 
