@@ -22,6 +22,10 @@ def shared_dir() -> Path:
 # test that needs a local control plane, the shared one or an end-to-end one whose pods share this
 # machine's network, or the built images: one at a time, as ever) and `--part rest` (the others).
 _CLUSTER_FIXTURES = ("kube_cluster", "e2e", "built_images", "prometheus_tools")
+# What each part runs last: tests that need more than the control plane itself (the add-ons, the GitOps
+# engine, the images), which `.ci/run` is still building when the first tests start. `e2e_images`
+# (the quickstart inside the images) runs in the rest part, beside the cluster part's control planes.
+_LATE_FIXTURES = ("e2e", "built_images", "prometheus_tools", "e2e_images")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -44,4 +48,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         (keep if cluster == (part == "cluster") else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
-    items[:] = keep
+    items[:] = _late_modules_last(keep)
+
+
+def _late_modules_last(items: list[pytest.Item]) -> list[pytest.Item]:
+    """`items` with every module that has a test needing a late build after the others, each module
+    kept whole (a module-scoped control plane starts once) and otherwise in collection order."""
+    late = {
+        item.module.__name__
+        for item in items
+        if isinstance(item, pytest.Function) and any(name in item.fixturenames for name in _LATE_FIXTURES)
+    }
+    return sorted(items, key=lambda item: getattr(getattr(item, "module", None), "__name__", "") in late)

@@ -140,15 +140,15 @@ def _tower_and_merger(
     tower where the family's tower adds class tokens (`Family.vision_class_tokens`: the merger sees
     the patches only); every other family's merger inside it (zero apart)."""
     merger = list(hf.model.visual.merger.parameters()) if apart else []
-    apart = {
+    alone = {
         "merger": sum(p.numel() for p in merger),
         "merger_trainable": sum(p.numel() for p in merger if p.requires_grad),
     }
     tower = {
-        "vision": counts["vision"] - apart["merger"],
-        "vision_trainable": counts.get("vision_trainable", counts["vision"]) - apart["merger_trainable"],
+        "vision": counts["vision"] - alone["merger"],
+        "vision_trainable": counts.get("vision_trainable", counts["vision"]) - alone["merger_trainable"],
     }
-    return tower, apart
+    return tower, alone
 
 
 def _inactive_expert_params(hf: Any, text: Any) -> int:

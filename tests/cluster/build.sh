@@ -15,6 +15,10 @@
 #
 # Usage: bash tests/cluster/build.sh [--print-bin-dir | --print-crd-dir | --print-addon-dir |
 #                                     --update-gomod | --force] [--no-training-operator] [--no-addons]
+#                                    [--ready-file=PATH]
+# --ready-file=PATH is touched once the control plane itself (Kubernetes, etcd, helm, the
+# training-operator, the CRDs) is there, while the add-ons still build under the lock (.ci/run
+# starts the first cluster tests then; a test that needs an add-on runs this script and waits).
 # --update-gomod regenerates tests/cluster/go/kube/go.mod (done automatically when K8S_VERSION
 # changes); --force rebuilds everything (e.g. after changing the ldflags below).
 # The last line of stdout is the bin directory. Details go to <cache>/build.log.
@@ -53,6 +57,7 @@ ADDONS="$CLUSTER_DIR/addons"
 
 WITH_TRAINING_OPERATOR=1
 WITH_ADDONS=1
+READY_FILE=
 UPDATE_GOMOD=0
 FORCE=0
 for arg in "$@"; do
@@ -64,7 +69,8 @@ for arg in "$@"; do
     --force) FORCE=1 ;;
     --no-training-operator) WITH_TRAINING_OPERATOR=0 ;;
     --no-addons) WITH_ADDONS=0 ;;
-    -h|--help) sed -n '2,34p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --ready-file=*) READY_FILE="${arg#--ready-file=}" ;;
+    -h|--help) sed -n '2,36p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "build.sh: unknown argument $arg (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -239,6 +245,8 @@ else
   echo "$CRD_STAMP" >"$STAMPS/crds"
   say "CRDs copied to $CRDS"
 fi
+
+[[ -z $READY_FILE ]] || touch "$READY_FILE"
 
 # --- add-ons for the end-to-end tests: Kueue, Trainer v2 + JobSet, Prometheus ------------------
 mod_info() { (cd "$GO_SRC/$1" && go list -m -f "{{.$3}}" "$2" 2>>"$LOG"); }

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import pytest
 
-from .controlplane import BUILD_SCRIPT, ClusterUnavailable, ControlPlane, locate_binaries
+from .controlplane import BUILD_SCRIPT, ClusterUnavailable, ControlPlane, ensure_addons, locate_binaries
 from .prometheus import locate_prometheus
 
 T = TypeVar("T")
@@ -84,6 +84,7 @@ def kube_cluster(request: pytest.FixtureRequest) -> Iterator[ControlPlane]:
 @pytest.fixture(scope="session")
 def prometheus_tools(request: pytest.FixtureRequest) -> tuple[Path, Path]:
     """(prometheus, promtool): Debian's Prometheus from the build cache (``build.sh`` fetches it)."""
+    ensure_addons()
     bin_dir = Path(
         subprocess.run(
             ["bash", str(BUILD_SCRIPT), "--print-bin-dir"], check=True, capture_output=True, text=True

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 from cluster import rootfs
-from cluster.controlplane import ControlPlane, _die_with_parent
+from cluster.controlplane import ControlPlane, _die_with_parent, ensure_addons
 from e2e_harness import (
     QUICKSTART,
     RELEASE_NS,
@@ -112,6 +112,8 @@ def e2e_images(
         if in_ci():
             pytest.fail(f"CI must build the images, but: {e}")
         pytest.skip(f"SKIPPED LOUDLY: the images cannot be built on this machine: {e}")
+    # `.ci/run` runs this module last in `--part rest`, which starts while the control plane builds.
+    ensure_addons()
     bin_dir, crd_dir = control_plane_binaries()
     # Inside the containers the shared folder sits where it does here and the working dir is the
     # checkout's path (an empty folder in the image): ../shared resolves, and reject details, which

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +23,7 @@ import pytest
 import torch
 import vlm_fixtures as fx
 from conftest import job_spec, write_job
+from support.measure import one_line, run_measured
 from test_first_hour import chats, one_line_error, packtrain
 
 from packtrain.core.errors import ConfigError
@@ -203,6 +205,88 @@ def test_the_checked_folders_still_load_exactly(single: Path, sharded: Path) -> 
         checkpoint = Checkpoint.open(folder)
         name = next(iter(checkpoint.files))
         assert checkpoint.read(name, ()).shape == checkpoint.shape(name)
+
+
+_OPEN_AND_READ = (
+    "import sys\n"
+    "from packtrain.core.errors import ConfigError\n"
+    "from packtrain.trainer.model.weights import Checkpoint\n"
+    "try:\n"
+    "    c = Checkpoint.open(sys.argv[1])\n"
+    "    for name in c.files:\n"
+    "        c.read(name, ())\n"
+    "except ConfigError as e:\n"
+    "    print(e, file=sys.stderr)\n"
+    "    sys.exit(2)\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("a 2^62-byte header", "declares a 4611686018427387904-byte header"),
+        ("10^12 elements", "claims 1000000000000 elements"),
+        ("a 2^40-byte span", "are not a span of the file's"),
+    ],
+)
+def test_a_hostile_header_costs_what_a_good_folder_costs(
+    case: str, message: str, single: Path, tmp_path: Path
+) -> None:
+    """Measured in a process of its own: refusing a hostile header costs no more memory than reading
+    the good folder's every tensor, and seconds, not the gigabytes or hours the header declares."""
+    bad = _copy(single, tmp_path / "bad")
+    if case == "a 2^62-byte header":
+        with (bad / SINGLE).open("r+b") as f:
+            f.write((1 << 62).to_bytes(8, "little"))
+    elif case == "10^12 elements":
+        _rewrite_header(bad / SINGLE, lambda h: _a_tensor(h).update(shape=[10**6, 10**6]))
+    else:
+        _rewrite_header(bad / SINGLE, lambda h: _a_tensor(h).update(data_offsets=[0, 1 << 40]))
+    code, _, _, _, good_mib = run_measured([sys.executable, "-c", _OPEN_AND_READ, str(single)])
+    assert code == 0
+    code, out, err, seconds, peak_mib = run_measured([sys.executable, "-c", _OPEN_AND_READ, str(bad)])
+    assert message in one_line(code, err, out)
+    print(f"{case}: refused in {seconds:.1f} s, peak {peak_mib:.0f} MiB (good folder: {good_mib:.0f} MiB)")
+    assert peak_mib < good_mib + 16 and seconds < 60
+
+
+@pytest.mark.parametrize("swap", ["other bytes", "a FIFO", "a link out of the folder"])
+def test_a_weight_file_swapped_after_its_check_is_never_read(swap: str, single: Path, tmp_path: Path) -> None:
+    """The file safetensors maps is the one whose header was checked: a name replaced between the
+    check and the read (the weights are read after the model is built) is refused, and a FIFO put
+    there does not hang the run."""
+    folder = _copy(single, tmp_path / "folder")
+    checkpoint = Checkpoint.open(folder)
+    name = next(iter(checkpoint.files))
+    path = folder / SINGLE
+    if swap == "other bytes":
+        swapped = tmp_path / "swapped.safetensors"
+        shutil.copyfile(path, swapped)
+        _rewrite_header(swapped, lambda h: h.setdefault("__metadata__", {}).update(edited="yes"))
+        os.replace(swapped, path)
+        message = "changed after its header was checked"
+    elif swap == "a FIFO":
+        path.unlink()
+        os.mkfifo(path)
+        message = "is not a regular file"
+    else:
+        outside = tmp_path / "outside.safetensors"
+        shutil.copyfile(path, outside)
+        path.unlink()
+        path.symlink_to(outside)
+        message = f"outside {folder}"
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=message):
+        checkpoint.read(name, ())
+    assert time.monotonic() - start < 30
+
+
+def test_an_unchanged_file_is_mapped_once_and_reads_the_checked_bytes(single: Path) -> None:
+    checkpoint = Checkpoint.open(single)
+    names = list(checkpoint.files)
+    first = checkpoint.read(names[0], ())
+    assert len(checkpoint._open) == 1 and checkpoint.read(names[0], ()).equal(first)
+    assert all(checkpoint.read(n, ()).shape == checkpoint.shape(n) for n in names)
 
 
 # 3. Non-finite weights and steps stop the run (exit 2), and nothing is exported

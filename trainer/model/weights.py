@@ -123,13 +123,22 @@ def _tensor(name: str, entry: Any, data_bytes: int) -> tuple[TensorInfo, int, in
     return TensorInfo(dtype, tuple(shape)), offsets[0], offsets[1]
 
 
-def read_header(path: Path, root: Path) -> dict[str, TensorInfo]:
+FileIdentity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
+
+
+def _identity(st: os.stat_result) -> FileIdentity:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def read_header(path: Path, root: Path) -> tuple[dict[str, TensorInfo], FileIdentity]:
     """The tensors of one safetensors file, from its header alone: the file a regular one inside
     `root`, the header's length within MAX_HEADER_BYTES and the file, every tensor checked
-    (`_tensor`) and the spans tiling the data exactly, as safetensors itself requires."""
+    (`_tensor`) and the spans tiling the data exactly, as safetensors itself requires; and the
+    identity of the file checked, which the file mapped later must still have."""
     fd = untrusted.open_file(path, root, None, weights_error)
     with os.fdopen(fd, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+        st = os.fstat(f.fileno())
+        size = st.st_size
         head = f.read(8)
         length = int.from_bytes(head, "little") if len(head) == 8 else None
         if length is None or length > MAX_HEADER_BYTES or 8 + length > size:
@@ -157,7 +166,24 @@ def read_header(path: Path, root: Path) -> dict[str, TensorInfo]:
         end = stop
     if end != size - 8 - length:
         raise weights_error(f"{path}: its tensors' data end at byte {end} of {size - 8 - length}")
-    return tensors
+    return tensors, _identity(st)
+
+
+def map_checked(path: Path, root: Path, identity: FileIdentity) -> Any:
+    """safetensors' handle of the very file `read_header` checked: opened again the checked way
+    (inside `root`, no link followed, a regular file), refused unless it is still that file, and
+    mapped through its descriptor, so a name swapped since (a FIFO, a link out of the folder, other
+    bytes) is never what is read."""
+    fd = untrusted.open_file(path, root, None, weights_error)
+    try:
+        if _identity(os.fstat(fd)) != identity:
+            raise weights_error(
+                f"{path} changed after its header was checked (replaced or rewritten while the run "
+                "started); keep the model folder unchanged during a run"
+            )
+        return safe_open(f"/proc/self/fd/{fd}", framework="pt")
+    finally:
+        os.close(fd)
 
 
 def _index(folder: Path, root: Path) -> dict[str, str]:
@@ -176,6 +202,8 @@ class Checkpoint:
     folder: Path
     files: dict[str, str]  # checkpoint name -> file name in `folder`
     tensors: dict[str, TensorInfo] = field(default_factory=dict)  # checkpoint name -> its header entry
+    root: Path | None = None  # the confinement root the files were checked in
+    identities: dict[str, FileIdentity] = field(default_factory=dict)  # file name -> the file checked
     stats: ReadStats = field(default_factory=ReadStats)
     _open: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -185,12 +213,12 @@ class Checkpoint:
         file it names checked (`read_header`) before any is mapped."""
         folder = Path(folder)
         root = untrusted.confinement_root(folder)
-        headers: dict[str, dict[str, TensorInfo]] = {}
+        headers: dict[str, tuple[dict[str, TensorInfo], FileIdentity]] = {}
         if os.path.lexists(folder / INDEX):
             files = _index(folder, root)
         elif os.path.lexists(folder / SINGLE):
             headers[SINGLE] = read_header(folder / SINGLE, root)
-            files = dict.fromkeys(headers[SINGLE], SINGLE)
+            files = dict.fromkeys(headers[SINGLE][0], SINGLE)
         else:
             raise ConfigError(
                 f"{folder} holds neither {SINGLE} nor {INDEX}; save the weights as safetensors "
@@ -200,9 +228,10 @@ class Checkpoint:
         for name, file in files.items():
             by_file.setdefault(file, []).append(name)
         tensors: dict[str, TensorInfo] = {}
+        identities: dict[str, FileIdentity] = {}
         for file, names in sorted(by_file.items()):
             try:
-                found = headers.get(file) or read_header(folder / file, root)
+                found, identities[file] = headers.get(file) or read_header(folder / file, root)
             except FileNotFoundError:
                 raise weights_error(
                     f"{file[:200]!r} is named by {folder / INDEX} but not in {folder}"
@@ -214,12 +243,13 @@ class Checkpoint:
                     f"e.g. {missing[:SHOWN]}"
                 )
             tensors.update({name: found[name] for name in names})
-        return cls(folder, files, tensors)
+        return cls(folder, files, tensors, root, identities)
 
     def _slice(self, name: str) -> Any:
         file = self.files[name]
         if file not in self._open:
-            self._open[file] = safe_open(self.folder / file, framework="pt")
+            assert self.root is not None, "Checkpoint.open() checks the files it maps"
+            self._open[file] = map_checked(self.folder / file, self.root, self.identities[file])
         return self._open[file].get_slice(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
