@@ -1,0 +1,146 @@
+"""How `.ci/run` splits the suite between its two pytest processes (a pytest plugin).
+
+`--part cluster` runs every test that needs a local control plane (the shared one, or an end-to-end
+one whose pods share this machine's network) or the built images, one at a time; `--part rest` runs
+the others. Each part runs last the modules that need more than the control plane itself (the
+add-ons, the GitOps engine, the images), which `.ci/run` is still building when the first tests start.
+
+`--share DIR` shares the rest's modules out while the run goes: whenever a process needs more work it
+claims the next module nobody has claimed yet (a file created with O_EXCL in DIR), so the cluster part,
+once its own tests are done, takes on rest modules instead of idling beside the rest part. A module
+always runs whole in one process, so its module-scoped fixtures start once.
+
+Give each as one token (`--part=rest --share=DIR`): pytest reads the command line once before this
+plugin adds the options, and a DIR that already exists would then be taken for a test path.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+CLUSTER_FIXTURES = ("kube_cluster", "e2e", "built_images", "prometheus_tools")
+# `e2e_images` (the quickstart inside the images) is a rest test: it runs beside the cluster part's
+# control planes, last, once the images and the control plane are built.
+LATE_FIXTURES = ("e2e", "built_images", "prometheus_tools", "e2e_images")
+
+_SHARED = pytest.StashKey[set[str]]()  # node ids of the tests handed out by claim
+_RAN = pytest.StashKey[tuple[int, int]]()  # (modules this process claimed, modules shared)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--part",
+        choices=("cluster", "rest"),
+        default=None,
+        help="run only the tests that need a control plane or the images (cluster), or only the others "
+        "(rest) (default: all)",
+    )
+    parser.addoption(
+        "--share",
+        metavar="DIR",
+        default=None,
+        help="with --part: hand out the rest's modules to whichever process asks first, claimed in DIR "
+        "(both processes name the same DIR); the cluster part takes them on once its own tests are done",
+    )
+
+
+def _fixtures(item: pytest.Item) -> tuple[str, ...]:
+    return tuple(getattr(item, "fixturenames", ()))
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def late_modules_last(items: list[pytest.Item]) -> list[pytest.Item]:
+    """`items` with every module that has a test needing a late build after the others, each module
+    kept whole (a module-scoped control plane starts once) and otherwise in collection order."""
+    late = {_module(item) for item in items if any(name in _fixtures(item) for name in LATE_FIXTURES)}
+    return sorted(items, key=lambda item: _module(item) in late)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    part = config.getoption("part")
+    if part is None:
+        return
+    cluster, rest = [], []
+    for item in items:
+        (cluster if any(name in _fixtures(item) for name in CLUSTER_FIXTURES) else rest).append(item)
+    share = config.getoption("share") is not None
+    own = cluster if part == "cluster" else [] if share else rest
+    shared = rest if share else []
+    kept = {id(item) for item in own + shared}
+    drop = [item for item in items if id(item) not in kept]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+    config.stash[_SHARED] = {item.nodeid for item in shared}
+    items[:] = late_modules_last(own) + late_modules_last(shared)
+
+
+def _claim(folder: Path, module: str) -> bool:
+    """Whether this process got `module` (nobody had claimed it)."""
+    try:
+        fd = os.open(folder / module.replace("/", "__"), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    os.write(fd, f"{os.getpid()}\n".encode())
+    os.close(fd)
+    return True
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session: pytest.Session) -> bool | None:
+    """pytest's own loop, except that shared modules are run only once claimed; the next module is
+    claimed before the last test of the current one runs, so that test's `nextitem` is right (module
+    fixtures torn down, session ones kept)."""
+    folder = session.config.getoption("share")
+    if folder is None:
+        return None
+    if session.testsfailed and not session.config.option.continue_on_collection_errors:
+        raise session.Interrupted(f"{session.testsfailed} errors during collection")
+    if session.config.option.collectonly:
+        return True
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    shared = session.config.stash[_SHARED]
+    groups: dict[str, list[pytest.Item]] = {}
+    for item in session.items:
+        if item.nodeid in shared:
+            groups.setdefault(_module(item), []).append(item)
+    pending: Iterator[tuple[str, list[pytest.Item]]] = iter(groups.items())
+    claimed = 0
+
+    def claim_next() -> list[pytest.Item]:
+        nonlocal claimed
+        for module, group in pending:
+            if _claim(Path(folder), module):
+                claimed += 1
+                return group
+        return []
+
+    todo = deque(item for item in session.items if item.nodeid not in shared)
+    if not todo:
+        todo.extend(claim_next())
+    while todo:
+        item = todo.popleft()
+        if not todo:
+            todo.extend(claim_next())
+        item.config.hook.pytest_runtest_protocol(item=item, nextitem=todo[0] if todo else None)
+        if session.shouldfail:
+            raise session.Failed(session.shouldfail)
+        if session.shouldstop:
+            raise session.Interrupted(session.shouldstop)
+    session.config.stash[_RAN] = (claimed, len(groups))
+    return True
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    ran = config.stash.get(_RAN, None)
+    if ran is not None:
+        terminalreporter.write_line(
+            f"shared modules: this process ran {ran[0]} of {ran[1]} (the other process ran the rest)"
+        )
