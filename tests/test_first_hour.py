@@ -214,6 +214,13 @@ def test_top_level_help_lists_every_subcommand() -> None:
     assert "export" in packtrain("pack", "--help").stdout
 
 
+def _as_in_a_terminal() -> None:
+    """Ctrl-C's default action, as a command typed at a terminal has it. A shell without job control
+    starts a background command (`pytest … &`, as `.ci/run` does) with SIGINT ignored, and children
+    inherit that: Python then installs no KeyboardInterrupt handler, and Ctrl-C would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt(
     cmd: list[str], ready: Callable[[], bool], delay: float = 1.0, sig: int = signal.SIGINT
 ) -> tuple[int, str]:
@@ -221,7 +228,13 @@ def _interrupt(
     (SIGINT to the group, as a terminal does; any other signal goes to the process alone, as `kill`
     or `timeout` send it); its exit code and stderr."""
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        start_new_session=True,
+        preexec_fn=_as_in_a_terminal,
     )
     deadline = time.monotonic() + 300
     while not ready() and proc.poll() is None and time.monotonic() < deadline:
@@ -254,7 +267,7 @@ def _alive(marker: str) -> list[str]:
 @pytest.mark.slow
 def test_ctrl_c_in_pack_run_then_the_same_command_again(tmp_path: Path) -> None:
     data = tmp_path / "many.json"
-    data.write_text(json.dumps(chats(500) * 80))  # 40,000 chats: convert runs well past the signal
+    data.write_text(json.dumps(chats(500) * 40))  # 20,000 chats: several seconds of convert
     out = tmp_path / "pack"
     cmd = [
         PACKTRAIN,
@@ -269,9 +282,7 @@ def test_ctrl_c_in_pack_run_then_the_same_command_again(tmp_path: Path) -> None:
         "--workers",
         "2",
     ]
-    # Ctrl-C as soon as convert has started: on a loaded machine this test's own process may wait
-    # seconds for a core, which a fixed delay would add to.
-    code, err = _interrupt(cmd, ready=lambda: (out / "work").is_dir(), delay=0.0)
+    code, err = _interrupt(cmd, ready=lambda: (out / "work").is_dir(), delay=0.5)  # convert has started
     assert code == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     assert err.strip().splitlines()[-1] == (
@@ -281,7 +292,7 @@ def test_ctrl_c_in_pack_run_then_the_same_command_again(tmp_path: Path) -> None:
     assert _alive(str(out)) == []
     again = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert json.loads(again.stdout.splitlines()[-1])["packed"] == 40_000
+    assert json.loads(again.stdout.splitlines()[-1])["packed"] == 20_000
 
 
 def _listening() -> socket.socket:
