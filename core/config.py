@@ -335,7 +335,11 @@ class PackingConfig(CamelModel):
         "4.6 does; by default the newline belongs to the next prompt and is not trained.",
     )
     sequences_per_shard: int = Field(
-        1024, ge=1, le=SEQUENCES_PER_SHARD_CEILING, description="Packed sequences per shard file."
+        1024,
+        ge=1,
+        le=SEQUENCES_PER_SHARD_CEILING,
+        description="Packed sequences per shard file, at most: a shard holds at most 2^24 token slots "
+        "(128 sequences of maxLength 131072), and a small pack gets 16 smaller shards.",
     )
     media_storage: MediaStorage = Field(
         "original",

@@ -33,10 +33,29 @@ Activation checkpointing keeps each decoder layer's fp32 input (4h bytes a token
 one layer at a time in backward: L x 4h + one layer's activations. A frozen vision tower runs
 without autograd and keeps nothing. It is an estimate (a band, checked against measured CPU runs
 by `tests/trainer/test_memory_plan.py`), not an allocator trace.
+
+Context parallelism (`training.contextParallel: C`) splits each packed row over C consecutive ranks
+(a zigzag split), so "tokens" above are a rank's max_length x sequences / C, with these exceptions:
+
+    weights, grads, AdamW   unchanged: FSDP shards over the whole world (data x context ranks), DDP
+                            replicates
+    full attention          per rank tokens / C; Ulysses' all-to-all hands the kernel all tokens of
+                            heads / C heads, the same bytes, except K/V heads, repeated to lcm(kv, C)
+                            heads where C does not divide them: the kernel's k, v count lcm(kv, C)
+    linear attention        Qwen3.5's Gated DeltaNet layers exchange heads the same way (conv and
+                            delta rule over all tokens of 1/C of the heads): tokens / C too
+    vision                  the row's images are dealt out over the group in runs of about equal patch
+                            counts: counted as exactly 1/C of the patches a rank
+    logits                  unchanged, one loss chunk (fewer rows when a rank holds fewer tokens)
+    all-to-all buffers      one layer's send copies at a time: b(2q + 2kv) x tokens / C (a linear
+                            layer's q, k, v, a, b out and its output back), or the row's gathered vision
+                            features b x vision_out x vision tokens, the larger; the row's padding to a
+                            multiple of 2C tokens is not counted
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -59,6 +78,9 @@ LOGITS_OVERHEAD = 1.25
 # 56x56: 4x4 = 16 patches): one more tower row per 16 patches, an upper bound (a typical image has
 # hundreds of patches, so the real share is far under 1%).
 RICE_CLASS_TOKEN_SHARE = 1 / 16
+# The context-parallel degrees a refusal tries, fewest ranks a row first (each must divide the world
+# size and the attention heads); more only splits a row over more than one 8-GPU host's NVLink.
+CONTEXT_PARALLEL_DEGREES = (2, 4, 8)
 Strategy = Literal["ddp", "fsdp"]
 
 
@@ -80,13 +102,21 @@ class PlanInputs:
     gpu_memory: int | None = None  # bytes per GPU; None: no fit check
     freeze: tuple[str, ...] = ()
     lora: LoraShape | None = None
+    context_parallel: int = 1  # ranks one packed row is split over (training.contextParallel)
+    packed: bool = True  # training.mode packed (False: padded, where context parallelism does not apply)
 
     @property
     def tokens(self) -> int:
+        """Tokens of a micro-batch, the whole rows (what a context-parallel group holds together)."""
         return self.max_length * self.sequences
 
+    @property
+    def rank_tokens(self) -> float:
+        """Tokens of a micro-batch one rank holds: 1/contextParallel of each row."""
+        return self.tokens / self.context_parallel
 
-def layer_activation_bytes(d: ModelDims, linear: bool, bf16: bool) -> float:
+
+def layer_activation_bytes(d: ModelDims, linear: bool, bf16: bool, context_parallel: int = 1) -> float:
     """Bytes autograd keeps per token for one decoder layer (cf. Korthikanti et al. 2022, "Reducing
     Activation Recomputation", whose 34h assumes GELU MLPs and dropout; here SwiGLU, GQA, RMSNorm,
     no dropout, flash-style attention that keeps no scores). With b the compute bytes (2 bf16, 4
@@ -100,16 +130,19 @@ def layer_activation_bytes(d: ModelDims, linear: bool, bf16: bool) -> float:
     Qwen3's q/k norms add (b + 4)(q + kv); Qwen3.5's output gate 3b·q. A Gated DeltaNet layer
     keeps its projections' outputs, the conv in and out, the gated norm's fp32 input and gate:
     b(3·conv + 2v) + 12v (+ linear inputs b·h x (4 | 1)). A MoE MLP keeps, for each of the k experts
-    a token goes to, its input and gate/up/act/down tensors: b·k(h + 5·i_e), plus the shared expert."""
+    a token goes to, its input and gate/up/act/down tensors: b·k(h + 5·i_e), plus the shared expert.
+    Under context parallelism C the attention kernel's k and v have lcm(kv_heads, C) heads (Ulysses
+    repeats K/V heads C does not divide), per token a rank holds."""
     b, h = (2 if bf16 else 4), d.hidden
     q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    kernel_kv = math.lcm(d.kv_heads, context_parallel) * d.head_dim
     total = 16.0 * h
     if linear:
         key, value = d.linear_k_heads * d.linear_k_dim, d.linear_v_heads * d.linear_v_dim
         conv = 2 * key + value
         total += b * h * (4 if bf16 else 1) + b * (3 * conv + 2 * value) + 12 * value
     else:
-        total += b * h * (3 if bf16 else 1) + b * (4 * q + 4 * kv)
+        total += b * h * (3 if bf16 else 1) + b * (2 * q + 2 * kv) + b * (2 * q + 2 * kernel_kv)
         if d.text_kind != "qwen2":
             total += (b + 4) * (q + kv)
         if d.text_kind == "qwen3.5":
@@ -223,14 +256,15 @@ def _silent_vision(c: ParamCounts) -> int:
 
 
 def _activation_rows(d: ModelDims, c: ParamCounts, x: PlanInputs) -> dict[str, float]:
-    """Decoder, vision tower and loss activations of one micro-batch."""
-    tokens = x.tokens
-    full = layer_activation_bytes(d, linear=False, bf16=x.bf16)
-    lin = layer_activation_bytes(d, linear=True, bf16=x.bf16) if d.linear_layers else 0.0
+    """Decoder, vision tower and loss activations of one micro-batch on one rank (its 1/C of each
+    row under context parallelism)."""
+    tokens, cp = x.rank_tokens, x.context_parallel
+    full = layer_activation_bytes(d, linear=False, bf16=x.bf16, context_parallel=cp) * tokens
+    lin = layer_activation_bytes(d, linear=True, bf16=x.bf16) * tokens if d.linear_layers else 0.0
     if x.activation_checkpointing:
-        decoder = d.layers * 4.0 * d.hidden * tokens + max(full, lin) * tokens
+        decoder = d.layers * 4.0 * d.hidden * tokens + max(full, lin)
     else:
-        decoder = ((d.layers - d.linear_layers) * full + d.linear_layers * lin) * tokens
+        decoder = (d.layers - d.linear_layers) * full + d.linear_layers * lin
     decoder += 2 * 4.0 * d.hidden * tokens  # the embedding output and the final norm's
     patches = x.vision_share * tokens * d.merge_size**2
     outside = 0.0  # what the tower keeps outside its blocks: InternVL's projector, RICE's pre-LayerNorm
@@ -251,11 +285,29 @@ def _activation_rows(d: ModelDims, c: ParamCounts, x: PlanInputs) -> dict[str, f
         vision = d.vision_depth * block * patches
     vision += outside
     chunk = min(x.loss_chunk_tokens or tokens, tokens)
-    return {
+    rows = {
         "activations: decoder": decoder,
         "activations: vision": vision,
         "logits (loss chunk)": LOGITS_OVERHEAD * chunk * d.vocab * (4 + (2 if x.bf16 else 0)),
     }
+    if cp > 1:
+        rows["context-parallel all-to-all buffers"] = _context_parallel_buffers(d, x)
+    return rows
+
+
+def _context_parallel_buffers(d: ModelDims, x: PlanInputs) -> float:
+    """Transient buffers of context parallelism, one at a time: the contiguous send copies of one
+    layer's all-to-alls (attention: q, k, v in, the output back, K/V heads repeated to lcm(kv, C);
+    Gated DeltaNet: q, k, v, a, b in, the output back), or the row's vision features gathered on every
+    rank of the group (and their gradient summed back)."""
+    b = 2 if x.bf16 else 4
+    q, kv = d.heads * d.head_dim, math.lcm(d.kv_heads, x.context_parallel) * d.head_dim
+    layer = 2.0 * q + 2 * kv
+    if d.linear_layers:
+        key, value = d.linear_k_heads * d.linear_k_dim, d.linear_v_heads * d.linear_v_dim
+        layer = max(layer, 2.0 * key + 2 * value + 2 * d.linear_v_heads)
+    features = d.vision_out * x.vision_share * x.tokens
+    return b * max(layer * x.rank_tokens, features)
 
 
 def plan_memory(d: ModelDims, x: PlanInputs) -> MemoryPlan:
@@ -272,10 +324,12 @@ DEFAULT_LORA = LoraShape(
 
 
 def _min_nodes(d: ModelDims, x: PlanInputs, most: int = 128) -> int | None:
-    """The fewest nodes (of gpus_per_host GPUs) that fit the job under FSDP, else None."""
+    """The fewest nodes (of gpus_per_host GPUs) that fit the job under FSDP, else None (worlds its
+    contextParallel does not divide passed over)."""
     per = max(x.gpus_per_host, 1)
     for nodes in range(max(x.world_size // per, 1), most + 1):
-        if plan_memory(d, replace(x, world_size=nodes * per, strategy="fsdp")).fits:
+        y = replace(x, world_size=nodes * per, strategy="fsdp")
+        if y.world_size % x.context_parallel == 0 and plan_memory(d, y).fits:
             return nodes
     return None
 
@@ -316,33 +370,151 @@ def _changes(x: PlanInputs) -> list[Change]:
     return changes
 
 
+def head_problem(d: ModelDims, n: int) -> str | None:
+    """Why Ulysses cannot split the model's heads `n` ways (the trainer's check at start-up), else None:
+    query heads it does not divide, K/V heads that repeated to lcm(kv, n) no longer divide the query
+    heads, or a Gated DeltaNet layer's key / value heads it does not divide."""
+    if d.heads % n:
+        return f"does not divide the model's {d.heads} attention heads (num_attention_heads)"
+    if d.heads % math.lcm(d.kv_heads, n):
+        return (
+            f"cannot spread the model's {d.kv_heads} key/value heads evenly over its {d.heads} query heads "
+            f"in {n} groups (num_key_value_heads)"
+        )
+    if d.linear_layers and (d.linear_k_heads % n or d.linear_v_heads % n):
+        return (
+            f"does not divide the {d.linear_k_heads} key and {d.linear_v_heads} value heads of the "
+            "linear-attention layers (linear_num_key_heads, linear_num_value_heads)"
+        )
+    return None
+
+
+def context_parallel_degrees(d: ModelDims, x: PlanInputs) -> list[int]:
+    """The training.contextParallel values a refusal may suggest: more than the job's, dividing its
+    world size and the model's heads (Ulysses splits heads); none for padded rows."""
+    if not x.packed:
+        return []
+    return [
+        n
+        for n in CONTEXT_PARALLEL_DEGREES
+        if n > x.context_parallel and x.world_size % n == 0 and head_problem(d, n) is None
+    ]
+
+
+def _tiers(x: PlanInputs, force_fsdp: bool = False) -> list[tuple[list[str], PlanInputs]]:
+    """The job with none, then one after another, of the changes that keep every weight trained
+    (fsdp, checkpointing): what context parallelism is tried with, fewest changes first."""
+    y = _fsdp(x) if force_fsdp else x
+    tiers: list[tuple[list[str], PlanInputs]] = [([], y)]
+    for what, f in _changes(y):
+        if f is not _lora:
+            y = f(y)
+            tiers.append(([*tiers[-1][0], what], y))
+    return tiers
+
+
+def _split_rows(d: ModelDims, x: PlanInputs) -> tuple[list[str], PlanInputs] | None:
+    """The least that fits the job at its world size by splitting its rows over more ranks: the
+    fewest changes besides, then the fewest ranks a row; None when no degree fits."""
+    for names, y in _tiers(x):
+        for n in context_parallel_degrees(d, y):
+            z = replace(y, context_parallel=n)
+            if plan_memory(d, z).fits:
+                return [f"training.contextParallel: {n}", *names], z
+    return None
+
+
+def _nodes_split(d: ModelDims, x: PlanInputs, most: int) -> tuple[int, list[str], PlanInputs] | None:
+    """The fewest nodes, at most `most`, that fit the job under FSDP with its rows split over 2, 4 or 8
+    ranks (checkpointing added where that takes fewer nodes), else None."""
+    per = max(x.gpus_per_host, 1)
+    best: tuple[int, list[str], PlanInputs] | None = None
+    for names, y in _tiers(x, force_fsdp=True):
+        for nodes in range(max(x.world_size // per, 1), (best[0] - 1 if best else most) + 1):
+            wider = replace(y, world_size=nodes * per)
+            z = next(
+                (
+                    replace(wider, context_parallel=n)
+                    for n in context_parallel_degrees(d, wider)
+                    if plan_memory(d, replace(wider, context_parallel=n)).fits
+                ),
+                None,
+            )
+            if z is not None:
+                best = (nodes, [f"training.contextParallel: {z.context_parallel}", *names], z)
+                break
+    return best
+
+
+def _split_step_of(d: ModelDims) -> Callable[[PlanInputs], PlanInputs]:
+    """Context parallelism as a step in a chain of changes: the fewest ranks a row that fit, else the
+    most (a job with no degree to offer left as it is)."""
+
+    def split(x: PlanInputs) -> PlanInputs:
+        degrees = context_parallel_degrees(d, x)
+        fit = next((n for n in degrees if plan_memory(d, replace(x, context_parallel=n)).fits), None)
+        return replace(x, context_parallel=fit or degrees[-1]) if degrees else x
+
+    return split
+
+
 def suggestions(d: ModelDims, x: PlanInputs) -> list[str]:
-    """What would make a job that does not fit fit, with its per-GPU total: each change alone, more
-    GPUs, a shorter maxLength; when no single change does, the changes together, in order."""
+    """What would make a job that does not fit fit, with its per-GPU total: each change alone, else the
+    changes together, in order; its rows split over more ranks (training.contextParallel, with fsdp and
+    checkpointing as needed); more GPUs, with context parallelism where that takes fewer nodes; a
+    shorter maxLength. A chain of changes splits the rows before it turns to LoRA, which trains less."""
     changes = _changes(x)
-    out = [
+    alone = [
         f"{what} ({gib(plan_memory(d, f(x)).total)} per GPU)"
         for what, f in changes
         if plan_memory(d, f(x)).fits
     ]
+    split = _split_rows(d, x)
+    if split is not None:
+        first, *rest = split[0]
+        with_ = f" with {', '.join(rest)}" if rest else ""
+        alone.append(f"{first}{with_} ({gib(plan_memory(d, split[1]).total)} per GPU)")
+    wider: list[str] = []
     nodes = _min_nodes(d, x)
+    more = None if split is not None else _nodes_split(d, x, most=nodes - 1 if nodes else 128)
+    if more is not None:
+        count, names, y = more
+        wider.append(
+            f"resources.nodes: {count} with fsdp, {', '.join(names)} "
+            f"({y.world_size} GPUs, {gib(plan_memory(d, y).total)})"
+        )
     if nodes is not None:
         y = replace(x, world_size=nodes * max(x.gpus_per_host, 1), strategy="fsdp")
-        out.append(
+        wider.append(
             f"resources.nodes: {nodes} with fsdp ({y.world_size} GPUs, {gib(plan_memory(d, y).total)})"
         )
     length = _max_length_that_fits(d, x)
     if length is not None:
         shorter = plan_memory(d, replace(x, max_length=length)).total
-        out.append(f"a pack with packing.maxLength {length} ({gib(shorter)})")
-    if out:
-        return out
+        wider.append(f"a pack with packing.maxLength {length} ({gib(shorter)})")
+    if len(alone) > (split is not None) or len(wider) > (more is not None):  # a change without splitting
+        return alone + wider
+    return alone + _chain(d, x, changes, split is None) + wider
+
+
+def _chain(d: ModelDims, x: PlanInputs, changes: list[Change], split_rows: bool) -> list[str]:
+    """The changes applied one after another until the job fits (its rows split before LoRA where
+    `split_rows`), with the nodes it then takes when none does; [] when nothing fits."""
     names: list[str] = []
     y = x
-    for what, f in changes:  # the same changes applied one after another
+    step: Change = ("training.contextParallel", _split_step_of(d))
+    steps = [c for c in changes if c[1] is not _lora] + [step] * split_rows
+    steps += [c for c in changes if c[1] is _lora]
+    for what, f in steps:
+        if f is step[1]:
+            if not context_parallel_degrees(d, y):
+                continue
+            what = f"{what}: {f(y).context_parallel}"
         y, names = f(y), [*names, what]
         if plan_memory(d, y).fits:
             return [f"all of {'; '.join(names)} ({gib(plan_memory(d, y).total)} per GPU)"]
+    if not names:
+        return []
     nodes = _min_nodes(d, y)
     return [f"all of {'; '.join(names)}; and resources.nodes: {nodes}"] if nodes is not None else []
 
@@ -360,9 +532,54 @@ def refusal(d: ModelDims, plan: MemoryPlan) -> str | None:
     fix = "; or ".join(fixes) if fixes else "a smaller model, or GPUs with more memory"
     return (
         f"the job needs about {gib(plan.total)} per GPU but its GPUs have {gib(x.gpu_memory)} "
-        f"({x.world_size} GPUs, {x.strategy}, maxLength {x.max_length}): it would run out of memory. "
-        f"Change one of: {fix}"
+        f"({x.world_size} GPUs, {x.strategy}, maxLength {x.max_length}{context_parallel_note(x)}): it "
+        f"would run out of memory. Change one of: {fix}"
     )
+
+
+def context_parallel_note(x: PlanInputs) -> str:
+    """ ", contextParallel C: T tokens a GPU" for a plan that splits its rows, else ""."""
+    if x.context_parallel == 1:
+        return ""
+    return f", contextParallel {x.context_parallel}: {x.rank_tokens:.0f} tokens a GPU"
+
+
+def context_parallel_problem(
+    context_parallel: int, *, world_size: int, world: str, dims: ModelDims | None, packed: bool
+) -> str | None:
+    """Why a job cannot split its rows over `context_parallel` ranks, naming what to set; None when it
+    can (or does not split). `world` says where world_size comes from; `dims` is the model (None where
+    it is not known, and its heads go unchecked)."""
+    n = context_parallel
+    if n <= 1:
+        return None
+    if not packed:
+        return (
+            f"training.contextParallel {n} splits packed rows over ranks, but training.mode is padded (one "
+            "sample a row): set training.mode: packed, or training.contextParallel: 1"
+        )
+    ok = [
+        m
+        for m in range(1, min(world_size, 64) + 1)
+        if world_size % m == 0 and (dims is None or head_problem(dims, m) is None)
+    ]
+    choose = (
+        f"set training.contextParallel to one of {', '.join(map(str, ok))}"
+        if len(ok) > 1
+        else "set training.contextParallel: 1"
+    )
+    if world_size % n:
+        return (
+            f"training.contextParallel {n} does not divide the world size {world_size} ({world}): the "
+            f"world is data-parallel x contextParallel ranks; {choose}, or make the world a multiple of {n}"
+        )
+    heads = head_problem(dims, n) if dims is not None else None
+    if heads is not None:
+        return (
+            f"training.contextParallel {n} {heads}: Ulysses attention splits heads over a row's ranks; "
+            f"{choose}"
+        )
+    return None
 
 
 _UNITS = {
@@ -398,7 +615,8 @@ def job_inputs(
     bf16: bool = True,
 ) -> PlanInputs:
     """PlanInputs of a job's `training` and `model` sections (the trainer's TrainingSpec and
-    TrainModelSpec, read by attribute: the core imports neither): options, freeze and LoRA."""
+    TrainModelSpec, read by attribute: the core imports neither): options, freeze, LoRA and
+    context parallelism."""
     lora = model.lora
     frozen_dtype = getattr(model, "frozen_dtype", None)  # model.frozenDtype, where the trainer has it
     return PlanInputs(
@@ -415,4 +633,6 @@ def job_inputs(
         gpu_memory=gpu_memory,
         freeze=tuple(model.freeze),
         lora=LoraShape(lora.rank, tuple(lora.target_modules), lora.vision) if lora else None,
+        context_parallel=training.context_parallel,
+        packed=training.mode == "packed",
     )

@@ -268,6 +268,14 @@ class TrainingSpec(CamelModel):
     strategy: Strategy = Field(
         "ddp", description="ddp (replicated), or fsdp (FSDP2, sharded) for large models."
     )
+    context_parallel: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Ranks one packed row is split over (context parallelism: Ulysses all-to-all over "
+        "attention heads, a balanced zigzag split of the row); the world is data-parallel x "
+        "contextParallel ranks and must divide by it, and so must the attention heads. 1: off.",
+    )
     dtype: DType = Field(
         "auto",
         description="Compute dtype; auto: bf16 on GPU, fp32 on CPU. bf16 is mixed precision: fp32 weights "

@@ -19,7 +19,7 @@ from packtrain.core.errors import ConfigError
 from packtrain.core.model_size import planning_config, read_config
 from packtrain.operator import policy
 from packtrain.operator.api import SFT_MODEL_MOUNT, ClaimMount, PackJobSpec, SFTJobSpec
-from packtrain.operator.status.memory import START_UP_NOTE, memory_verdict
+from packtrain.operator.status.memory import START_UP_NOTE, context_parallel_refusal, memory_verdict
 
 ALLOW_UNMOUNTED = "--allow-unmounted"
 EXAMPLE_MOUNT = "/datasets"
@@ -156,7 +156,10 @@ def memory_plan(
 ) -> tuple[str | None, str | None]:
     """The operator's memory plan of an SFTJob: (why it cannot fit, None) or (None, a note when it
     could not be planned here). The model's sizes come from model.path's config.json when this
-    machine has it, as the PackJob's convert stage reports them in the cluster."""
+    machine has it, as the PackJob's convert stage reports them in the cluster. Context parallelism
+    is checked against the world first, and against the attention heads with the sizes."""
+    if (split := context_parallel_refusal(spec)) is not None:
+        return f"SFTJob {name}: {split}", None
     if spec.resources.gpus_per_node == 0:
         return None, None
     sizes = local_sizes(pack.model.path) if pack is not None else None

@@ -23,6 +23,8 @@ from packtrain.core.report import rejects_warning
 from packtrain.packer.sources.records import iter_records
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
     from packtrain.core.config import PackConfig
     from packtrain.core.pack.integrity import Scan
 
@@ -106,21 +108,61 @@ def write_plot(path: Path, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     reader = ShardReader(path, verify_checksums=False)
-    seq_lens = reader.seq_lens()
-    max_length = reader.manifest["max_length"]
+    fig = fill_figure(reader.seq_lens(), reader.manifest["max_length"], path.name)
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+LOG_LENGTHS_FROM = 100
+"""Sample lengths are drawn on a log axis when maxLength is at least this many times the shortest
+sample: in 131072-token rows a 60-token chat and a 100k-token video share one histogram, and linear
+bins of maxLength / 100 tokens would put every chat in the first bin."""
+
+
+def fill_figure(seq_lens: list[list[int]], max_length: int, name: str) -> Figure:
+    """The figure `inspect --plot` writes: sample lengths against the maxLength line, and each
+    sequence's fill, sorted."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
     lengths = [x for row in seq_lens for x in row]
     fills = sorted((sum(row) / max_length for row in seq_lens), reverse=True)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.hist(lengths, bins=min(100, max(10, len(lengths) // 5)))
+    shortest = max(1, min(lengths, default=1))
+    if max_length >= LOG_LENGTHS_FROM * shortest:
+        a.hist(lengths, bins=np.geomspace(shortest, max_length, 61))
+        a.set_xscale("log", base=2)
+        a.set_xticks(_power_ticks(shortest, max_length))
+        a.xaxis.set_major_formatter(FuncFormatter(_tokens_label))
+    else:
+        a.hist(lengths, bins=min(100, max(10, len(lengths) // 5)))
     a.set(title="sample lengths", xlabel="tokens", ylabel="samples")
     a.axvline(max_length, color="red", linestyle="--", label=f"maxLength {max_length}")
+    a.yaxis.set_major_locator(MaxNLocator(integer=True))
     a.legend()
-    b.plot(range(len(fills)), fills)
+    b.plot(range(len(fills)), fills, marker="o" if len(fills) <= 50 else None)
     b.set(title="per-sequence fill (sorted)", xlabel="sequence", ylabel="fill", ylim=(0, 1.02))
-    fig.suptitle(f"{path.name}: {len(lengths)} samples in {len(fills)} sequences of maxLength {max_length}")
+    b.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.suptitle(f"{name}: {len(lengths)} samples in {len(fills)} sequences of maxLength {max_length}")
     fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    return fig
+
+
+def _power_ticks(low: int, high: int, most: int = 8) -> list[int]:
+    """At most `most` powers of two from `low` to `high`, evenly spaced, counted down from the largest
+    (maxLength is most often a power of two: it gets a tick)."""
+    top, bottom = high.bit_length() - 1, (low - 1).bit_length()
+    step = max(1, -(-(top - bottom) // (most - 1)))
+    return sorted(2**e for e in range(top, bottom - 1, -step))
+
+
+def _tokens_label(value: float, _pos: object = None) -> str:
+    """A power-of-two token count as an axis label: 512, 4k, 128k."""
+    for unit, size in (("M", 2**20), ("k", 2**10)):
+        if value >= size:
+            return f"{value / size:.3g}{unit}"
+    return f"{value:.3g}"
 
 
 def _rejects(path: Path, problems: list[str]) -> list[dict[str, Any]]:

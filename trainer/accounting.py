@@ -139,8 +139,11 @@ class RunAccounting:
         world_size: int,
         start_step: int,
         max_steps: int,
+        share: float = 1.0,
     ) -> None:
         self.metrics, self.shape, self.device, self.world_size = metrics, shape, device, world_size
+        # The part of each micro-batch this rank computes: 1 / contextParallel (a group shares its rows).
+        self.share = share
         self.start_step, self.max_steps = start_step, max_steps
         self.totals = dict.fromkeys(TOTALS, 0.0)
         self.seconds = 0.0
@@ -161,7 +164,7 @@ class RunAccounting:
         are reduced over ranks."""
         if self.shape is None:
             raise ValueError("RunAccounting without a model shape only summarises, it counts no step")
-        local = batch_counts(self.shape, micro)
+        local = {key: value * self.share for key, value in batch_counts(self.shape, micro).items()}
         recorded = self.metrics.update(
             {
                 "tokens_per_second": local["tokens"] / step_time,
@@ -211,8 +214,8 @@ class RunAccounting:
         summary = TrainSummary(
             steps=steps,
             steps_this_run=steps - self.start_step,
-            tokens=int(t["tokens"]),
-            effective_tokens=int(t["effective"]),
+            tokens=round(t["tokens"]),
+            effective_tokens=round(t["effective"]),
             tokens_per_second=t["tokens"] / seconds,
             effective_tokens_per_second=t["effective"] / seconds,
             samples_per_second=t["samples"] / seconds,

@@ -212,10 +212,23 @@ def _plan(opts: argparse.Namespace, cfg: Any) -> int:
     import os
 
     from packtrain.core.memory_plan import parse_bytes, plan_memory
-    from packtrain.trainer.memory_check import dims_of, inputs_for, plan_json, print_table, spec_sizes
+    from packtrain.trainer.memory_check import (
+        context_parallel_refusal,
+        dims_of,
+        inputs_for,
+        plan_json,
+        print_table,
+        spec_sizes,
+    )
 
     sizes = spec_sizes(opts.config)
-    world = opts.world_size or int(os.environ.get("WORLD_SIZE") or 0) or sizes.get("world") or 1
+    env_world = int(os.environ.get("WORLD_SIZE") or 0)
+    world = opts.world_size or env_world or sizes.get("world") or 1
+    source = "one process: pass --world-size"  # where the world size came from, for a refusal to name
+    if opts.world_size or env_world:
+        source = "--world-size" if opts.world_size else "WORLD_SIZE"
+    elif sizes.get("world"):
+        source = "the SFTJob's resources.nodes x gpusPerNode"
     per_host = (
         opts.gpus_per_host or int(os.environ.get("LOCAL_WORLD_SIZE") or 0) or sizes.get("per_host") or 8
     )
@@ -227,6 +240,8 @@ def _plan(opts: argparse.Namespace, cfg: Any) -> int:
         )
     except ConfigError as exc:
         return _fail(f"configuration error: {exc}")
+    if (split := context_parallel_refusal(cfg, dims, world, source)) is not None:
+        return _fail(f"configuration error: {split}")
     plan = plan_memory(dims, x)
     if opts.json:
         print(json.dumps(plan_json(dims, plan)), flush=True)

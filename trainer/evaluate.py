@@ -27,8 +27,11 @@ def evaluate(
     dtype: torch.dtype,
     num_workers: int = 0,
     prefetch: int = 2,
+    context_parallel: int = 1,
 ) -> float:
-    """The token-mean loss of `model` over the evaluation set (every rank calls it, and gets the same)."""
+    """The token-mean loss of `model` over the evaluation set (every rank calls it, and gets the same).
+    The `context_parallel` ranks of a group share each unit: each holds the loss of its own tokens,
+    and all count the unit's label tokens."""
     batches = loader(dataset, num_workers, prefetch, device.type == "cuda")
     was_training = model.training
     model.eval()
@@ -44,5 +47,5 @@ def evaluate(
                     tokens += batch.info.num_label_tokens
     finally:
         model.train(was_training)
-    total_tokens = distributed.all_reduce_sum(float(tokens), device)
+    total_tokens = distributed.all_reduce_sum(float(tokens), device) / context_parallel
     return distributed.all_reduce_sum(float(loss_sum), device) / max(total_tokens, 1.0)

@@ -65,7 +65,8 @@ def train_step(
     """One optimizer step over this rank's micro-batches; returns the step's loss (the global token mean)."""
     model, dtype = run.model, run.dtype
     # The step's label tokens over every rank: each micro-batch's share of the global token mean.
-    global_tokens = global_label_tokens(sum(b.info.num_label_tokens for b in micro), device)
+    # The ranks of a context group all count their shared rows: each row once.
+    global_tokens = global_label_tokens(sum(b.info.num_label_tokens for b in micro), device) // run.mesh.size
 
     # forward, loss, backward (gradients are synchronized on the last micro-batch only)
     model.train()
@@ -130,8 +131,9 @@ def _train(
         )
         if run.evaluation is not None and due(run.step, run.max_steps, t.eval_every):
             eval_loss = evaluate(
-                run.model, run.evaluation, device, run.dtype, data.num_workers, data.prefetch_factor
-            )
+                run.model, run.evaluation, device, run.dtype, data.num_workers, data.prefetch_factor,
+                context_parallel=run.mesh.size,
+            )  # fmt: skip
             record["eval_loss"] = accounting.evaluated(eval_loss)
         report.step(record)
         if t.checkpoint_every and run.step % t.checkpoint_every == 0 and run.step < run.max_steps:
@@ -162,12 +164,15 @@ def _start(
         mode=t.mode,
         **chosen,
         world_size=env.world_size,
+        **({"context_parallel": run.mesh.size} if run.mesh.on else {}),
         init=run.init,
         epochs=t.epochs,
         steps_per_epoch=run.dataset.steps_per_epoch(),
         eval_units=_units(run.evaluation),
     )
-    return RunAccounting(metrics, run.shape, device, env.world_size, run.step, run.max_steps)
+    return RunAccounting(
+        metrics, run.shape, device, env.world_size, run.step, run.max_steps, share=1 / run.mesh.size
+    )
 
 
 def _finish(

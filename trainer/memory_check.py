@@ -4,6 +4,8 @@ start-up check every rank runs before it builds the model.
 The arithmetic is the core's (`packtrain.core.memory_plan`), shared with the operator;
 here the job's YAML, the pack's manifest and the machine fill in its inputs, and the result is
 printed as a table (rich) or JSON. Nothing here imports torch unless it asks the GPU its size.
+Every figure is one rank's: under context parallelism (`training.contextParallel`) its share of each
+row's tokens, which the table's title and the JSON's `tokens_per_gpu` say.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from packtrain.core.memory_plan import (
     GIB,
     MemoryPlan,
     PlanInputs,
+    context_parallel_problem,
     gib,
     job_inputs,
     parse_bytes,
@@ -82,12 +85,28 @@ def inputs_for(
     )
 
 
+def context_parallel_refusal(cfg: SFTSpecCore, dims: ModelDims, world_size: int, world: str) -> str | None:
+    """Why the job cannot split its rows over training.contextParallel ranks of this world and model
+    (world size, attention heads, padded rows), naming what to set; None when it can. The trainer
+    makes the same checks at start-up."""
+    return context_parallel_problem(
+        cfg.training.context_parallel,
+        world_size=world_size,
+        world=world,
+        dims=dims,
+        packed=cfg.training.mode == "packed",
+    )
+
+
 def plan_json(dims: ModelDims, plan: MemoryPlan) -> dict[str, Any]:
-    """The plan for machines: every row in bytes, the totals, the verdict and what to change."""
+    """The plan for machines: every row in bytes (one rank's), the totals, the verdict and what to change."""
     x = plan.inputs
     return {
         "model": {"family": dims.family, "parameters": plan.counts.total, "trainable": plan.counts.trainable},
         "inputs": {k: v for k, v in asdict(x).items() if k != "lora"} | {"lora": x.lora is not None},
+        "context_parallel": x.context_parallel,
+        "data_parallel": x.world_size // x.context_parallel,
+        "tokens_per_gpu": round(x.rank_tokens),
         "per_gpu_bytes": {k: round(v) for k, v in plan.rows.items()},
         "total_per_gpu_bytes": round(plan.total),
         "total_per_host_bytes": round(plan.per_host),
@@ -114,9 +133,16 @@ def print_table(dims: ModelDims, plan: MemoryPlan, console: Any = None) -> None:
     x, c = plan.inputs, plan.counts
     console = console or Console()
     hosts = min(x.gpus_per_host, x.world_size)
+    split = (
+        f", contextParallel {x.context_parallel} ({x.world_size // x.context_parallel} data-parallel x "
+        f"{x.context_parallel}): {x.rank_tokens:.0f} tokens a GPU"
+        if x.context_parallel > 1
+        else ""
+    )
     title = (
         f"{dims.family}: {c.total / 1e9:.2f} B parameters, {c.trainable / 1e9:.3f} B trainable; "
         f"{x.world_size} GPUs ({hosts} a host), {x.strategy}, maxLength {x.max_length} x {x.sequences}"
+        f"{split}"
     )
     table = Table(title=title)
     table.add_column("memory")
@@ -190,4 +216,13 @@ def spec_sizes(path: str) -> dict[str, int]:
     return out
 
 
-__all__ = ["GIB", "dims_of", "inputs_for", "plan_json", "print_table", "spec_sizes", "startup_refusal"]
+__all__ = [
+    "GIB",
+    "context_parallel_refusal",
+    "dims_of",
+    "inputs_for",
+    "plan_json",
+    "print_table",
+    "spec_sizes",
+    "startup_refusal",
+]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from packtrain.trainer.data.media import PixelSpec
 from packtrain.trainer.data.packed import EvalDataset, PackedDataset, eval_dataset
 from packtrain.trainer.data.sampler import PackTooSmall, Plan, imbalance, plan_epoch, total_steps
 from packtrain.trainer.metrics import ModelShape
-from packtrain.trainer.model import lora, param_groups
+from packtrain.trainer.model import context_parallel, lora, param_groups
 from packtrain.trainer.model.attention import resolve_attention
 from packtrain.trainer.model.build import (
     VLMForTraining,
@@ -39,6 +39,7 @@ from packtrain.trainer.model.build import (
     load_config,
     pretrained_weights,
 )
+from packtrain.trainer.model.context_parallel import Mesh
 from packtrain.trainer.model.init_weights import LoadReport, cast_frozen, materialize
 from packtrain.trainer.model.vision_check import require_vision_features
 from packtrain.trainer.state import checkpoint
@@ -107,6 +108,7 @@ class Run:
     adapter: Any = None  # the PeftModel around `hf` with model.lora (for the adapter export)
     config: dict[str, Any] | None = None  # what a checkpoint records and a resume checks (resume_config)
     skipped: int = 0  # non-finite steps this run skipped (training.maxNonFiniteSteps)
+    mesh: Mesh = field(default_factory=Mesh.single)  # data-parallel x context-parallel (context_parallel)
 
 
 @dataclass
@@ -130,14 +132,15 @@ def setup(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> R
             f"data.packJobRef {cfg.data.pack_job_ref!r} must be resolved to data.path (the operator does)"
         )
     dtype, backend, weights, (folder, config) = _start(cfg, device)
-    data = _setup_data(cfg.data.path, cfg, env, config, checked_spec(folder, config))
+    mesh = _mesh(cfg, env, config)
+    data = _setup_data(cfg.data.path, cfg, env, config, checked_spec(folder, config), mesh)
     done = _finished(cfg, data)
     if done is not None:
         step = checkpoint.step_of(done)
         return Finished(
             done, step, data.dataset, data.evaluation, backend, _imbalance(data), init_used(weights)
         )
-    built = _setup_model(cfg, env, device, dtype, backend, weights, (folder, config))
+    built = _setup_model(cfg, env, device, dtype, backend, weights, (folder, config), mesh)
     optimizer, scheduler = _setup_optimizer(cfg, built.model, data.max_steps)
     step, resumed_from = _resume(cfg, env, built.model, optimizer, scheduler, data)
     return Run(
@@ -157,6 +160,7 @@ def setup(cfg: SFTSpecCore, env: distributed.DistEnv, device: torch.device) -> R
         resumed_from=resumed_from,
         adapter=built.adapter,
         config=_resume_config(cfg, data.dataset),
+        mesh=mesh,
     )
 
 
@@ -208,12 +212,33 @@ def _check_pack(dataset: PackedDataset, cfg: SFTSpecCore, spec: ModelSpec) -> No
     check_pack_layout(dataset.manifest, cfg.model.path, spec)
 
 
-def _reading(cfg: SFTSpecCore, env: distributed.DistEnv, config: PretrainedConfig) -> dict[str, Any]:
-    """How this rank reads a pack, for training and for scoring alike."""
+def _mesh(cfg: SFTSpecCore, env: distributed.DistEnv, config: PretrainedConfig) -> Mesh:
+    """The data-parallel x context-parallel world of this run (training.contextParallel), checked
+    against the world size and the model's attention heads before anything is read."""
+    size = cfg.training.context_parallel
+    if size == 1:
+        return Mesh.single(env.rank, env.world_size)
+    if cfg.training.mode != "packed":
+        raise ConfigError(
+            "training.contextParallel splits packed rows; set training.mode: packed or contextParallel: 1"
+        )
+    text = config.text_config
+    context_parallel.check_mesh(
+        env.world_size, size, text.num_attention_heads, getattr(text, "num_key_value_heads", None)
+    )
+    return context_parallel.make_mesh(env.rank, env.world_size, size)
+
+
+def _reading(
+    cfg: SFTSpecCore, env: distributed.DistEnv, config: PretrainedConfig, mesh: Mesh | None = None
+) -> dict[str, Any]:
+    """How this rank reads a pack, for training and for scoring alike: the ranks of a context group
+    read the same micro-batches (their data-parallel rank's)."""
     t = cfg.training
+    mesh = mesh or Mesh.single(env.rank, env.world_size)
     return {
-        "rank": env.rank,
-        "world_size": env.world_size,
+        "rank": mesh.dp_rank,
+        "world_size": mesh.dp_size,
         "units_per_micro_batch": t.micro_batch_sequences if t.mode == "packed" else t.padded_batch_size,
         "mode": t.mode,
         "pad_token_id": config.text_config.pad_token_id,
@@ -224,7 +249,12 @@ def _reading(cfg: SFTSpecCore, env: distributed.DistEnv, config: PretrainedConfi
 
 
 def _setup_data(
-    path: str, cfg: SFTSpecCore, env: distributed.DistEnv, config: PretrainedConfig, spec: ModelSpec
+    path: str,
+    cfg: SFTSpecCore,
+    env: distributed.DistEnv,
+    config: PretrainedConfig,
+    spec: ModelSpec,
+    mesh: Mesh,
 ) -> Data:
     """This rank's view of the pack at `path`, checked against the model, and the run's length."""
     t = cfg.training
@@ -235,7 +265,7 @@ def _setup_data(
         grad_accum=t.grad_accum,
         seed=t.seed,
         eval_fraction=cfg.data.eval_fraction,
-        **_reading(cfg, env, config),
+        **_reading(cfg, env, config, mesh),
     )
     _check_pack(dataset, cfg, spec)
     lay = dataset.layout
@@ -282,6 +312,7 @@ def _setup_model(
     backend: str,
     weights: Path | None,
     model_config: tuple[ModelFolder, PretrainedConfig],
+    mesh: Mesh | None = None,
 ) -> Model:
     """The model built empty (on the meta device), with adapters, layer options and frozen parts
     applied, then parallelized and only then given its weights: each rank allocates and reads
@@ -309,7 +340,7 @@ def _setup_model(
     if _frozen_dtype(cfg, dtype) == torch.bfloat16:
         cast_frozen(hf, torch.bfloat16)
     core = VLMForTraining(
-        hf, backend, always_run_vision=env.distributed, loss_chunk_tokens=t.loss_chunk_tokens
+        hf, backend, always_run_vision=env.distributed, loss_chunk_tokens=t.loss_chunk_tokens, mesh=mesh
     )
     shape = model_shape(hf)
     loads: list[LoadReport] = []

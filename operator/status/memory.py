@@ -7,6 +7,9 @@ same `model.path` is the same folder (it mounts the PackJob's claim at the same 
 operator merges the SFTJob's configOverrides into those sizes as the trainer merges them into
 config.json, and plans with the pack's maxLength. Otherwise it says it could not plan; the
 trainer's own start-up plan still refuses, with exit 2, a job that cannot fit.
+Context parallelism is checked here too, as the trainer checks it at start-up: the world
+(resources.nodes x gpusPerNode) and, once the sizes are known, the attention heads must divide by
+training.contextParallel, and only packed rows split.
 Pure: the handler reads, this decides.
 """
 
@@ -17,8 +20,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from packtrain.core.errors import ConfigError
-from packtrain.core.memory_plan import gib, job_inputs, plan_memory, refusal
-from packtrain.core.model_size import deep_merge, model_dims
+from packtrain.core.memory_plan import (
+    context_parallel_note,
+    context_parallel_problem,
+    gib,
+    job_inputs,
+    plan_memory,
+    refusal,
+)
+from packtrain.core.model_size import ModelDims, deep_merge, model_dims
 from packtrain.operator import policy
 from packtrain.operator.api import PackJobSpec, SFTJobSpec
 
@@ -36,6 +46,23 @@ class MemoryVerdict:
     @property
     def planned(self) -> bool:
         return bool(self.status.get("planned"))
+
+
+def context_parallel_refusal(spec: SFTJobSpec, dims: ModelDims | None = None) -> str | None:
+    """Why the SFTJob cannot split its rows over training.contextParallel ranks, naming what to set:
+    a world (resources.nodes x gpusPerNode, one process a node without GPUs) it does not divide,
+    padded rows, or, with the model's `dims` known, attention heads it does not divide; else None."""
+    res = spec.resources
+    world = f"resources.nodes {res.nodes} x gpusPerNode {res.gpus_per_node}"
+    if res.gpus_per_node == 0:
+        world = f"resources.nodes {res.nodes}, one process each without GPUs"
+    return context_parallel_problem(
+        spec.training.context_parallel,
+        world_size=res.nodes * max(res.gpus_per_node, 1),
+        world=world,
+        dims=dims,
+        packed=spec.training.mode == "packed",
+    )
 
 
 def _unplanned(message: str) -> MemoryVerdict:
@@ -84,6 +111,8 @@ def memory_verdict(
         dims = model_dims(deep_merge(sizes, spec.model.config_overrides), spec.model.family)
     except ConfigError as exc:  # before anything loops over or divides by the sizes
         return MemoryVerdict({"planned": False, "message": f"not planned: {exc}"}, invalid=str(exc))
+    if (split := context_parallel_refusal(spec, dims)) is not None:
+        return MemoryVerdict({"planned": False, "message": f"not planned: {split}"}, invalid=split)
     try:
         memory = int(policy.quantity(quantity))
     except (ConfigError, ValueError, TypeError, KeyError) as exc:
@@ -105,6 +134,7 @@ def memory_verdict(
         "perHostBytes": round(plan.per_host),
         "gpuMemoryBytes": memory,
         "message": f"about {gib(plan.total)} per GPU of {quantity} ({source}), "
-        f"{gib(plan.per_host)} per node; maxLength {x.max_length} from PackJob {spec.data.pack_job_ref}",
+        f"{gib(plan.per_host)} per node; maxLength {x.max_length} from PackJob {spec.data.pack_job_ref}"
+        f"{context_parallel_note(x)}",
     }
     return MemoryVerdict(status, refusal(dims, plan))

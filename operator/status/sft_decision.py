@@ -19,7 +19,7 @@ from packtrain.operator.deadlines import Stall
 from packtrain.operator.reasons import ConditionReason as R
 from packtrain.operator.settings import OperatorDefaults
 from packtrain.operator.status.conditions import TERMINAL
-from packtrain.operator.status.memory import memory_verdict
+from packtrain.operator.status.memory import context_parallel_refusal, memory_verdict
 from packtrain.operator.status.pods import pod_failure, terminated
 from packtrain.operator.status.refused import failed_status, policy_status
 from packtrain.operator.status.sft import (
@@ -49,9 +49,13 @@ def decide_start(
     evaljob: Mapping[str, Any] | None,
     now: str,
 ) -> SFTDecision:
-    """The policy first, then the training pack (`data.packJobRef`), then the evaluation pack."""
+    """The policy first, then context parallelism against the world (no use waiting for data a job
+    cannot split), the training pack (`data.packJobRef`), the evaluation pack, the memory plan."""
     if violations := policy.check(spec, defaults):
         return SFTDecision(status=policy_status("SFTJob", body, violations, now))
+    if (split := context_parallel_refusal(spec)) is not None:
+        message = f"{split}. Fix it, then delete and re-create the SFTJob."
+        return SFTDecision(status=failed_status(body, R.INVALID_CONFIGURATION, message, now))
     generation, prev = body["metadata"].get("generation"), body.get("status") or {}
     pack_spec, pack_status = None, None
     if (ref := spec.data.pack_job_ref) is not None:

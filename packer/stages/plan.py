@@ -48,17 +48,24 @@ SMALL_PACK_SHARDS = 16
 (of at least MIN_SHARD_SEQUENCES), so materialize spreads over up to 16 workers even for a pack that
 one full shard would hold."""
 MIN_SHARD_SEQUENCES = 4
+SHARD_TOKENS = 1 << 24
+"""Most token slots (sequences x maxLength) in one shard. Materialize builds a shard in memory, at about
+5x its token and label bytes (measured: 1.2 GiB for 256 sequences of 122k tokens), so shards are cut
+by tokens, not only by `sequencesPerShard`: 1024 sequences of 16384 tokens, 128 of 131072 (about
+0.65 GiB a worker), where 1024 such rows would need about 5 GiB."""
 
 _SUMMARY = re.compile(r"summary-(\d{5})-of-(\d{5})\.json$")
 
 
-def shard_size(sequences: int, sequences_per_shard: int) -> int:
-    """Sequences per shard: `sequences_per_shard`, smaller for a small pack (see SMALL_PACK_SHARDS).
+def shard_size(sequences: int, sequences_per_shard: int, max_length: int = 1) -> int:
+    """Sequences per shard: `sequences_per_shard`, fewer when that many rows of `max_length` tokens are
+    over SHARD_TOKENS, and fewer again for a small pack (see SMALL_PACK_SHARDS).
 
     A function of the pack alone, never of the worker count: the same inputs and config give the
     same shards whatever the number of workers.
     """
-    return max(1, min(sequences_per_shard, max(MIN_SHARD_SEQUENCES, -(-sequences // SMALL_PACK_SHARDS))))
+    per_shard = min(sequences_per_shard, max(1, SHARD_TOKENS // max_length))
+    return max(1, min(per_shard, max(MIN_SHARD_SEQUENCES, -(-sequences // SMALL_PACK_SHARDS))))
 
 
 def plan(cfg: PackConfig, out: Path) -> PlanSummary:
@@ -162,7 +169,7 @@ def _write_plan_table(work: Path, converted: _Converted, p: PackingConfig) -> tu
     else:
         order, offsets = np.zeros(0, np.int64), np.zeros(1, np.int64)
     sequences = len(offsets) - 1
-    per_shard = shard_size(sequences, p.sequences_per_shard)
+    per_shard = shard_size(sequences, p.sequences_per_shard, p.max_length)
     offsets32 = pa.array(offsets, pa.int32())
     plan_table = pa.table(
         {

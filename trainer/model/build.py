@@ -30,7 +30,9 @@ from packtrain.core.model_folder import ModelFolder
 from packtrain.core.model_spec import ModelSpec, family_for_model_type, model_spec
 from packtrain.core.sft_config import LOSS_CHUNK_TOKENS
 from packtrain.trainer.data.batch import ModelInputs
+from packtrain.trainer.model import context_parallel
 from packtrain.trainer.model.attention import HF_IMPLEMENTATION, attention_kwargs, register_backend
+from packtrain.trainer.model.context_parallel import Mesh
 from packtrain.trainer.model.init_weights import materialize, parameters_on_meta
 from packtrain.trainer.model.linear_attention import (
     SEGMENTS,
@@ -228,6 +230,7 @@ class VLMForTraining(nn.Module):
         backend: str,
         always_run_vision: bool = False,
         loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
+        mesh: Mesh | None = None,
     ) -> None:
         super().__init__()
         self.hf = model
@@ -246,6 +249,28 @@ class VLMForTraining(nn.Module):
         # A tiled tower already is: its tiles are a batch of equal squares, attended within each.
         if not self.tiled:
             one_call_vision(model, backend)
+        # Context parallelism: each rank of a group holds 1/N of every row (context_parallel).
+        self.mesh = mesh if mesh is not None and mesh.on else None
+        if self.mesh is not None:
+            self._split_language_model()
+
+    def _split_language_model(self) -> None:
+        """The language model's attention through the group's all-to-all (the vision tower's stays)."""
+        family = family_for_model_type(self.hf.config.model_type)
+        if self.tiled or self.groups_by_sample or self.router is not None:
+            kind = "a mixture-of-experts model" if self.router is not None else f"{family.name}"
+            raise ConfigError(
+                f"training.contextParallel > 1 is not supported for {kind} yet (dense Qwen2-VL, "
+                "Qwen2.5-VL, Qwen3-VL and Qwen3.5 are); set training.contextParallel: 1"
+            )
+        text = self.hf.config.text_config
+        inner = HF_IMPLEMENTATION[self.backend]
+        name = context_parallel.register(inner)
+        for layer in self.hf.model.language_model.layers:
+            attn = getattr(layer, "self_attn", None)
+            if attn is not None:
+                attn.config._attn_implementation = name
+        text._attn_implementation = name
 
     def _encode_media(self, inputs: ModelInputs) -> tuple[dict[str, Any], torch.Tensor | None]:
         """Images and videos through the vision tower in *one* call (each grid stays isolated:
@@ -323,7 +348,108 @@ class VLMForTraining(nn.Module):
         out = model.get_image_features(pixels, return_dict=True)
         return {"image": out}, None
 
+    def _packed_kwargs(self, cu_seq_lens: torch.Tensor, max_length: int, total: int) -> dict[str, Any]:
+        """The language model's isolation arguments for a packed row of `total` tokens."""
+        extra = attention_kwargs(self.backend, cu_seq_lens, max_length, total)
+        if self.linear_attention:
+            extra[SEGMENTS] = cu_seq_lens
+            if extra.get("attention_mask") is not None and not torch.is_tensor(extra["attention_mask"]):
+                # A flex BlockMask is for the full-attention layers only: transformers' hybrid
+                # decoder takes a mask per layer type, and its linear-attention layers (isolated by
+                # SEGMENTS) would read a BlockMask as a padding mask and fail.
+                extra["attention_mask"] = {
+                    "full_attention": extra["attention_mask"],
+                    "linear_attention": None,
+                }
+        return extra
+
+    def _forward_split(self, inputs: ModelInputs, mesh: Mesh) -> dict[str, torch.Tensor]:
+        """This rank's share of a packed row (see context_parallel): its tokens through the language
+        model, the row's media encoded once per group, the loss of its own label tokens."""
+        if inputs.cu_seq_lens is None or inputs.max_length is None:
+            raise ValueError("context parallelism trains packed rows; set training.mode: packed")
+        split = context_parallel.split_row(
+            inputs.input_ids, inputs.position_ids, inputs.shift_labels, inputs.cu_seq_lens,
+            inputs.max_length, mesh, pad_id=0,
+        )  # fmt: skip
+        encoded, zero = self._encode_media_split(inputs, split)
+        extra = self._packed_kwargs(split.cu_seq_lens, split.max_length, split.layout.total)
+        extra[context_parallel.LAYOUT] = split.layout
+        out = self.hf.model(
+            input_ids=split.input_ids,
+            position_ids=split.position_ids,
+            mm_encoder_outputs=encoded or None,
+            use_cache=False,
+            **extra,
+        )
+        losses, positions = token_losses(
+            out.last_hidden_state, self.hf.lm_head, split.shift_labels, self.loss_chunk_tokens
+        )
+        # Positions in the row (as without the split), so per-sample sums read the row's sample index.
+        return {
+            "loss_sum": losses.sum() + zero,
+            "token_losses": losses,
+            "positions": split.layout.local[positions],
+        }
+
+    def _encode_media_split(
+        self, inputs: ModelInputs, split: context_parallel.Split
+    ) -> tuple[dict[str, Any], torch.Tensor]:
+        """The row's images and videos dealt out over the group (contiguous runs of about equal patch
+        counts), each rank's run through the tower in one call, the features gathered; this rank
+        keeps those of its own placeholders. A rank with no run encodes a dummy (FSDP's gathers stay
+        in step). The zero term reaches every feature, so every rank's backward meets the gather."""
+        mesh = split.layout.mesh
+        visual = self.hf.model.visual
+        vision = self.hf.config.vision_config
+        merge = vision.spatial_merge_size**2
+        parts = [
+            (kind, px, grid)
+            for kind, px, grid in (
+                ("image", inputs.pixel_values, inputs.image_grid_thw),
+                ("video", inputs.pixel_values_videos, inputs.video_grid_thw),
+            )
+            if px is not None and grid is not None
+        ]
+        grids = torch.cat([g for _, _, g in parts]) if parts else None
+        patches = [] if grids is None else grids.prod(-1).tolist()
+        runs = context_parallel.deal(patches, mesh.size)
+        first, stop = runs[mesh.rank]
+        if grids is not None and stop > first:
+            pixels = torch.cat([px for _, px, _ in parts])
+            rows = slice(sum(patches[:first]), sum(patches[:stop]))
+            out = visual(pixels[rows].to(visual.dtype), grid_thw=grids[first:stop])
+            produced = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
+            mine = produced
+        else:
+            m, p, tp = vision.spatial_merge_size, vision.patch_size, vision.temporal_patch_size
+            dummy = torch.zeros(m * m, 3 * tp * p * p, dtype=visual.dtype, device=visual.device)
+            out = visual(dummy, grid_thw=torch.tensor([[1, m, m]], device=visual.device))
+            produced = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
+            mine = [f[:0] for f in produced]
+        zero = sum(f.sum() for f in produced) * 0.0
+        if grids is None:  # a text-only row: nothing to gather
+            return {}, zero
+        counts = [sum(patches[a:b]) // merge for a, b in runs]
+        gathered = [context_parallel.gather_rows(f, counts, mesh) for f in mine]
+        zero = zero + sum(f.sum() for f in gathered) * 0.0
+        encoded, start = {}, 0
+        for kind, _, grid in parts:
+            n = int(grid.prod(-1).sum()) // merge
+            token = self.hf.config.image_token_id if kind == "image" else self.hf.config.video_token_id
+            local = [
+                context_parallel.local_rows(f[start : start + n], split.full_input_ids, token, split.layout)
+                for f in gathered
+            ]
+            start += n
+            if local[0].shape[0]:
+                extra = {"deepstack_features": [(f,) for f in local[1:]]} if len(local) > 1 else {}
+                encoded[kind] = type(out)(pooler_output=(local[0],), **extra)
+        return encoded, zero
+
     def forward(self, inputs: ModelInputs) -> dict[str, torch.Tensor]:
+        if self.mesh is not None:
+            return self._forward_split(inputs, self.mesh)
         encoded, zero = self._encode_media(inputs)
         input_ids = inputs.input_ids
         if (
@@ -331,17 +457,7 @@ class VLMForTraining(nn.Module):
         ):  # padded baseline: 2-D padding mask, transformers builds the rest
             extra: dict[str, Any] = {"attention_mask": inputs.attention_mask}
         elif inputs.cu_seq_lens is not None and inputs.max_length is not None:
-            extra = attention_kwargs(self.backend, inputs.cu_seq_lens, inputs.max_length, input_ids.shape[1])
-            if self.linear_attention:
-                extra[SEGMENTS] = inputs.cu_seq_lens
-                if extra.get("attention_mask") is not None and not torch.is_tensor(extra["attention_mask"]):
-                    # A flex BlockMask is for the full-attention layers only: transformers' hybrid
-                    # decoder takes a mask per layer type, and its linear-attention layers (isolated by
-                    # SEGMENTS) would read a BlockMask as a padding mask and fail.
-                    extra["attention_mask"] = {
-                        "full_attention": extra["attention_mask"],
-                        "linear_attention": None,
-                    }
+            extra = self._packed_kwargs(inputs.cu_seq_lens, inputs.max_length, input_ids.shape[1])
         else:
             raise ValueError(
                 "model inputs need an attention mask (padded) or cu_seq_lens and max_length (packed)"

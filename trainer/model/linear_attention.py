@@ -30,6 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from packtrain.trainer.model import context_parallel
+from packtrain.trainer.model.context_parallel import LAYOUT as CP_LAYOUT
+
 SEGMENTS = "packtrain_linear_cu_seq_lens"
 """Keyword carrying the packed row's sample boundaries (int, n + 1) down to the linear-attention layers."""
 PATHS = ("fla", "torch")
@@ -143,6 +146,11 @@ def isolate(layer: nn.Module, path: str, kernels: VarlenKernels | None = None) -
         hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None, **kwargs: Any
     ) -> torch.Tensor:
         cu = kwargs.pop(SEGMENTS, None)
+        split = kwargs.pop(CP_LAYOUT, None)  # a context-parallel row: this rank holds 1/N of its tokens
+        if split is not None:
+            return context_parallel.linear_attention(
+                layer, kernels or reference_kernels(), hidden_states, cu, split
+            )
         if cu is None:
             return forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
         if cache is not None or hidden_states.shape[0] != 1:
