@@ -73,7 +73,7 @@ def check_mesh(world_size: int, size: int, heads: int, kv_heads: int | None = No
         raise ConfigError(f"training.contextParallel is {size}; use 1 (off) or more ranks per row")
     if world_size % size:
         raise ConfigError(
-            f"training.contextParallel is {size} but the job has {world_size} ranks; make the number of "
+            f"training.contextParallel is {size} but the job runs {world_size} rank(s); make the number of "
             f"ranks a multiple of {size} (nodes x GPUs per node) or pick a contextParallel that divides it"
         )
     if heads % size:

@@ -163,6 +163,9 @@ RESUME_NEUTRAL = frozenset(
         "training.gradAccum",
         "training.microBatchSequences",
         "training.paddedBatchSize",
+        # How a row is spread over ranks: the same step's gradient whatever it is (context_parallel);
+        # the data position follows the data-parallel world it leaves, as for the world size.
+        "training.contextParallel",
         "training.lossChunkTokens",
         "training.checkpointEvery",
         "training.checkpointAtEnd",
@@ -433,14 +436,14 @@ def resharded_data_state(saved: dict[str, Any], layout: Layout, costs: Sequence[
     keep = global_batch % (layout.world_size * layout.units_per_micro_batch) == 0
     hint = (
         f"training.gradAccum {global_batch // (layout.world_size * layout.units_per_micro_batch)} keeps "
-        f"the global batch of {global_batch} units at {layout.world_size} ranks; "
+        f"the global batch of {global_batch} units at {layout.world_size} data-parallel ranks; "
         if keep
         else ""
     )
     raise ConfigError(
         f"cannot resume here: the checkpoint was written {steps} steps into epoch {epoch} with "
-        f"{old.world_size} ranks x {old.units_per_rank} units per step; those units are not the first "
-        f"steps of that epoch with {layout.world_size} ranks x {layout.units_per_rank}, so resuming would "
+        f"{old.world_size} data-parallel ranks x {old.units_per_rank} units per step; those units are not "
+        f"the first steps of that epoch with {layout.world_size} x {layout.units_per_rank}, so resuming would "
         f"train some twice and skip others. {hint}or resume with the former layout until a checkpoint at "
         "an epoch boundary "
         f"(every {old.steps_per_epoch} steps)"
