@@ -5,7 +5,9 @@ video), fp64. Every rank first runs the row unsplit (`VLMForTraining` without a 
 then its share under context parallelism; per sample, the loss and the gradient of the sample's mean
 loss (summed over the group, as FSDP/DDP reduce them) must equal the unsplit row's and the sample's
 own forward alone. `broken FAMILY...`: positions recomputed after the split (each rank's tokens numbered from
-0): the same comparison must then fail. Prints one JSON line per rank.
+0): the same comparison must then fail. `varlen FAMILY...`: as `samples` through the varlen backend
+(the GPU default) with a CPU reference kernel of torch's `varlen_attn` signature. Prints one JSON
+line per family per rank.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import vlm_fixtures as fx  # noqa: E402
 from packtrain.trainer.data.batch import Batch  # noqa: E402
 from packtrain.trainer.data.packed import collate_packed  # noqa: E402
 from packtrain.trainer.model import context_parallel  # noqa: E402
+from packtrain.trainer.model.attention import VarlenKernel, register_varlen  # noqa: E402
 from packtrain.trainer.model.build import VLMForTraining, build_model  # noqa: E402
 from packtrain.trainer.model.loss import per_sample_sums  # noqa: E402
 
@@ -62,11 +65,35 @@ def _broken_split(real):  # type: ignore[no-untyped-def]
     return split
 
 
-def samples(family: str, broken: bool) -> dict[str, object]:
+KERNEL_CALLS = [0]
+
+
+def _reference_varlen(
+    q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
+):  # type: ignore[no-untyped-def]
+    """torch 2.12's `varlen_attn` signature, computed per sequence by SDPA: the GPU default backend's
+    arguments (the whole row's cu_seq_lens over (T, H/N, D) heads) checked on CPU."""
+    KERNEL_CALLS[0] += 1
+    causal = tuple(window_size) == (-1, 0)
+    out = []
+    for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
+        qs, ks, vs = (x[a:b].transpose(0, 1) for x in (q, k, v))
+        part = F.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=causal, scale=scale, enable_gqa=enable_gqa
+        )
+        out.append(part.transpose(0, 1))
+    return torch.cat(out)
+
+
+def samples(family: str, broken: bool, backend: str = "sdpa") -> dict[str, object]:
     torch.set_num_threads(1)
     world = dist.get_world_size()
     overrides = fx.TINY[family]
-    model = build_model(fx.FOLDER[family], init="random", overrides=overrides, dtype=torch.float64, seed=2)
+    model = build_model(
+        fx.FOLDER[family], init="random", overrides=overrides, dtype=torch.float64, seed=2, attention=backend
+    )
+    if backend == "varlen":
+        register_varlen(VarlenKernel.of(_reference_varlen))
     items = fx.demo_samples(family)
     row = fx.packed_row(items, family)
     batch = collate_packed([row], fx.spec(family))
@@ -80,7 +107,7 @@ def samples(family: str, broken: bool) -> dict[str, object]:
         return sums, counts
 
     # the row unsplit, on this rank alone
-    whole = VLMForTraining(model, "sdpa")
+    whole = VLMForTraining(model, backend)
     out = whole(batch.inputs)
     sums, counts = per_sample(out)
     ref = []
@@ -105,7 +132,7 @@ def samples(family: str, broken: bool) -> dict[str, object]:
     mesh = context_parallel.make_mesh(dist.get_rank(), world, world)
     if broken:
         context_parallel.split_row = _broken_split(context_parallel.split_row)  # type: ignore[assignment]
-    split = VLMForTraining(model, "sdpa", always_run_vision=True, mesh=mesh)
+    split = VLMForTraining(model, backend, always_run_vision=True, mesh=mesh)
     out = split(batch.inputs)
     local_sums, local_counts = per_sample(out)
     full_counts = local_counts.detach().clone()
@@ -129,6 +156,8 @@ def samples(family: str, broken: bool) -> dict[str, object]:
     return {
         "rank": dist.get_rank(),
         "family": family,
+        "backend": backend,
+        "kernel_calls": KERNEL_CALLS[0],
         "tokens": tokens,
         "local": int(out["positions"].numel()),
         **worst,
@@ -139,10 +168,11 @@ def main() -> None:
     dist.init_process_group("gloo")
     try:
         mode, *families = sys.argv[1:]
-        if mode not in ("samples", "broken"):
+        if mode not in ("samples", "broken", "varlen"):
             raise SystemExit(f"unknown mode {mode}")
         for family in families:
-            print(json.dumps(samples(family, mode == "broken")), flush=True)
+            backend = "varlen" if mode == "varlen" else "sdpa"
+            print(json.dumps(samples(family, mode == "broken", backend)), flush=True)
     finally:
         dist.destroy_process_group()
 

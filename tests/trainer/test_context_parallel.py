@@ -127,6 +127,19 @@ def test_each_sample_under_context_parallel_2_equals_the_unsplit_row_and_the_sam
     assert sum(r["local"] for r in ranks) > ranks[0]["local"] > 0  # both ranks hold label tokens
 
 
+def test_the_varlen_backend_gets_the_whole_rows_boundaries_under_context_parallel(shared_dir):
+    """The GPU default (torch's FlashAttention varlen kernel) through the same wrapper, with a CPU
+    reference of its signature: windowed vision (Qwen2.5-VL) and the hybrid decoder (Qwen3.5)."""
+    proc = _torchrun(2, str(HERE / "cp_worker.py"), "varlen", "qwen2.5-vl", "qwen3.5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = _json_lines(proc.stdout)
+    assert {line["family"] for line in lines} == {"qwen2.5-vl", "qwen3.5"} and len(lines) == 4
+    for line in lines:
+        assert line["backend"] == "varlen" and line["kernel_calls"] > 0, line
+        for key in ("loss_vs_row", "loss_vs_alone", "grad_vs_row", "grad_vs_alone"):
+            assert line[key] <= TOL.get(line["family"], FP64_TOL), line
+
+
 def test_positions_recomputed_after_the_split_fail_the_same_check(shared_dir):
     proc = _torchrun(2, str(HERE / "cp_worker.py"), "broken", "qwen2-vl")
     assert proc.returncode == 0, proc.stderr[-3000:]
