@@ -160,6 +160,10 @@ class Family:
     # Tokens the tower adds to each image before its blocks (RICE-ViT's class token): the tower's
     # FLOPs count them, and its merger (which drops them) is counted apart from the tower.
     vision_class_tokens: int = 0
+    # Whether the trainer can split one packed row over ranks (training.contextParallel): a tower of
+    # patches whose features it can deal out per image, and no router whose load-balancing loss is
+    # over a whole micro-batch. The trainer, the planner and the operator all read this.
+    context_parallel: bool = True
     # Special tokens, by name.
     im_start: str = "<|im_start|>"
     assistant_header: str = "<|im_start|>assistant\n"  # rendered text that opens an assistant turn
@@ -353,10 +357,18 @@ QWEN3_5 = replace(
 # tokenizer, processors, vision tower and layout; the experts and the router sit inside the decoder
 # layers (the `llm` part), and the trainer adds the router's load-balancing loss over real tokens.
 QWEN3_5_MOE = replace(
-    QWEN3_5, name="qwen3.5-moe", model_type="qwen3_5_moe", model_class="Qwen3_5MoeForConditionalGeneration"
+    QWEN3_5,
+    name="qwen3.5-moe",
+    model_type="qwen3_5_moe",
+    model_class="Qwen3_5MoeForConditionalGeneration",
+    context_parallel=False,
 )
 QWEN3_VL_MOE = replace(
-    QWEN3_VL, name="qwen3-vl-moe", model_type="qwen3_vl_moe", model_class="Qwen3VLMoeForConditionalGeneration"
+    QWEN3_VL,
+    name="qwen3-vl-moe",
+    model_type="qwen3_vl_moe",
+    model_class="Qwen3VLMoeForConditionalGeneration",
+    context_parallel=False,
 )
 
 # InternVL3 / InternVL3.5 in transformers' native layout (the `-HF` releases): InternViT over fixed
@@ -366,6 +378,7 @@ QWEN3_VL_MOE = replace(
 # tile + `</img>`, and one such block per frame, each after `Frame{n}: `.
 INTERNVL = Family(
     name="internvl",
+    context_parallel=False,
     model_type="internvl",
     model_class="InternVLForConditionalGeneration",
     tokenizer_class=_QWEN_TOKENIZER,
@@ -421,6 +434,7 @@ INTERNVL = Family(
 # upstream's model code has no video path (it refuses the processor's video inputs).
 LLAVA_ONEVISION_1_5 = replace(
     QWEN2_5_VL,
+    context_parallel=False,
     name="llava-onevision-1.5",
     model_type="llavaonevision1_5",
     model_class="LlavaOneVision15ForConditionalGeneration",

@@ -61,6 +61,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from packtrain.core.errors import ConfigError
+from packtrain.core.families import FAMILIES
 from packtrain.core.model_size import LoraShape, ModelDims, ParamCounts, param_counts
 
 GIB = 1 << 30
@@ -392,7 +393,7 @@ def head_problem(d: ModelDims, n: int) -> str | None:
 def context_parallel_degrees(d: ModelDims, x: PlanInputs) -> list[int]:
     """The training.contextParallel values a refusal may suggest: more than the job's, dividing its
     world size and the model's heads (Ulysses splits heads); none for padded rows."""
-    if not x.packed:
+    if not x.packed or not FAMILIES[d.family].context_parallel:
         return []
     return [
         n
@@ -544,6 +545,16 @@ def context_parallel_note(x: PlanInputs) -> str:
     return f", contextParallel {x.context_parallel}: {x.rank_tokens:.0f} tokens a GPU"
 
 
+def unsplit_family(name: str) -> str:
+    """Why a family's rows stay whole on one rank, and what to set."""
+    able = ", ".join(f.name for f in FAMILIES.values() if f.context_parallel)
+    return (
+        f"{name} rows cannot be split over ranks yet (its vision tower takes tiles or images grouped per "
+        f"sample, or its router's load-balancing loss covers a whole micro-batch); the families that can: "
+        f"{able}. Set training.contextParallel: 1"
+    )
+
+
 def context_parallel_problem(
     context_parallel: int, *, world_size: int, world: str, dims: ModelDims | None, packed: bool
 ) -> str | None:
@@ -558,6 +569,8 @@ def context_parallel_problem(
             f"training.contextParallel {n} splits packed rows over ranks, but training.mode is padded (one "
             "sample a row): set training.mode: packed, or training.contextParallel: 1"
         )
+    if dims is not None and not FAMILIES[dims.family].context_parallel:
+        return f"training.contextParallel {n}: {unsplit_family(dims.family)}"
     ok = [
         m
         for m in range(1, min(world_size, 64) + 1)

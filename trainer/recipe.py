@@ -17,8 +17,9 @@ import torch
 from transformers import PretrainedConfig
 
 from packtrain.core.errors import ConfigError
+from packtrain.core.memory_plan import unsplit_family
 from packtrain.core.model_folder import ModelFolder
-from packtrain.core.model_spec import ModelSpec
+from packtrain.core.model_spec import ModelSpec, family_for_model_type
 from packtrain.core.report import rejects_warning
 from packtrain.core.sft_config import DEFAULT_MAX_STEPS, SFTSpecCore
 from packtrain.trainer import distributed
@@ -222,6 +223,9 @@ def _mesh(cfg: SFTSpecCore, env: distributed.DistEnv, config: PretrainedConfig) 
         raise ConfigError(
             "training.contextParallel splits packed rows; set training.mode: packed or contextParallel: 1"
         )
+    family = family_for_model_type(config.model_type)
+    if not family.context_parallel:
+        raise ConfigError(f"training.contextParallel {size}: {unsplit_family(family.name)}")
     text = config.text_config
     context_parallel.check_mesh(
         env.world_size, size, text.num_attention_heads, getattr(text, "num_key_value_heads", None)

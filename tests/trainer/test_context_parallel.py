@@ -25,9 +25,13 @@ from safetensors.torch import load_file
 from torchrun_job import REPO, free_port
 
 from packtrain.core.errors import ConfigError
+from packtrain.core.memory_plan import context_parallel_problem
+from packtrain.core.model_size import model_dims
 from packtrain.trainer.model import context_parallel as cp
+from packtrain.trainer.model.build import VLMForTraining, build_model
 
 HERE = Path(__file__).resolve().parent
+FOLDERS = {"internvl": "internvl3.5", "llava-onevision-1.5": "llava-onevision-1.5"}
 FP64_TOL = 1e-10
 # Qwen3.5: its RMSNorms and delta rule compute in fp32 inside (transformers), as in the unsplit test.
 TOL = {"qwen3.5": 1e-6}
@@ -232,3 +236,15 @@ def test_a_context_parallel_run_resumes_from_its_checkpoint_as_if_never_stopped(
     )
     assert proc.returncode != 0
     assert "1 data-parallel ranks x 1 units per step" in proc.stderr and "with 2 x 1" in proc.stderr
+
+
+@pytest.mark.parametrize("family", ["internvl", "llava-onevision-1.5"])
+def test_families_whose_rows_cannot_be_split_are_refused_by_the_planner_and_the_trainer(family, shared_dir):
+    """One source (`Family.context_parallel`): the plan, the operator and the trainer say the same."""
+    config = json.loads((fx.MODELS / FOLDERS[family] / "config.json").read_text())
+    problem = context_parallel_problem(2, world_size=2, world="2 ranks", dims=model_dims(config), packed=True)
+    assert problem is not None and f"{family} rows cannot be split" in problem
+    assert "qwen2-vl" in problem and "training.contextParallel: 1" in problem
+    hf = build_model(fx.MODELS / FOLDERS[family], init="random", device="meta")
+    with pytest.raises(ConfigError, match="cannot be split over ranks yet"):
+        VLMForTraining(hf, "sdpa", mesh=cp.Mesh(2, 0, None, 0, 1))

@@ -26,6 +26,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from packtrain.core.errors import ConfigError
 from packtrain.core.families import Family
+from packtrain.core.memory_plan import unsplit_family
 from packtrain.core.model_folder import ModelFolder
 from packtrain.core.model_spec import ModelSpec, family_for_model_type, model_spec
 from packtrain.core.sft_config import LOSS_CHUNK_TOKENS
@@ -252,17 +253,13 @@ class VLMForTraining(nn.Module):
         # Context parallelism: each rank of a group holds 1/N of every row (context_parallel).
         self.mesh = mesh if mesh is not None and mesh.on else None
         if self.mesh is not None:
-            self._split_language_model()
+            self._split_language_model(self.mesh.size)
 
-    def _split_language_model(self) -> None:
+    def _split_language_model(self, size: int) -> None:
         """The language model's attention through the group's all-to-all (the vision tower's stays)."""
         family = family_for_model_type(self.hf.config.model_type)
-        if self.tiled or self.groups_by_sample or self.router is not None:
-            kind = "a mixture-of-experts model" if self.router is not None else f"{family.name}"
-            raise ConfigError(
-                f"training.contextParallel > 1 is not supported for {kind} yet (dense Qwen2-VL, "
-                "Qwen2.5-VL, Qwen3-VL and Qwen3.5 are); set training.contextParallel: 1"
-            )
+        if not family.context_parallel or self.tiled or self.groups_by_sample or self.router is not None:
+            raise ConfigError(f"training.contextParallel {size}: {unsplit_family(family.name)}")
         text = self.hf.config.text_config
         inner = HF_IMPLEMENTATION[self.backend]
         name = context_parallel.register(inner)
