@@ -22,7 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/: the shared t
 from support.paths import MODELS
 from support.qwen_sizes import RELEASED, internvl_overrides, llava_ov15_overrides, released_overrides
 
-from packtrain.core.memory_plan import DEFAULT_LORA, GIB, PlanInputs, parse_bytes, plan_memory
+from packtrain.core.memory_plan import (
+    DEFAULT_LORA,
+    GIB,
+    PlanInputs,
+    context_parallel_degrees,
+    parse_bytes,
+    plan_memory,
+)
 from packtrain.core.model_size import model_dims, read_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +52,9 @@ GPUS = {"H100 80 GiB": "80Gi", "H200 141 GiB": "141Gi"}
 WORLD_SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 128)
 
 
-def _fewest_gpus(dims, lora: bool, length: int, gpu_memory: int) -> tuple[int, float] | None:
+def _fewest_gpus(dims, lora: bool, length: int, gpu_memory: int) -> tuple[int, float, int] | None:
+    """The fewest GPUs that fit, their planned memory each, and the least training.contextParallel
+    they need (1 unless one row's activations do not fit a GPU; only families that can split rows)."""
     for world in WORLD_SIZES:
         x = PlanInputs(
             world_size=world,
@@ -56,10 +65,19 @@ def _fewest_gpus(dims, lora: bool, length: int, gpu_memory: int) -> tuple[int, f
             max_length=length,
             gpu_memory=gpu_memory,
         )
-        plan = plan_memory(dims, replace(x, lora=DEFAULT_LORA) if lora else x)
-        if plan.fits:
-            return world, plan.total / GIB
+        x = replace(x, lora=DEFAULT_LORA) if lora else x
+        for degree in [1, *context_parallel_degrees(dims, x)]:
+            plan = plan_memory(dims, replace(x, context_parallel=degree))
+            if plan.fits:
+                return world, plan.total / GIB, degree
     return None
+
+
+def _cell(fit: tuple[int, float, int] | None) -> str:
+    if fit is None:
+        return f"does not fit {WORLD_SIZES[-1]} GPUs"
+    world, gib, degree = fit
+    return f"{world} × {gib:.0f} GiB" + (f", CP {degree}" if degree > 1 else "")
 
 
 # The InternVL3.5 sizes the table shows (all six are in `support.qwen_sizes`; `train --plan` takes any).
@@ -88,10 +106,7 @@ def sizing_table() -> str:
             for lora in (False, True):
                 cells = []
                 for memory in GPUS.values():
-                    fit = _fewest_gpus(dims, lora, length, parse_bytes(memory))
-                    cells.append(
-                        f"{fit[0]} × {fit[1]:.0f} GiB" if fit else f"does not fit {WORLD_SIZES[-1]} GPUs"
-                    )
+                    cells.append(_cell(_fewest_gpus(dims, lora, length, parse_bytes(memory))))
                 what = "LoRA r16" if lora else "full"
                 lines.append(f"| {name} | {length // 1024}k | {what} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
