@@ -3,7 +3,9 @@ under FSDP2 on 1, 2 and 4 ranks: no rank should hold all of the model.
 
 A Qwen2.5-VL of a few hundred million parameters (by default hidden 512, 12 decoder layers: 194 M,
 156 M of them the real 151,936 vocabulary's embedding and untied LM head; a 2-block vision tower;
-4 ranks of hidden 1024 need ~25 GB) is saved once as a real sharded bf16 Hugging Face folder
+4 ranks of hidden 1024 need ~25 GB), or with `--family qwen2-vl` a Qwen2-VL whose LM head is tied
+to the embedding, as Qwen2-VL-2B's (`--hidden 1536 --layers 4`: 342 M parameters, 233 M of them the
+tied vocabulary weight), is saved once as a real sharded bf16 Hugging Face folder
 (model-0000X-of-0000N.safetensors + the index, tokenizer and processor files), beside a small pack
 of the synthetic text/image/video mix at a short maxLength. Each world size then trains it with
 the trainer's own `loop.train` (FSDP2, gloo, one thread per rank; 1 rank is a single process
@@ -34,8 +36,8 @@ because the memory available could not hold it):
 `--planner` compares `packtrain.core.memory_plan`'s per-rank prediction for this model with
 what was measured, then prints its 7B / 32B / 72B table (`plan_table.py`).
 
-    python tests/bench/bench_scale_memory.py [--quick] [--ranks 1 2 4] [--hidden 512] [--layers 12]
-        [--max-length 256] [--steps 2] [--work-dir DIR] [--planner]
+    python tests/bench/bench_scale_memory.py [--quick] [--family qwen2.5-vl|qwen2-vl] [--ranks 1 2 4]
+        [--hidden 512] [--layers 12] [--max-length 256] [--steps 2] [--work-dir DIR] [--planner] [--force]
 """
 
 from __future__ import annotations
@@ -64,18 +66,35 @@ from support.paths import MODELS
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-SOURCE = MODELS / "qwen2.5-vl"  # config, tokenizer and processor files (no weights)
-FAMILY = "qwen2.5-vl"
 MIB = 1 << 20
 PHASES = ("load", "step", "checkpoint", "export")
-VISION = {"depth": 2, "hidden_size": 256, "intermediate_size": 512, "num_heads": 4}
-QUICK_VISION = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
+FAMILIES = ("qwen2.5-vl", "qwen2-vl")
+# A 2-block vision tower per family (config.json keys), full size and `--quick`.
+VISION = {
+    "qwen2.5-vl": {"depth": 2, "hidden_size": 256, "intermediate_size": 512, "num_heads": 4},
+    "qwen2-vl": {"depth": 2, "embed_dim": 384, "num_heads": 6},
+}
+QUICK_VISION = {
+    "qwen2.5-vl": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2},
+    "qwen2-vl": {"depth": 2, "embed_dim": 32, "num_heads": 2},
+}
 
 
-def overrides(hidden: int, layers: int, quick: bool) -> dict[str, Any]:
-    """config.json keys for a Qwen2.5-VL of `hidden` x `layers` with the real vocabulary, untied head."""
+def source(family: str) -> Path:
+    """The family's shared folder: config, tokenizer and processor files (no weights)."""
+    return MODELS / family
+
+
+def overrides(hidden: int, layers: int, quick: bool, family: str = "qwen2.5-vl") -> dict[str, Any]:
+    """config.json keys for a model of `hidden` x `layers` with the real vocabulary: a Qwen2.5-VL
+    with an untied LM head, or a Qwen2-VL with the 2B's head tied to the embedding."""
     head_dim = 32 if quick else 128
     heads, half = max(2, hidden // head_dim), head_dim // 2
+    vision: dict[str, Any] = {**(QUICK_VISION if quick else VISION)[family]}
+    if family == "qwen2.5-vl":
+        vision |= {"out_hidden_size": hidden, "fullatt_block_indexes": [1]}
+    else:
+        vision["hidden_size"] = hidden  # Qwen2-VL's merger output width
     return {
         "hidden_size": hidden,
         "intermediate_size": (hidden * 11 // 4 + 127) // 128 * 128,
@@ -83,24 +102,20 @@ def overrides(hidden: int, layers: int, quick: bool) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": 2 if heads % 2 == 0 else 1,
         "max_window_layers": layers,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": family == "qwen2-vl",
         # Multimodal RoPE's temporal, height and width sections of half a head (16, 24, 24 at 128).
         "rope_scaling": {"type": "mrope", "mrope_section": [half // 4, 3 * half // 8, half - 5 * half // 8]},
-        "vision_config": {
-            **(QUICK_VISION if quick else VISION),
-            "out_hidden_size": hidden,
-            "fullatt_block_indexes": [1],
-        },
+        "vision_config": vision,
     }
 
 
 # -- the model folder and the pack (made once under the work folder) --------------------------------
 
 
-def generate_model(work: Path, hidden: int, layers: int, quick: bool) -> Path:
+def generate_model(work: Path, hidden: int, layers: int, quick: bool, family: str = "qwen2.5-vl") -> Path:
     """A random-init model saved as a sharded bf16 Hugging Face folder (about five shards), with the
     source folder's tokenizer and processor files; reused when already complete."""
-    folder = work / f"qwen2.5-vl-h{hidden}-l{layers}{'-quick' if quick else ''}"
+    folder = work / f"{family}-h{hidden}-l{layers}{'-quick' if quick else ''}"
     if (folder / "model.safetensors.index.json").is_file():
         return folder
     import torch
@@ -110,11 +125,14 @@ def generate_model(work: Path, hidden: int, layers: int, quick: bool) -> Path:
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model = build_model(
-        SOURCE, init="random", overrides=overrides(hidden, layers, quick), dtype=torch.bfloat16
+        source(family),
+        init="random",
+        overrides=overrides(hidden, layers, quick, family),
+        dtype=torch.bfloat16,
     )
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     model.save_pretrained(tmp, max_shard_size=f"{max(1, size // 5 // 1000**2)}MB")
-    for src in SOURCE.iterdir():
+    for src in source(family).iterdir():
         if src.is_file() and src.name != "config.json" and not (tmp / src.name).exists():
             shutil.copy2(src, tmp / src.name)
     del model
@@ -122,9 +140,9 @@ def generate_model(work: Path, hidden: int, layers: int, quick: bool) -> Path:
     return folder
 
 
-def make_pack(work: Path, model: Path, max_length: int, samples: int) -> Path:
+def make_pack(work: Path, model: Path, max_length: int, samples: int, family: str = "qwen2.5-vl") -> Path:
     """The synthetic text/image/video mix packed at `max_length` (truncating longer samples)."""
-    out = work / f"pack-L{max_length}-n{samples}"
+    out = work / f"pack-{family}-L{max_length}-n{samples}"
     if (out / "manifest.json").is_file():
         return out
     from support.pack_runner import run_in_process
@@ -137,13 +155,19 @@ def make_pack(work: Path, model: Path, max_length: int, samples: int) -> Path:
         {
             "source": {"paths": [str(data)]},
             "model": {
-                "family": FAMILY,
+                "family": family,
                 "path": str(model),
                 "maxPixels": 64 * 28 * 28,
                 "videoMaxPixels": 16 * 28 * 28,
                 "maxFrames": 4,
             },
-            "packing": {"maxLength": max_length, "overlong": "truncate", "sequencesPerShard": 16},
+            # Samples whose labels all lie past maxLength cannot be truncated: left out (a third).
+            "packing": {
+                "maxLength": max_length,
+                "overlong": "truncate",
+                "maxRejectedFraction": 0.5,
+                "sequencesPerShard": 16,
+            },
         }
     )
     tmp = out.with_name(out.name + ".tmp")
@@ -477,7 +501,7 @@ def planner_comparison(
     from packtrain.core.memory_plan import PlanInputs, plan_memory
     from packtrain.core.model_size import model_dims
 
-    dims = model_dims(json.loads((model / "config.json").read_text()), FAMILY)
+    dims = model_dims(json.loads((model / "config.json").read_text()), args.family)
     out = []
     for n, ranks in sorted(runs.items()):
         x = PlanInputs(world_size=n, strategy="fsdp", bf16=args.dtype == "bf16", max_length=args.max_length)
@@ -510,17 +534,19 @@ def planner_comparison(
     return out
 
 
-def estimate_mib(hidden: int, layers: int, quick: bool) -> float:
+def estimate_mib(hidden: int, layers: int, quick: bool, family: str = "qwen2.5-vl") -> float:
     """The single process's need: 16 bytes a parameter (fp32 weights, gradients, AdamW) + 2 GiB."""
     from packtrain.trainer.model.build import build_model
 
-    hf = build_model(SOURCE, init="random", overrides=overrides(hidden, layers, quick), device="meta")
+    config = overrides(hidden, layers, quick, family)
+    hf = build_model(source(family), init="random", overrides=config, device="meta")
     return (16 * sum(p.numel() for p in {id(p): p for p in hf.parameters()}.values())) / MIB + 2048
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--family", choices=FAMILIES, default="qwen2.5-vl", help="qwen2-vl: its LM head tied")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--max-length", type=int, default=256)
@@ -531,6 +557,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "packtrain-bench-scale")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per world size")
     p.add_argument("--planner", action="store_true", help="compare with the memory planner")
+    p.add_argument("--force", action="store_true", help="run every world size, whatever the estimate says")
     p.add_argument("--export-shard-mib", type=float, help="export shard size (0: the trainer's default)")
     p.add_argument("--results-dir", type=Path, default=RESULTS)
     p.add_argument("--rank-run", nargs=2, type=Path, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
@@ -543,7 +570,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def world_need_mib(n: int, runs: dict[int, list[dict[str, Any]]]) -> float | None:
     """What `n` ranks need together, from the single process's run: per rank the fixed overhead,
     its share of the state, the single process's activations and two of the largest tensors
-    gathered with their gradients (FSDP2's root unit holds the embedding and the LM head)."""
+    gathered with their gradients (an allowance: the vocabulary units hold at most one weight
+    and its gradient whole at a time). `--force` runs a world size whatever this says."""
     if 1 not in runs:
         return None
     r = runs[1][0]
@@ -566,8 +594,8 @@ def measure(args: argparse.Namespace) -> tuple[dict[int, list[dict[str, Any]]], 
     """The model and the pack (made once), then each world size that fits in the memory available."""
     args.work_dir.mkdir(parents=True, exist_ok=True)
     clock = time.perf_counter()
-    model = generate_model(args.work_dir, args.hidden, args.layers, args.quick)
-    pack = make_pack(args.work_dir, model, args.max_length, args.samples)
+    model = generate_model(args.work_dir, args.hidden, args.layers, args.quick, args.family)
+    pack = make_pack(args.work_dir, model, args.max_length, args.samples, args.family)
     shards = sorted(p.name for p in model.glob("*.safetensors"))
     print(f"model {model.name}: {len(shards)} shards; pack {pack.name} ({time.perf_counter() - clock:.0f} s)")
     spec = job_spec(model, pack, args.work_dir / "out", args.steps, args.dtype)
@@ -576,14 +604,14 @@ def measure(args: argparse.Namespace) -> tuple[dict[int, list[dict[str, Any]]], 
     skipped: dict[int, str] = {}
     for n in sorted(set(args.ranks)):
         need, available = world_need_mib(n, runs), _status_kib("MemAvailable:", "/proc/meminfo") / 1024
-        if need is not None and need > 0.9 * available:
+        if need is not None and need > 0.9 * available and not args.force:
             skipped[n] = f"needs ~{need:,.0f} MiB, {available:,.0f} MiB available"
             print(f"{n} rank(s): skipped, {skipped[n]}", flush=True)
             continue
         runs[n] = run_world(n, spec, args.work_dir, args.timeout, shard)
         peaks = {p: max(r["phases"][p]["peak_mib"] for r in runs[n]) for p in PHASES}
         print(f"{n} rank(s): " + ", ".join(f"{p} {v:,.0f} MiB" for p, v in peaks.items()), flush=True)
-    keys = ("hidden", "layers", "max_length", "steps", "dtype", "samples")
+    keys = ("family", "hidden", "layers", "max_length", "steps", "dtype", "samples")
     meta = {**{k: getattr(args, k) for k in keys}, "model": model.name, "shards": shards}
     return runs, {**meta, "export_shard_bytes": shard, "skipped": skipped}
 
@@ -593,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rank_run:
         rank_run(*args.rank_run)
         return 0
-    need = estimate_mib(args.hidden, args.layers, args.quick)
+    need = estimate_mib(args.hidden, args.layers, args.quick, args.family)
     available = _status_kib("MemAvailable:", "/proc/meminfo") / 1024
     if need > available:
         print(f"skipped: the single process needs ~{need:,.0f} MiB, {available:,.0f} MiB available")
@@ -609,7 +637,8 @@ def main(argv: list[str] | None = None) -> int:
     met = all(r["goal_met"] and r.get("strict_met", True) for r in rows if r["ranks"] > 1)
     print(f"goal {'met' if met else 'MISSED'}: per-rank peak <= 1/N of the single process plus the overhead")
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    name = "bench_scale_memory.quick.json" if args.quick else "bench_scale_memory.json"
+    family = "" if args.family == "qwen2.5-vl" else f".{args.family}"
+    name = f"bench_scale_memory{family}{'.quick' if args.quick else ''}.json"
     out = {"meta": meta, "rows": rows, "runs": runs, "planner": planner, "met": met, "misses": misses}
     (args.results_dir / name).write_text(json.dumps(out, indent=1))
     return 0 if met and not meta["skipped"] else 1

@@ -443,9 +443,9 @@ def resharded_data_state(saved: dict[str, Any], layout: Layout, costs: Sequence[
     raise ConfigError(
         f"cannot resume here: the checkpoint was written {steps} steps into epoch {epoch} with "
         f"{old.world_size} data-parallel ranks x {old.units_per_rank} units per step; those units are not "
-        f"the first steps of that epoch with {layout.world_size} x {layout.units_per_rank}, so resuming would "
-        f"train some twice and skip others. {hint}or resume with the former layout until a checkpoint at "
-        "an epoch boundary "
+        f"the first steps of that epoch with {layout.world_size} x {layout.units_per_rank}, so resuming "
+        f"would train some twice and skip others. {hint}or resume with the former layout until a "
+        "checkpoint at an epoch boundary "
         f"(every {old.steps_per_epoch} steps)"
     )
 
