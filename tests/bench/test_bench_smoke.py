@@ -274,6 +274,25 @@ def test_bench_lora_memory_quick(
     assert "growth saved" in capsys.readouterr().out
 
 
+def test_bench_context_parallel_quick(
+    shared_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One process and two context-parallel gloo ranks train the same packed rows: equal losses,
+    the model state sharded over the group, each rank's activations below the single process's."""
+    args = ["--quick", "--work-dir", str(tmp_path / "work"), "--results-dir", str(tmp_path)]
+    assert load("bench_context_parallel").main(args) == 0
+    result = json.loads((tmp_path / "bench_context_parallel.quick.json").read_text())
+    one, two = result["rows"]
+    assert (one["cp"], two["cp"]) == (1, 2) and one["tokens"] == two["tokens"] > 512
+    assert one["loss_equal"] and two["loss_equal"]
+    assert 0 < two["state_mib"] < 0.6 * one["state_mib"]
+    assert 0 < two["activations_mib"] < one["activations_mib"]
+    assert two["mask_mib"] >= one["mask_mib"] > 0 and two["step_s"] > 0  # the row padded to 2N
+    ranks = result["runs"]["1024"]["2"]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and all(len(r["steps"]) == 2 for r in ranks)
+    assert "loss = CP 1" in capsys.readouterr().out
+
+
 def test_bench_scale_small(shared_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["--samples", "60", "--media-pool", "8", "--planner-n", "50000", "--results-dir", str(tmp_path)]
     assert load("bench_scale").main(args) == 0
