@@ -281,14 +281,7 @@ class VLMForTraining(nn.Module):
         if self.tiled:
             return self._encode_tiles(inputs)
         visual = self.hf.model.visual
-        parts = [
-            (kind, px, grid)
-            for kind, px, grid in (
-                ("image", inputs.pixel_values, inputs.image_grid_thw),
-                ("video", inputs.pixel_values_videos, inputs.video_grid_thw),
-            )
-            if px is not None and grid is not None
-        ]
+        parts = _media_parts(inputs)
         if not parts:
             if not self.always_run_vision:
                 return {}, None
@@ -400,14 +393,7 @@ class VLMForTraining(nn.Module):
         visual = self.hf.model.visual
         vision = self.hf.config.vision_config
         merge = vision.spatial_merge_size**2
-        parts = [
-            (kind, px, grid)
-            for kind, px, grid in (
-                ("image", inputs.pixel_values, inputs.image_grid_thw),
-                ("video", inputs.pixel_values_videos, inputs.video_grid_thw),
-            )
-            if px is not None and grid is not None
-        ]
+        parts = _media_parts(inputs)
         grids = torch.cat([g for _, _, g in parts]) if parts else None
         patches = [] if grids is None else grids.prod(-1).tolist()
         runs = context_parallel.deal(patches, mesh.size)
@@ -476,6 +462,18 @@ class VLMForTraining(nn.Module):
         if self.router is not None:
             result["aux_loss"] = self.router.aux_loss(out.router_logits, inputs.attention_mask)
         return result
+
+
+def _media_parts(inputs: ModelInputs) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(kind, pixels, grids) of the micro-batch's images, then its videos: the order of one tower call."""
+    return [
+        (kind, px, grid)
+        for kind, px, grid in (
+            ("image", inputs.pixel_values, inputs.image_grid_thw),
+            ("video", inputs.pixel_values_videos, inputs.video_grid_thw),
+        )
+        if px is not None and grid is not None
+    ]
 
 
 @dataclass(frozen=True)
