@@ -2,12 +2,13 @@
 step on a packed row of 8k, 16k and 32k tokens, with `training.contextParallel` 1, 2 and 4.
 
 The model is a random-init Qwen2-VL (fp32) wide enough that a long row's activations outweigh its
-weights: hidden 1024, intermediate 2816, 2 decoder layers, 8 query / 2 K/V heads (head dim 128, so
+state: hidden 1024, intermediate 2816, 2 decoder layers, 8 query / 2 K/V heads (head dim 128, so
 contextParallel 4 splits the heads), a 2-block vision tower and the real 151,936-token vocabulary,
 which stays (the tokenizer must match) and makes the tied embedding / LM head 156 M of the model's
-~186 M parameters: the model state (fp32 weights, gradients, AdamW: 16 bytes a parameter, ~2.8 GiB
+182 M parameters: the model state (fp32 weights, gradients, AdamW: 16 bytes a parameter, 2.7 GiB
 in one process) is mostly that one tensor. What grows with the row is the activations (~linear in
-tokens) and the attention mask (quadratic).
+tokens: ~122 KiB a token measured, so they pass the model state at ~23k tokens) and the attention
+mask (quadratic: it passes the per-token activations at ~14k).
 
 Each length gets its own pack of the shared text chats (fastchat, glaive tool calls) and the
 multimodal demo set (a few images), at maxLength 8192 / 16384 / 32768, so that every micro-batch is
@@ -26,7 +27,8 @@ ratios; the row's tokens and each step's loss (which must equal N = 1's: the sam
 The mask: `sdpa` isolates the samples of a row with a dense (T x T) boolean block-causal mask that
 every rank builds for the whole row (T² bytes: 1 GiB at 32k), and PyTorch's CPU attention converts
 it to an additive fp32 mask (4 T² bytes) in each decoder layer's call and keeps that copy for the
-backward, so a step holds T² + 4 T² x layers of mask whatever N is (9 GiB at 32k with 2 layers).
+backward, so a step holds T² + 4 T² x layers of mask whatever N is (9 GiB at 32k with 2 layers;
+an additive fp32 mask passed in is used as is, one 4 T² for all layers).
 Ulysses splits the heads, never the keys, so none of this shrinks with N. The table gives it as its
 own column (computed) and the rest of the peak net of it and of the rank's model state
 ("activations": what context parallelism should divide by N, but for one part that stays: the
@@ -39,7 +41,7 @@ skipped and marked so in the table; one that fails (a rank killed when others' j
 is marked failed, and the benchmark goes on.
 
     python tests/bench/bench_context_parallel.py [--quick] [--lengths 8192 16384 32768] [--cp 1 2 4]
-        [--steps 2] [--work-dir DIR] [--results-dir DIR]
+        [--steps 2] [--work-dir DIR] [--results-dir DIR] [--previous JSON]
 """
 
 from __future__ import annotations
@@ -355,12 +357,17 @@ def measure(args: argparse.Namespace) -> dict[int, dict[int, dict[str, Any]]]:
     layers = int(model["num_hidden_layers"])
     embedding_mib = 151_936 * int(model["hidden_size"]) * 4 / MIB
     done: dict[int, dict[int, dict[str, Any]]] = {}
+    earlier = previous_runs(args.previous, model)
     for length in args.lengths:
         clock = time.perf_counter()
         pack = make_pack(args.work_dir, length, args.quick)
         print(f"pack at {length:,} tokens: {time.perf_counter() - clock:.0f} s", flush=True)
         done[length] = {}
         for n in sorted(set(args.cp)):
+            if "step_s" in earlier.get(length, {}).get(n, {}):
+                done[length][n] = earlier[length][n] | {"previous": True}
+                print(f"{length:,} tokens, CP {n}: from {args.previous}", flush=True)
+                continue
             need = estimate_need_mib(length, n, done, layers, embedding_mib)
             available = _status_kib("MemAvailable:", "/proc/meminfo") / 1024
             if need is not None and need > MEMORY_SHARE * available and not args.force:
@@ -387,13 +394,23 @@ def measure(args: argparse.Namespace) -> dict[int, dict[int, dict[str, Any]]]:
     return done
 
 
+def previous_runs(path: Path | None, model: dict[str, Any]) -> dict[int, dict[int, dict[str, Any]]]:
+    """The measured configurations of an earlier invocation's JSON (`--previous`), for the same model."""
+    if path is None:
+        return {}
+    earlier = json.loads(path.read_text())
+    if earlier["meta"]["model"] != model:
+        raise SystemExit(f"{path} measured another model; leave --previous out")
+    return {int(length): {int(n): r for n, r in cps.items()} for length, cps in earlier["runs"].items()}
+
+
 def table_rows(done: dict[int, dict[int, dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per (length, N), with ratios to N = 1 at the same length and the loss check."""
     rows = []
     for length, cps in done.items():
         one = cps[1] if "step_s" in cps.get(1, {}) else None
         for n, r in cps.items():
-            row: dict[str, Any] = {"max_length": length, "cp": n}
+            row: dict[str, Any] = {"max_length": length, "cp": n, "previous": r.get("previous", False)}
             if "step_s" not in r:
                 rows.append(row | {k: r[k] for k in ("skipped", "failed") if k in r})
                 continue
@@ -441,7 +458,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             continue
         table.add_row(
             f"{r['max_length']:,}",
-            str(r["cp"]),
+            f"{r['cp']}{'*' if r['previous'] else ''}",
             f"{r['tokens']:,}",
             f"{r['peak_over_base_mib']:,.0f}",
             ratio(r, "peak_ratio"),
@@ -458,7 +475,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     console.print(table)
     print(
         "mask: the (T x T) bool block mask + its fp32 copy per decoder layer (sdpa on CPU), the same "
-        "on every rank; state: the rank's weights, gradients and AdamW moments; activations: the rest"
+        "on every rank; state: the rank's weights, gradients and AdamW moments; activations: the rest; "
+        "*: from --previous"
     )
 
 
@@ -474,6 +492,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=3600, help="seconds per configuration")
     p.add_argument("--force", action="store_true", help="run every configuration, whatever the estimate")
     p.add_argument("--results-dir", type=Path, default=RESULTS)
+    p.add_argument("--previous", type=Path, help="an earlier JSON: its measured configurations are kept")
     p.add_argument("--rank-run", nargs=2, type=Path, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
