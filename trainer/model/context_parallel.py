@@ -28,6 +28,7 @@ What is split, and what stays whole:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -270,22 +271,19 @@ def attention(
             "context-parallel attention needs the row's layout; run the model through VLMForTraining"
         )
     n = lay.mesh.size
-    heads, kv_heads = query.shape[1], key.shape[1]
+    kv_heads = key.shape[1]
     if kv_heads % n:  # fewer K/V heads than ranks: repeat each to lcm(H_kv, N) heads
         repeat = math.lcm(kv_heads, n) // kv_heads
         key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
     q, k, v = (seq_to_heads(t.contiguous(), lay) for t in (query, key, value))
     share = _HeadShare(module, q.shape[1] // k.shape[1])
     out, _ = inner(share, q, k, v, attention_mask, **kwargs)  # (B, T, H/N, D)
-    del heads
     return heads_to_seq(out.transpose(1, 2).contiguous(), lay).transpose(1, 2), None
 
 
 def register(backend_impl: str) -> str:
     """Register the context-parallel attention around the transformers implementation `backend_impl`
     (already registered: sdpa, eager, or packtrain's varlen / flex); returns its name."""
-    import functools
-
     from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
