@@ -196,9 +196,7 @@ def test_context_parallel_2_and_4_train_what_one_process_trains_at_16k_tokens(lo
     one = _run(long_pack, tmp_path / "one", 1)
     assert one[1]["tokens"] > 8192 and len(one[0]) == 2  # two steps, one row of up to 16k tokens each
     for size in (2, 4):
-        run = _run(
-            long_pack, tmp_path / f"cp{size}", size, gradAccum=2, contextParallel=size, strategy="fsdp"
-        )
+        run = _run(long_pack, tmp_path / f"cp{size}", size, contextParallel=size, strategy="fsdp")
         print(f"contextParallel {size}: losses {run[0]} vs {one[0]}")
         assert run[1]["tokens"] == one[1]["tokens"]  # each row counted once, not once per rank
         _same_run(run, one)
