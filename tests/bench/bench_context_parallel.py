@@ -48,12 +48,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import gc
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -63,7 +60,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling
+from cluster.controlplane import free_port
 from support.paths import DATASETS, DEMO, MODELS
+from support.rank_memory import hand_back, reset_peak, state_bytes, status_kib
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -149,37 +148,13 @@ def job_spec(pack: Path, output: Path, cp: int, steps: int, quick: bool) -> dict
 # -- inside each rank ---------------------------------------------------------------------------------
 
 
-def _status_kib(field: str, path: str = "/proc/self/status") -> int:
-    for line in Path(path).read_text().splitlines():
-        if line.startswith(field):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
 def _sync() -> None:
-    """Every rank at the same point, the memory freed so far handed back to the system (glibc keeps
-    freed heap pages resident: the next step's peak would count them)."""
+    """Every rank at the same point, the memory freed so far handed back to the system."""
     import torch.distributed as dist
 
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    hand_back()
     if dist.is_initialized():
         dist.barrier()
-
-
-def _local(t: Any) -> Any:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def state_bytes(model: Any, optimizer: Any) -> int:
-    """This rank's parameters, the gradients a step holds and AdamW's moments, in bytes (FSDP2's
-    DTensors counted by their local shard; the tied embedding / LM head once)."""
-    params = {id(p): p for p in model.parameters()}.values()
-    weights = sum(_local(p).numel() * _local(p).element_size() for p in params)
-    grads = sum(_local(p).numel() * _local(p).element_size() for p in params if p.requires_grad)
-    moments = [_local(v) for s in optimizer.state.values() for v in s.values() if hasattr(v, "numel")]
-    return weights + grads + sum(v.numel() * v.element_size() for v in moments)
 
 
 class Meter:
@@ -192,7 +167,7 @@ class Meter:
     def setup(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def measured(*args: Any, **kwargs: Any) -> Any:
             _sync()
-            self.base_mib = _status_kib("VmRSS:") / 1024  # after imports and the process group
+            self.base_mib = status_kib("VmRSS:") / 1024  # after imports and the process group
             return fn(*args, **kwargs)
 
         return measured
@@ -200,11 +175,11 @@ class Meter:
     def step(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def measured(run: Any, micro: list[Any], *args: Any, **kwargs: Any) -> Any:
             _sync()
-            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-            start, clock, cpu = _status_kib("VmRSS:") / 1024, time.perf_counter(), time.process_time()
+            reset_peak()
+            start, clock, cpu = status_kib("VmRSS:") / 1024, time.perf_counter(), time.process_time()
             loss = fn(run, micro, *args, **kwargs)
             seconds, cpu_seconds = time.perf_counter() - clock, time.process_time() - cpu
-            peak = _status_kib("VmHWM:") / 1024
+            peak = status_kib("VmHWM:") / 1024
             self.steps.append(
                 {
                     "peak_mib": peak,
@@ -214,7 +189,7 @@ class Meter:
                     "tokens": sum(int(b.inputs.input_ids.shape[1]) for b in micro),
                     "label_tokens": sum(int(b.info.num_label_tokens) for b in micro),
                     "loss": loss,
-                    "state_mib": state_bytes(run.model, run.optimizer) / MIB,
+                    "state_mib": sum(state_bytes(run.model, run.optimizer).values()) / MIB,
                 }
             )
             _sync()
@@ -247,12 +222,6 @@ def rank_run(job: Path, out: Path) -> None:
 # -- the driver -----------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_config(spec: dict[str, Any], ranks: int, run_dir: Path, timeout: float) -> list[dict[str, Any]]:
     """Train `spec` on `ranks` processes (torchrun; one plain process for 1); each rank's record."""
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -266,7 +235,7 @@ def run_config(spec: dict[str, Any], ranks: int, run_dir: Path, timeout: float) 
         cmd = [sys.executable, *script]
     else:
         torchrun = str(Path(sys.executable).with_name("torchrun"))
-        cmd = [torchrun, "--nproc-per-node", str(ranks), "--master-port", str(_free_port()), *script]
+        cmd = [torchrun, "--nproc-per-node", str(ranks), "--master-port", str(free_port()), *script]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(
         ["nice", "-n", "10", *cmd], capture_output=True, text=True, env=env, timeout=timeout, check=False
@@ -369,7 +338,7 @@ def measure(args: argparse.Namespace) -> dict[int, dict[int, dict[str, Any]]]:
                 print(f"{length:,} tokens, CP {n}: from {args.previous}", flush=True)
                 continue
             need = estimate_need_mib(length, n, done, layers, embedding_mib)
-            available = _status_kib("MemAvailable:", "/proc/meminfo") / 1024
+            available = status_kib("MemAvailable:", "/proc/meminfo") / 1024
             if need is not None and need > MEMORY_SHARE * available and not args.force:
                 reason = f"needs ~{need:,.0f} MiB, {available:,.0f} MiB available"
                 done[length][n] = {"skipped": reason, "need_mib": need, "available_mib": available}
@@ -517,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "threads_per_rank": 1,
         "cpus": os.cpu_count(),
-        "mem_total_mib": _status_kib("MemTotal:", "/proc/meminfo") / 1024,
+        "mem_total_mib": status_kib("MemTotal:", "/proc/meminfo") / 1024,
     }
     args.results_dir.mkdir(parents=True, exist_ok=True)
     name = f"bench_context_parallel{'.quick' if args.quick else ''}.json"

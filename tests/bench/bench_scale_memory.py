@@ -43,16 +43,12 @@ what was measured, then prints its 7B / 32B / 72B table (`plan_table.py`).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import functools
-import gc
 import importlib.util
 import inspect
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -62,7 +58,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared test tooling
+from cluster.controlplane import free_port
 from support.paths import MODELS
+from support.rank_memory import hand_back, reset_peak, state_bytes, status_kib
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -200,18 +198,6 @@ def job_spec(model: Path, pack: Path, output: Path, steps: int, dtype: str) -> d
 # -- inside each rank ---------------------------------------------------------------------------------
 
 
-def _status_kib(field: str, path: str = "/proc/self/status") -> int:
-    for line in Path(path).read_text().splitlines():
-        if line.startswith(field):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _reset_peak() -> None:
-    """VmHWM := VmRSS (Linux: writing 5 to clear_refs resets the peak resident set size)."""
-    Path("/proc/self/clear_refs").write_text("5")
-
-
 class Meter:
     """Each phase's peak RSS in this process, over every call of the functions wrapped for it."""
 
@@ -227,9 +213,7 @@ class Meter:
         (glibc keeps freed heap pages resident: the next phase's peak would count them)."""
         import torch.distributed as dist
 
-        gc.collect()
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        hand_back()
         if dist.is_initialized():
             dist.barrier()
 
@@ -237,19 +221,19 @@ class Meter:
         def measured(*args: Any, **kwargs: Any) -> Any:
             self._sync()
             if not self.base:  # the first phase starts after imports and the process group
-                self.base = {"rss_mib": _status_kib("VmRSS:") / 1024, "hwm_mib": _status_kib("VmHWM:") / 1024}
-            _reset_peak()
-            start, clock = _status_kib("VmRSS:") / 1024, time.perf_counter()
+                self.base = {"rss_mib": status_kib("VmRSS:") / 1024, "hwm_mib": status_kib("VmHWM:") / 1024}
+            reset_peak()
+            start, clock = status_kib("VmRSS:") / 1024, time.perf_counter()
             result = fn(*args, **kwargs)
-            peak = _status_kib("VmHWM:") / 1024
+            peak = status_kib("VmHWM:") / 1024
             self._sync()
             row = self.phases.setdefault(name, {"peak_mib": 0.0, "seconds": 0.0, "calls": 0})
             row["peak_mib"] = max(row["peak_mib"], peak)
             row["seconds"] += time.perf_counter() - clock
             row["calls"] += 1
             row.setdefault("start_mib", start)
-            row["end_mib"] = _status_kib("VmRSS:") / 1024
-            row["end_file_mib"] = _status_kib("RssFile:") / 1024
+            row["end_mib"] = status_kib("VmRSS:") / 1024
+            row["end_file_mib"] = status_kib("RssFile:") / 1024
             if after is not None:
                 after(*args)
             return result
@@ -276,23 +260,6 @@ def largest_unit(model: Any) -> tuple[int, str]:
     for name, numel in owner.values():
         sizes[name] = sizes.get(name, 0) + 4 * numel
     return max(((n, name) for name, n in sizes.items()), default=(0, ""))
-
-
-def _local(t: Any) -> Any:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def state_bytes(model: Any, optimizer: Any) -> dict[str, int]:
-    """This rank's parameters, the gradients a step holds (one per trainable parameter, in its
-    dtype) and AdamW's state, in bytes (FSDP2's DTensors counted by their local shard)."""
-    params = {id(p): p for p in model.parameters()}.values()
-    size = [(_local(p).numel() * _local(p).element_size(), p.requires_grad) for p in params]
-    moments = [_local(v) for s in optimizer.state.values() for v in s.values() if hasattr(v, "numel")]
-    return {
-        "params": sum(n for n, _ in size),
-        "grads": sum(n for n, trainable in size if trainable),
-        "optimizer": sum(v.numel() * v.element_size() for v in moments),
-    }
 
 
 def _patch(
@@ -353,12 +320,6 @@ def rank_run(job: Path, out: Path) -> None:
 # -- the driver -----------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_world(
     ranks: int, spec: dict[str, Any], work: Path, timeout: float, shard_bytes: int
 ) -> list[dict[str, Any]]:
@@ -377,7 +338,7 @@ def run_world(
         cmd = [sys.executable, *script]
     else:
         torchrun = str(Path(sys.executable).with_name("torchrun"))
-        cmd = [torchrun, "--nproc-per-node", str(ranks), "--master-port", str(_free_port()), *script]
+        cmd = [torchrun, "--nproc-per-node", str(ranks), "--master-port", str(free_port()), *script]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     clock = time.perf_counter()
     proc = subprocess.run(
@@ -603,7 +564,7 @@ def measure(args: argparse.Namespace) -> tuple[dict[int, list[dict[str, Any]]], 
     runs: dict[int, list[dict[str, Any]]] = {}
     skipped: dict[int, str] = {}
     for n in sorted(set(args.ranks)):
-        need, available = world_need_mib(n, runs), _status_kib("MemAvailable:", "/proc/meminfo") / 1024
+        need, available = world_need_mib(n, runs), status_kib("MemAvailable:", "/proc/meminfo") / 1024
         if need is not None and need > 0.9 * available and not args.force:
             skipped[n] = f"needs ~{need:,.0f} MiB, {available:,.0f} MiB available"
             print(f"{n} rank(s): skipped, {skipped[n]}", flush=True)
@@ -622,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         rank_run(*args.rank_run)
         return 0
     need = estimate_mib(args.hidden, args.layers, args.quick, args.family)
-    available = _status_kib("MemAvailable:", "/proc/meminfo") / 1024
+    available = status_kib("MemAvailable:", "/proc/meminfo") / 1024
     if need > available:
         print(f"skipped: the single process needs ~{need:,.0f} MiB, {available:,.0f} MiB available")
         return 1
