@@ -285,12 +285,7 @@ class VLMForTraining(nn.Module):
         if not parts:
             if not self.always_run_vision:
                 return {}, None
-            vision = self.hf.config.vision_config
-            m, p, tp = vision.spatial_merge_size, vision.patch_size, vision.temporal_patch_size
-            dummy = torch.zeros(m * m, 3 * tp * p * p, dtype=visual.dtype, device=visual.device)
-            grid = torch.tensor([[1, m, m]], device=visual.device)
-            out = visual(dummy, grid_thw=grid)
-            used = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
+            _, used = self._encode_dummy()
             return {}, sum(f.sum() for f in used) * 0.0
         grids = torch.cat([g for _, _, g in parts])
         out = visual(
@@ -308,6 +303,16 @@ class VLMForTraining(nn.Module):
             encoded[kind] = type(out)(pooler_output=features[items], **extra)
             first += len(grid)
         return encoded, None
+
+    def _encode_dummy(self) -> tuple[Any, list[Any]]:
+        """One zero image of a single merged patch through the tower, for a rank with nothing to
+        encode (its parameters still take part in the step): the output and its feature tensors."""
+        visual = self.hf.model.visual
+        vision = self.hf.config.vision_config
+        m, p, tp = vision.spatial_merge_size, vision.patch_size, vision.temporal_patch_size
+        dummy = torch.zeros(m * m, 3 * tp * p * p, dtype=visual.dtype, device=visual.device)
+        out = visual(dummy, grid_thw=torch.tensor([[1, m, m]], device=visual.device))
+        return out, _features(out)
 
     def _groups(self, inputs: ModelInputs) -> dict[str, Any]:
         """The tower's `group_sizes` (images per sample) for a family whose image features depend on
@@ -402,13 +407,10 @@ class VLMForTraining(nn.Module):
             pixels = torch.cat([px for _, px, _ in parts])
             rows = slice(sum(patches[:first]), sum(patches[:stop]))
             out = visual(pixels[rows].to(visual.dtype), grid_thw=grids[first:stop])
-            produced = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
+            produced = _features(out)
             mine = produced
         else:
-            m, p, tp = vision.spatial_merge_size, vision.patch_size, vision.temporal_patch_size
-            dummy = torch.zeros(m * m, 3 * tp * p * p, dtype=visual.dtype, device=visual.device)
-            out = visual(dummy, grid_thw=torch.tensor([[1, m, m]], device=visual.device))
-            produced = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
+            out, produced = self._encode_dummy()
             mine = [f[:0] for f in produced]
         zero = sum(f.sum() for f in produced) * 0.0
         if grids is None:  # a text-only row: nothing to gather
@@ -462,6 +464,11 @@ class VLMForTraining(nn.Module):
         if self.router is not None:
             result["aux_loss"] = self.router.aux_loss(out.router_logits, inputs.attention_mask)
         return result
+
+
+def _features(out: Any) -> list[Any]:
+    """A tower output's feature tensors: the merged features, then DeepStack's (Qwen3-VL)."""
+    return [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
 
 
 def _media_parts(inputs: ModelInputs) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
