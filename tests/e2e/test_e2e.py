@@ -407,7 +407,7 @@ class ProgressWatch(Background):
 
 
 def test_live_progress_is_scraped_from_the_running_trainer(
-    e2e: Harness, capsys: pytest.CaptureFixture[str]
+    e2e: Harness, quickstart: QuickstartRun, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """While the SFTJob is Running, `status.progress` comes from the trainer's own /metrics.
 
@@ -415,22 +415,19 @@ def test_live_progress_is_scraped_from_the_running_trainer(
     the master pod's IP as on a cluster. The operator scrapes every second here (30 s by default)
     and the run is long enough to span many scrapes; a step below maxSteps while Running can only
     come from the live scrape (the final progress comes with the trainer's summary, at the end).
+    A second SFTJob trains on the quickstart's pack, as one pack serves many training runs.
     """
-    ns, max_steps = "live", 24
-    e2e.namespace_with_claims(ns)
+    ns, name, max_steps = quickstart.ns, "live", 12
     e2e.stop_operator()
     with mock.patch.dict(os.environ, {"PACKTRAIN_PROGRESS_INTERVAL": "1"}):
         e2e.start_operator()
-    docs = quickstart_docs()
-    sft = of_kind(docs, "SFTJob")
+    sft = of_kind(quickstart_docs(), "SFTJob")
+    sft["metadata"]["name"] = name
     sft["spec"]["metricsPort"] = free_port()  # not the default: other runs on this machine may hold it
     sft["spec"]["training"].update(maxSteps=max_steps, checkpointEvery=max_steps)
-    with ProgressWatch(e2e, ns, NAME) as seen:
-        e2e.cp.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all(docs))
-        assert e2e.wait_phase("packjobs", ns, NAME, ("Succeeded", "Failed"), PACK_TIMEOUT) == "Succeeded", (
-            e2e.diagnostics(ns)
-        )
-        assert e2e.wait_phase("sftjobs", ns, NAME, ("Succeeded", "Failed"), TRAIN_TIMEOUT) == "Succeeded", (
+    with ProgressWatch(e2e, ns, name) as seen:
+        e2e.cp.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(sft))
+        assert e2e.wait_phase("sftjobs", ns, name, ("Succeeded", "Failed"), TRAIN_TIMEOUT) == "Succeeded", (
             e2e.diagnostics(ns)
         )
     live = [(t, p) for t, phase, p in seen.seen if phase == "Running" and 1 <= p.get("step", 0) < max_steps]
@@ -441,7 +438,7 @@ def test_live_progress_is_scraped_from_the_running_trainer(
     first, last = live[0], live[-1]
     assert first[1]["maxSteps"] == max_steps and first[1]["loss"] > 0 and first[1]["updatedAt"], first
     done = next(t for t, phase, _ in seen.seen if phase == "Succeeded")
-    final = e2e.get("sftjobs", ns, NAME)["status"]["progress"]
+    final = e2e.get("sftjobs", ns, name)["status"]["progress"]
     assert final["step"] == max_steps, final
     with capsys.disabled():
         print(

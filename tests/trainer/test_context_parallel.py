@@ -3,9 +3,9 @@
 Real torchrun, gloo, CPU. Per sample (fp64, every Qwen family): the loss and the gradient of each
 sample's mean loss under contextParallel 2 equal the unsplit row's and the sample's own forward alone,
 and a control that recomputes positions after the split fails the same check. Per run (fp32, real
-packs at maxLength 16,384 of text, image and video samples): the per-step losses and final weights of
-contextParallel 2 and 4 equal one process's, and contextParallel 2 x data-parallel 2 equals
-data-parallel 2.
+packs of text, image and video samples): the per-step losses and final weights of contextParallel 4
+at maxLength 16,384 equal one process's, contextParallel 2 x data-parallel 2 equals data-parallel 2,
+and a contextParallel 2 run resumed from its checkpoint equals one never stopped.
 """
 
 from __future__ import annotations
@@ -192,14 +192,14 @@ def _same_run(run: tuple, reference: tuple) -> None:
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_context_parallel_2_and_4_train_what_one_process_trains_at_16k_tokens(long_pack, tmp_path):
+def test_context_parallel_4_trains_what_one_process_trains_at_16k_tokens(long_pack, tmp_path):
+    """The widest split the heads allow; contextParallel 2's whole runs are the two tests below."""
     one = _run(long_pack, tmp_path / "one", 1)
     assert one[1]["tokens"] > 8192 and len(one[0]) == 2  # two steps, one row of up to 16k tokens each
-    for size in (2, 4):
-        run = _run(long_pack, tmp_path / f"cp{size}", size, contextParallel=size, strategy="fsdp")
-        print(f"contextParallel {size}: losses {run[0]} vs {one[0]}")
-        assert run[1]["tokens"] == one[1]["tokens"]  # each row counted once, not once per rank
-        _same_run(run, one)
+    run = _run(long_pack, tmp_path / "cp4", 4, contextParallel=4, strategy="fsdp")
+    print(f"contextParallel 4: losses {run[0]} vs {one[0]}")
+    assert run[1]["tokens"] == one[1]["tokens"]  # each row counted once, not once per rank
+    _same_run(run, one)
 
 
 def test_context_parallel_2_by_data_parallel_2_equals_data_parallel_2(pack_dir, tmp_path):
