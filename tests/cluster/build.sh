@@ -250,6 +250,16 @@ fi
 
 # --- add-ons for the end-to-end tests: Kueue, Trainer v2 + JobSet, Prometheus ------------------
 mod_info() { (cd "$GO_SRC/$1" && go list -m -f "{{.$3}}" "$2" 2>>"$LOG"); }
+# mod_dir WRAPPER MODULE: the source folder of the version of MODULE that WRAPPER requires,
+# downloaded again when the module cache no longer holds it (a binary can be up to date while
+# its sources are gone, and `go list` then names no folder).
+mod_dir() {
+  local version dir
+  version="$(mod_info "$1" "$2" Version)"
+  dir="$(cd "$GO_SRC/$1" && download "$2@$version")"
+  [[ -n "$dir" && -d "$dir" ]] || { say "cannot find the sources of $2@$version; see $LOG"; exit 1; }
+  echo "$dir"
+}
 
 # build_tool NAME WRAPPER PACKAGE MODULE [VERSION_VAR]: build PACKAGE (of MODULE, required by the
 # wrapper module tests/cluster/go/WRAPPER) into $BIN/NAME, with VERSION_VAR (a string variable of
@@ -332,9 +342,9 @@ if [[ $WITH_ADDONS == 1 ]]; then
       say "tests/cluster/go/trainer/go.mod requires trainer $built_trainer, but TRAINER_VERSION is $TRAINER_VERSION"
       exit 1
     }
-    kueue_dir="$(mod_info kueue sigs.k8s.io/kueue Dir)"
-    jobset_dir="$(mod_info trainer sigs.k8s.io/jobset Dir)"
-    trainer_dir="$(mod_info trainer github.com/kubeflow/trainer/v2 Dir)"
+    kueue_dir="$(mod_dir kueue sigs.k8s.io/kueue)"
+    jobset_dir="$(mod_dir trainer sigs.k8s.io/jobset)"
+    trainer_dir="$(mod_dir trainer github.com/kubeflow/trainer/v2)"
     rm -rf "$ADDONS" && mkdir -p "$ADDONS/kueue/crds" "$ADDONS/jobset/crds" "$ADDONS/jobset-webhooks" \
       "$ADDONS/trainer/runtimes"
     cp "$kueue_dir"/config/components/crd/bases/*.yaml "$ADDONS/kueue/crds/"
