@@ -25,13 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft.tuners.lora import LoraLayer
 from torch import nn
 from transformers import PreTrainedModel
 
 from packtrain.core.errors import ConfigError
 from packtrain.trainer.model import param_groups
-from packtrain.trainer.model.lora import ADAPTER
+from packtrain.trainer.model.lora import ADAPTER, is_lora_layer
 from packtrain.trainer.model.weights import FLOAT_DTYPES, Checkpoint, ReadStats, match_names
 
 PEFT_WRAPPED = ".base_layer"  # where PEFT moves the wrapped layer's own parameters
@@ -277,7 +276,7 @@ def init_units(hf: PreTrainedModel) -> list[InitUnit]:
 
     def visit(module: nn.Module, name: str, owner: PreTrainedModel) -> None:
         owner = module if isinstance(module, PreTrainedModel) else owner
-        if isinstance(module, LoraLayer):
+        if is_lora_layer(module):
             adapters = {
                 (sub, attr): p
                 for child, sub_module in module.named_children()
@@ -303,5 +302,5 @@ def init_units(hf: PreTrainedModel) -> list[InitUnit]:
 
 def _reset_lora(layer: nn.Module) -> None:
     """PEFT's own adapter init (A: kaiming-uniform, B: zeros), as `lora.apply` configures it."""
-    assert isinstance(layer, LoraLayer)
-    layer.reset_lora_parameters(ADAPTER, True)
+    assert is_lora_layer(layer)
+    layer.reset_lora_parameters(ADAPTER, True)  # type: ignore[operator]

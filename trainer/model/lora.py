@@ -10,17 +10,20 @@ wraps that same object and is kept only to write the adapter in PEFT's format.
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
-from peft.tuners.lora import LoraLayer
 from transformers import PreTrainedModel
 
 from packtrain.core.errors import ConfigError
 from packtrain.core.families import ModuleLayout
 from packtrain.core.sft_config import LoraSpec
 from packtrain.trainer.model import param_groups
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 ADAPTER = "default"
 
@@ -36,6 +39,10 @@ def target_regex(spec: LoraSpec, modules: ModuleLayout) -> str:
 
 def apply(model: PreTrainedModel, spec: LoraSpec, base_path: str | Path) -> PeftModel:
     """Adapters into `model` in place; only they train afterwards."""
+    # PEFT is imported here, not at the top: it costs 0.8 CPU-s per process, which a run without
+    # model.lora (and every rank of it) would pay for nothing.
+    from peft import LoraConfig, get_peft_model
+
     config = LoraConfig(
         r=spec.rank,
         lora_alpha=spec.alpha,  # type: ignore[arg-type]  # PEFT scales by alpha / r in float; annotated int
@@ -58,11 +65,16 @@ def apply(model: PreTrainedModel, spec: LoraSpec, base_path: str | Path) -> Peft
     return peft_model
 
 
+def is_lora_layer(module: torch.nn.Module) -> bool:
+    """Whether `module` is a PEFT LoRA layer. Where `apply` never ran, PEFT is not loaded, and then
+    no module can be one."""
+    tuners = sys.modules.get("peft.tuners.lora")
+    return tuners is not None and isinstance(module, tuners.LoraLayer)
+
+
 def scalings(model: torch.nn.Module) -> dict[str, float]:
     """Each LoRA layer's name (as in `model`'s state dict, without the adapter suffix) → its scale."""
-    return {
-        name: layer.scaling[ADAPTER] for name, layer in model.named_modules() if isinstance(layer, LoraLayer)
-    }
+    return {name: layer.scaling[ADAPTER] for name, layer in model.named_modules() if is_lora_layer(layer)}
 
 
 def merged_state_dict(state: dict[str, torch.Tensor], scale: dict[str, float]) -> dict[str, torch.Tensor]:
