@@ -20,7 +20,9 @@ export GOMODCACHE="$CACHE_ROOT/go/mod"
 export GOCACHE="$CACHE_ROOT/go/build"
 export GOTOOLCHAIN="${PACKTRAIN_GOTOOLCHAIN:-auto}"
 export GOSUMDB="${PACKTRAIN_GOSUMDB:-off}"
-export GOFLAGS="${GOFLAGS:-} -mod=mod -buildvcs=false"
+# No DWARF: -ldflags -s -w strip it from every binary anyway, and not generating it takes 12% off a
+# cold compile (JobSet: 165 CPU-s instead of 187, measured); the binaries are the same size.
+export GOFLAGS="${GOFLAGS:-} -mod=mod -buildvcs=false -gcflags=all=-dwarf=false"
 export CGO_ENABLED=0
 GO_VERSION="$(cd "$GO_MOD_DIR" && go env GOVERSION)" ||
   impossible "the go command cannot provide the toolchain the build needs (GOTOOLCHAIN=$GOTOOLCHAIN); see $LOG"
