@@ -302,5 +302,7 @@ def init_units(hf: PreTrainedModel) -> list[InitUnit]:
 
 def _reset_lora(layer: nn.Module) -> None:
     """PEFT's own adapter init (A: kaiming-uniform, B: zeros), as `lora.apply` configures it."""
-    assert is_lora_layer(layer)
-    layer.reset_lora_parameters(ADAPTER, True)  # type: ignore[operator]
+    from peft.tuners.lora import LoraLayer  # loaded already: `layer` is one
+
+    assert isinstance(layer, LoraLayer)
+    layer.reset_lora_parameters(ADAPTER, True)
