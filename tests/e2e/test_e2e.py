@@ -417,7 +417,7 @@ def test_live_progress_is_scraped_from_the_running_trainer(
     come from the live scrape (the final progress comes with the trainer's summary, at the end).
     A second SFTJob trains on the quickstart's pack, as one pack serves many training runs.
     """
-    ns, name, max_steps = quickstart.ns, "live", 12
+    ns, name, max_steps = quickstart.ns, "live", 8
     e2e.stop_operator()
     with mock.patch.dict(os.environ, {"PACKTRAIN_PROGRESS_INTERVAL": "1"}):
         e2e.start_operator()

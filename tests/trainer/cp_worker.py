@@ -1,13 +1,15 @@
 """One rank of a context-parallel group (torchrun, gloo), checked against the same row on one rank.
 
-`samples FAMILY...`: one packed row of the family's demo samples (text, image, two images,
-video), fp64. Every rank first runs the row unsplit (`VLMForTraining` without a mesh: the reference),
-then its share under context parallelism; per sample, the loss and the gradient of the sample's mean
-loss (summed over the group, as FSDP/DDP reduce them) must equal the unsplit row's and the sample's
-own forward alone. `broken FAMILY...`: positions recomputed after the split (each rank's tokens numbered from
-0): the same comparison must then fail. `varlen FAMILY...`: as `samples` through the varlen backend
-(the GPU default) with a CPU reference kernel of torch's `varlen_attn` signature. Prints one JSON
-line per family per rank.
+Arguments are MODE:FAMILY cases, all run by one torchrun (one start-up of every rank).
+`samples:FAMILY`: one packed row of the family's demo samples (text, image, two images, video), fp64.
+Rank 0 first runs the row unsplit (`VLMForTraining` without a mesh: the reference) and each sample
+alone; then every rank runs its share under context parallelism; per sample, the loss and the
+gradient of the sample's mean loss (summed over the group, as FSDP/DDP reduce them, so every rank
+holds the same) must equal the unsplit row's and the sample's own forward alone. Only rank 0 computes
+the references: the other ranks would compute the same numbers again. `broken:FAMILY`: positions
+recomputed after the split (each rank's tokens numbered from 0): the same comparison must then fail.
+`varlen:FAMILY`: as `samples` through the varlen backend (the GPU default) with a CPU reference
+kernel of torch's `varlen_attn` signature. Prints one JSON line per case per rank.
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ def _reference_varlen(
 
 def samples(family: str, broken: bool, backend: str = "sdpa") -> dict[str, object]:
     torch.set_num_threads(1)
-    world = dist.get_world_size()
+    KERNEL_CALLS[0] = 0  # this case's calls only
+    rank, world = dist.get_rank(), dist.get_world_size()
     overrides = fx.TINY[family]
     model = build_model(
         fx.FOLDER[family], init="random", overrides=overrides, dtype=torch.float64, seed=2, attention=backend
@@ -106,34 +109,38 @@ def samples(family: str, broken: bool, backend: str = "sdpa") -> dict[str, objec
         counts = per_sample_sums(ones, out["positions"], batch.info.sample_index, n)
         return sums, counts
 
-    # the row unsplit, on this rank alone
-    whole = VLMForTraining(model, backend)
-    out = whole(batch.inputs)
-    sums, counts = per_sample(out)
-    ref = []
-    for k in range(n):
-        (sums[k] / counts[k]).backward(retain_graph=k < n - 1)
-        ref.append(((sums[k] / counts[k]).item(), _grads(model)))
-
-    # each sample alone, through the model's own forward
-    alone = []
-    for sample in items:
-        inputs = {
-            k: (v.double() if k.startswith("pixel_values") else v)
-            for k, v in sample.hf.items()
-            if k != "attention_mask"
-        }
-        logits = model(**inputs, use_cache=False).logits[0, :-1]
-        loss = F.cross_entropy(logits, torch.tensor(sample.labels[1:]), ignore_index=-100)
-        loss.backward()
-        alone.append((loss.item(), _grads(model)))
+    ref: list[tuple[float, dict[str, torch.Tensor]]] = []
+    alone: list[tuple[float, dict[str, torch.Tensor]]] = []
+    if rank == 0:
+        # the row unsplit, on this rank alone
+        whole = VLMForTraining(model, backend)
+        out = whole(batch.inputs)
+        sums, counts = per_sample(out)
+        for k in range(n):
+            (sums[k] / counts[k]).backward(retain_graph=k < n - 1)
+            ref.append(((sums[k] / counts[k]).item(), _grads(model)))
+        # each sample alone, through the model's own forward
+        for sample in items:
+            inputs = {
+                k: (v.double() if k.startswith("pixel_values") else v)
+                for k, v in sample.hf.items()
+                if k != "attention_mask"
+            }
+            logits = model(**inputs, use_cache=False).logits[0, :-1]
+            loss = F.cross_entropy(logits, torch.tensor(sample.labels[1:]), ignore_index=-100)
+            loss.backward()
+            alone.append((loss.item(), _grads(model)))
 
     # the row split over the group
-    mesh = context_parallel.make_mesh(dist.get_rank(), world, world)
+    mesh = context_parallel.make_mesh(rank, world, world)
+    real_split = context_parallel.split_row
     if broken:
-        context_parallel.split_row = _broken_split(context_parallel.split_row)  # type: ignore[assignment]
-    split = VLMForTraining(model, backend, always_run_vision=True, mesh=mesh)
-    out = split(batch.inputs)
+        context_parallel.split_row = _broken_split(real_split)  # type: ignore[assignment]
+    try:
+        split = VLMForTraining(model, backend, always_run_vision=True, mesh=mesh)
+        out = split(batch.inputs)
+    finally:
+        context_parallel.split_row = real_split  # type: ignore[assignment]
     local_sums, local_counts = per_sample(out)
     full_counts = local_counts.detach().clone()
     dist.all_reduce(full_counts, group=mesh.group)
@@ -143,6 +150,8 @@ def samples(family: str, broken: bool, backend: str = "sdpa") -> dict[str, objec
     for k in range(n):
         (local_sums[k] / full_counts[k]).backward(retain_graph=True)
         grads = _grads(model, mesh.group)
+        if rank != 0:
+            continue
         mean = (full_sums[k] / full_counts[k]).item()
         worst["loss_vs_row"] = max(worst["loss_vs_row"], abs(mean - ref[k][0]) / abs(ref[k][0]))
         worst["loss_vs_alone"] = max(worst["loss_vs_alone"], abs(mean - alone[k][0]) / abs(alone[k][0]))
@@ -152,27 +161,30 @@ def samples(family: str, broken: bool, backend: str = "sdpa") -> dict[str, objec
             worst["grad_vs_alone"] = max(
                 worst["grad_vs_alone"], _rel(grads.get(name, torch.zeros_like(g)), g)
             )
+    shared = [worst]
+    dist.broadcast_object_list(shared, src=0)  # rank 0's comparison, which the all-reduce made every rank's
     tokens = int(batch.inputs.input_ids.shape[1])
     return {
-        "rank": dist.get_rank(),
+        "rank": rank,
         "family": family,
         "backend": backend,
         "kernel_calls": KERNEL_CALLS[0],
         "tokens": tokens,
         "local": int(out["positions"].numel()),
-        **worst,
+        **shared[0],
     }
 
 
 def main() -> None:
     dist.init_process_group("gloo")
     try:
-        mode, *families = sys.argv[1:]
-        if mode not in ("samples", "broken", "varlen"):
-            raise SystemExit(f"unknown mode {mode}")
-        for family in families:
+        for case in sys.argv[1:]:
+            mode, _, family = case.partition(":")
+            if mode not in ("samples", "broken", "varlen") or family not in fx.TINY:
+                raise SystemExit(f"unknown case {case}: give MODE:FAMILY (MODE: samples, broken or varlen)")
             backend = "varlen" if mode == "varlen" else "sdpa"
-            print(json.dumps(samples(family, mode == "broken", backend)), flush=True)
+            line = samples(family, mode == "broken", backend)
+            print(json.dumps({"mode": mode, **line}), flush=True)
     finally:
         dist.destroy_process_group()
 

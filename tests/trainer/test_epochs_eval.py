@@ -70,7 +70,7 @@ def test_max_steps_and_epochs_are_exclusive_and_the_default_stays_100():
     with pytest.raises(ValidationError):
         SFTSpecCore.model_validate({"data": {"path": "p", "evalFraction": 0.9}, "model": {"path": "m"}})
     quickstart = load_train_config(REPO / "examples" / "quickstart.yaml")
-    assert quickstart.training.fixed_steps() == 12 and quickstart.data.eval_fraction == 0
+    assert quickstart.training.fixed_steps() == 6 and quickstart.data.eval_fraction == 0
 
 
 @pytest.mark.parametrize(
