@@ -190,7 +190,7 @@ else
   say "building kube-apiserver, kube-controller-manager, kube-scheduler, kubectl $K8S_VERSION and etcd (cold: ~12 min on 2 cores)"
   fetch_modules "$GO_SRC/kube"
   t0=$SECONDS
-  (cd "$GO_SRC/kube" && run go build -p 2 -trimpath -ldflags "$(kube_ldflags)" -o "$BIN/" \
+  (cd "$GO_SRC/kube" && run "${GO_BUILD[@]}" -ldflags "$(kube_ldflags)" -o "$BIN/" \
       k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
       k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl ./etcd) ||
     { say "Kubernetes build failed; see $LOG"; exit 1; }
@@ -206,7 +206,7 @@ else
   say "building helm $HELM_VERSION"
   fetch_modules "$GO_SRC/helm"
   t0=$SECONDS
-  (cd "$GO_SRC/helm" && run go build -p 2 -trimpath \
+  (cd "$GO_SRC/helm" && run "${GO_BUILD[@]}" \
       -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean" \
       -o "$BIN/helm" helm.sh/helm/v3/cmd/helm) ||
     { say "helm build failed; see $LOG"; exit 1; }
@@ -223,7 +223,7 @@ if [[ $WITH_TRAINING_OPERATOR == 1 ]]; then
     say "building training-operator $TRAINING_OPERATOR_VERSION"
     fetch_modules "$GO_SRC/kubeflow"
     t0=$SECONDS
-    (cd "$GO_SRC/kubeflow" && run go build -p 2 -trimpath -ldflags "-s -w" -o "$BIN/training-operator" \
+    (cd "$GO_SRC/kubeflow" && run "${GO_BUILD_CONTROLLER[@]}" -ldflags "-s -w" -o "$BIN/training-operator" \
         github.com/kubeflow/training-operator/cmd/training-operator.v1) ||
       { say "training-operator build failed; see $LOG"; exit 1; }
     echo "$TO_STAMP" >"$STAMPS/training-operator"
@@ -276,7 +276,7 @@ build_tool() {
   [[ -n "$version_var" ]] && ldflags+=" -X $version_var=$version"
   say "building $name from $module $version"
   t0=$SECONDS
-  (cd "$GO_SRC/$wrapper" && run go build -p 2 -trimpath -ldflags "$ldflags" -o "$BIN/$name" "$pkg") ||
+  (cd "$GO_SRC/$wrapper" && run "${GO_BUILD_CONTROLLER[@]}" -ldflags "$ldflags" -o "$BIN/$name" "$pkg") ||
     { say "$name build failed; see $LOG"; exit 1; }
   echo "$st" >"$STAMPS/$name"
   say "$name $version built in $((SECONDS - t0)) s"

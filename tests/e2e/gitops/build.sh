@@ -58,7 +58,7 @@ fi
 say "building gitops-sync (github.com/argoproj/gitops-engine; cold: about 200 CPU-seconds)"
 t0=$SECONDS
 rm -f "$DIR/stamp"
-(cd "$HERE" && go build -p 2 -trimpath -ldflags "-s -w" -o "$BIN" . >>"$LOG" 2>&1) ||
+(cd "$HERE" && "${GO_BUILD_CONTROLLER[@]}" -ldflags "-s -w" -o "$BIN" . >>"$LOG" 2>&1) ||
   { say "gitops-sync build failed; see $LOG"; exit 1; }
 echo "$STAMP" >"$DIR/stamp"
 rm -f "$UNAVAILABLE"
