@@ -103,3 +103,50 @@ def test_without_a_claim_folder_each_part_runs_all_of_its_own(tmp_path: Path) ->
         out = proc.communicate(timeout=300)[0]
         assert proc.returncode == 0 and deselected in out, out
         assert {module for _, module, _ in _ran(log)} == {f"test_{part}_{i}" for i in range(modules)}
+
+
+def test_each_process_writes_what_each_module_cost_and_the_run_merges_them(tmp_path: Path) -> None:
+    root, log, claims = tmp_path / "suite", tmp_path / "ran.jsonl", tmp_path / "claims"
+    root.mkdir()
+    _suite(root, log)
+    claims.mkdir()
+    procs = {
+        part: _pytest(root, f"--part={part}", f"--share={claims}", f"--module-costs={tmp_path / part}.json")
+        for part in ("rest", "cluster")
+    }
+    for proc in procs.values():
+        out = proc.communicate(timeout=300)[0]
+        assert proc.returncode == 0, out
+    merged = tmp_path / "merged.json"
+    parts = [str(tmp_path / f"{part}.json") for part in procs]
+    done = subprocess.run(
+        [sys.executable, str(SUPPORT / "suite_parts.py"), str(merged), *parts], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    costs = json.loads(merged.read_text())
+    modules = [f"test_cluster_{i}.py" for i in range(2)] + [f"test_rest_{i}.py" for i in range(8)]
+    assert sorted(costs) == sorted(modules)
+    # Three tests of 0.2 s each: the wall seconds are whole seconds, rounded.
+    assert all(costs[f"test_rest_{i}.py"]["wall_s"] in (0, 1) for i in range(8))
+    assert "10 modules" in done.stdout and "the 15 that took the most CPU" in done.stdout
+
+
+def test_shared_modules_go_longest_first_and_those_waiting_for_a_late_build_last() -> None:
+    sys.path.insert(0, str(SUPPORT))
+    try:
+        from suite_parts import longest_first
+    finally:
+        sys.path.remove(str(SUPPORT))
+
+    class Item:
+        def __init__(self, nodeid: str, *fixturenames: str) -> None:
+            self.nodeid, self.fixturenames = nodeid, fixturenames
+
+    items = [
+        Item("a.py::t1"), Item("a.py::t2"), Item("late.py::t", "e2e_images"), Item("b.py::t"),
+        Item("new.py::t"), Item("c.py::t1"), Item("c.py::t2"),
+    ]  # fmt: skip
+    seconds = {"a.py": 10.0, "b.py": 300.0, "c.py": 40.0, "late.py": 900.0}
+    order = [item.nodeid for item in longest_first(items, seconds)]  # type: ignore[arg-type]
+    # new.py was never measured: it counts as the median module (170 s, between c.py and b.py).
+    assert order == ["b.py::t", "new.py::t", "c.py::t1", "c.py::t2", "a.py::t1", "a.py::t2", "late.py::t"]

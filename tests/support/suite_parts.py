@@ -7,8 +7,16 @@ add-ons, the GitOps engine, the images), which `.ci/run` is still building when 
 
 `--share DIR` shares the rest's modules out while the run goes: whenever a process needs more work it
 claims the next module nobody has claimed yet (a file created with O_EXCL in DIR), so the cluster part,
-once its own tests are done, takes on rest modules instead of idling beside the rest part. A module
-always runs whole in one process, so its module-scoped fixtures start once.
+once its own tests are done, takes on rest modules instead of idling beside the rest part (and
+`.ci/run` starts a second rest process once its builds are done, to fill the cores the end-to-end tests
+leave idle while they wait on pods). A module always runs whole in one process, so its module-scoped
+fixtures start once. Shared modules are handed out longest first, by the seconds each took in a past
+run (`module_seconds.json` beside this file): the run then ends on short modules, not on one process
+alone with a long one.
+
+`--module-costs FILE` writes the wall and CPU seconds (its own and its waited-for children's) each
+module took in this process; `python tests/support/suite_parts.py OUT FILE...` merges those of a
+run's processes into OUT (`.ci/run` refreshes `module_seconds.json` so) and prints the costliest.
 
 Give each as one token (`--part=rest --share=DIR`): pytest reads the command line once before this
 plugin adds the options, and a DIR that already exists would then be taken for a test path.
@@ -16,9 +24,14 @@ plugin adds the options, and a DIR that already exists would then be taken for a
 
 from __future__ import annotations
 
+import json
 import os
+import resource
+import statistics
+import sys
+import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -28,7 +41,10 @@ CLUSTER_FIXTURES = ("kube_cluster", "e2e", "built_images", "prometheus_tools")
 # control planes, last, once the images and the control plane are built.
 LATE_FIXTURES = ("e2e", "built_images", "prometheus_tools", "e2e_images")
 
+MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")
+
 _SHARED = pytest.StashKey[set[str]]()  # node ids of the tests handed out by claim
+_COSTS = pytest.StashKey[dict[str, list[float]]]()  # module -> [wall s, CPU s] in this process
 _RAN = pytest.StashKey[tuple[int, int]]()  # (modules this process claimed, modules shared)
 
 
@@ -47,6 +63,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="with --part: hand out the rest's modules to whichever process asks first, claimed in DIR "
         "(both processes name the same DIR); the cluster part takes them on once its own tests are done",
     )
+    parser.addoption(
+        "--module-costs",
+        metavar="FILE",
+        default=None,
+        help="write the wall and CPU seconds each module took in this process to FILE (JSON)",
+    )
 
 
 def _fixtures(item: pytest.Item) -> tuple[str, ...]:
@@ -64,6 +86,23 @@ def late_modules_last(items: list[pytest.Item]) -> list[pytest.Item]:
     return sorted(items, key=lambda item: _module(item) in late)
 
 
+def past_seconds(path: Path = MODULE_SECONDS) -> dict[str, float]:
+    """Each module's wall seconds in the run `path` was written from (none when it is absent)."""
+    try:
+        costs = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {module: float(cost["wall_s"]) for module, cost in costs.items()}
+
+
+def longest_first(items: list[pytest.Item], seconds: dict[str, float]) -> list[pytest.Item]:
+    """`items` module by module, the longest modules first (a module not yet measured counts as the
+    median one), the modules that wait for a late build still last, each module kept whole."""
+    late = {_module(item) for item in items if any(name in _fixtures(item) for name in LATE_FIXTURES)}
+    unknown = statistics.median(seconds.values()) if seconds else 0.0
+    return sorted(items, key=lambda item: (_module(item) in late, -seconds.get(_module(item), unknown)))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     part = config.getoption("part")
     if part is None:
@@ -79,7 +118,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
     config.stash[_SHARED] = {item.nodeid for item in shared}
-    items[:] = late_modules_last(own) + late_modules_last(shared)
+    items[:] = late_modules_last(own) + longest_first(shared, past_seconds())
 
 
 def _claim(folder: Path, module: str) -> bool:
@@ -138,9 +177,60 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
     return True
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of the children it has waited for (subprocesses, torchrun)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    wall, cpu = time.monotonic(), _cpu_seconds()
+    yield
+    cost = item.config.stash.setdefault(_COSTS, {}).setdefault(_module(item), [0.0, 0.0])
+    cost[0] += time.monotonic() - wall
+    cost[1] += _cpu_seconds() - cpu
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    out = session.config.getoption("module_costs")
+    if out is not None:
+        costs = session.config.stash.get(_COSTS, {})
+        Path(out).write_text(json.dumps({m: {"wall_s": w, "cpu_s": c} for m, (w, c) in costs.items()}))
+
+
+def merge_costs(parts: Sequence[Path]) -> dict[str, dict[str, int]]:
+    """The per-process files of one run as one table, whole seconds, in module order."""
+    merged: dict[str, dict[str, int]] = {}
+    for part in parts:
+        for module, cost in json.loads(part.read_text()).items():
+            merged[module] = {key: round(value) for key, value in cost.items()}
+    return dict(sorted(merged.items()))
+
+
+def main(argv: Sequence[str]) -> int:
+    """`suite_parts.py OUT PART...`: merge a run's `--module-costs` files into OUT and print the
+    modules that took the most CPU."""
+    if len(argv) < 2:
+        print("usage: suite_parts.py OUT PART...", file=sys.stderr)
+        return 2
+    merged = merge_costs([Path(part) for part in argv[1:]])
+    Path(argv[0]).write_text(json.dumps(merged, indent=1) + "\n")
+    total = sum(cost["cpu_s"] for cost in merged.values())
+    print(f"{len(merged)} modules, {total} CPU-s in all (test processes and the children they waited for)")
+    print("the 15 that took the most CPU:")
+    for module, cost in sorted(merged.items(), key=lambda kv: -kv[1]["cpu_s"])[:15]:
+        print(f"  {cost['cpu_s']:6d} CPU-s {cost['wall_s']:6d} s  {module}")
+    return 0
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     ran = config.stash.get(_RAN, None)
     if ran is not None:
         terminalreporter.write_line(
             f"shared modules: this process ran {ran[0]} of {ran[1]} (the other process ran the rest)"
         )
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
