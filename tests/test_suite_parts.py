@@ -131,7 +131,7 @@ def test_each_process_writes_what_each_module_cost_and_the_run_merges_them(tmp_p
     assert "10 modules" in done.stdout and "the 15 that took the most CPU" in done.stdout
 
 
-def test_shared_modules_go_longest_first_and_those_waiting_for_a_late_build_last() -> None:
+def test_shared_modules_go_longest_first_and_those_waiting_for_a_late_build_near_the_end() -> None:
     sys.path.insert(0, str(SUPPORT))
     try:
         from suite_parts import longest_first
@@ -147,6 +147,12 @@ def test_shared_modules_go_longest_first_and_those_waiting_for_a_late_build_last
         Item("new.py::t"), Item("c.py::t1"), Item("c.py::t2"),
     ]  # fmt: skip
     seconds = {"a.py": 10.0, "b.py": 300.0, "c.py": 40.0, "late.py": 900.0}
-    order = [item.nodeid for item in longest_first(items, seconds)]  # type: ignore[arg-type]
-    # new.py was never measured: it counts as the median module (170 s, between c.py and b.py).
-    assert order == ["b.py::t", "new.py::t", "c.py::t1", "c.py::t2", "a.py::t1", "a.py::t2", "late.py::t"]
+
+    def order(slack: float) -> list[str]:
+        return [item.nodeid for item in longest_first(items, seconds, slack)]  # type: ignore[arg-type]
+
+    # new.py was never measured: it counts as the median module (170 s, between c.py and b.py). The late
+    # module goes where at least `slack` seconds of the others are still to come.
+    assert order(50) == ["b.py::t", "new.py::t", "late.py::t", "c.py::t1", "c.py::t2", "a.py::t1", "a.py::t2"]
+    assert order(0) == ["b.py::t", "new.py::t", "c.py::t1", "c.py::t2", "a.py::t1", "a.py::t2", "late.py::t"]
+    assert order(10_000)[0] == "late.py::t"

@@ -11,8 +11,8 @@ once its own tests are done, takes on rest modules instead of idling beside the 
 `.ci/run` starts a second rest process once its builds are done, to fill the cores the end-to-end tests
 leave idle while they wait on pods). A module always runs whole in one process, so its module-scoped
 fixtures start once. Shared modules are handed out longest first, by the seconds each took in a past
-run (`module_seconds.json` beside this file): the run then ends on short modules, not on one process
-alone with a long one.
+run (`module_seconds.json` beside this file), those waiting for a late build a little before the
+end: the run then ends on short modules, not on one process alone with a long one.
 
 `--module-costs FILE` writes the wall and CPU seconds (its own and its waited-for children's) each
 module took in this process; `python tests/support/suite_parts.py OUT FILE...` merges those of a
@@ -42,6 +42,10 @@ CLUSTER_FIXTURES = ("kube_cluster", "e2e", "built_images", "prometheus_tools")
 LATE_FIXTURES = ("e2e", "built_images", "prometheus_tools", "e2e_images")
 
 MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")
+# How many measured module seconds of other work still follow the shared modules that wait for a late
+# build: in a cold run they are then claimed minutes after their build is done and minutes before
+# the end (a module's seconds were measured beside the other processes).
+LATE_SLACK_S = 900.0
 
 _SHARED = pytest.StashKey[set[str]]()  # node ids of the tests handed out by claim
 _COSTS = pytest.StashKey[dict[str, list[float]]]()  # module -> [wall s, CPU s] in this process
@@ -95,12 +99,26 @@ def past_seconds(path: Path = MODULE_SECONDS) -> dict[str, float]:
     return {module: float(cost["wall_s"]) for module, cost in costs.items()}
 
 
-def longest_first(items: list[pytest.Item], seconds: dict[str, float]) -> list[pytest.Item]:
-    """`items` module by module, the longest modules first (a module not yet measured counts as the
-    median one), the modules that wait for a late build still last, each module kept whole."""
+def longest_first(
+    items: list[pytest.Item], seconds: dict[str, float], slack: float = LATE_SLACK_S
+) -> list[pytest.Item]:
+    """`items` module by module (each kept whole), the longest first: a module not yet measured
+    counts as the median one. The modules that wait for a late build go where `slack` seconds of the
+    others are still to come: not first, while their build may still be going (the process would wait
+    on it), and not last, where one process would end the run alone on a long module."""
     late = {_module(item) for item in items if any(name in _fixtures(item) for name in LATE_FIXTURES)}
     unknown = statistics.median(seconds.values()) if seconds else 0.0
-    return sorted(items, key=lambda item: (_module(item) in late, -seconds.get(_module(item), unknown)))
+    groups: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        groups.setdefault(_module(item), []).append(item)
+    order = sorted(groups, key=lambda module: -seconds.get(module, unknown))
+    others = [module for module in order if module not in late]
+    cut, left = len(others), 0.0
+    while cut > 0 and left < slack:
+        cut -= 1
+        left += seconds.get(others[cut], unknown)
+    placed = others[:cut] + [module for module in order if module in late] + others[cut:]
+    return [item for module in placed for item in groups[module]]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
