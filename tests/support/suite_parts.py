@@ -83,10 +83,15 @@ def _module(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
+def _late_modules(items: list[pytest.Item]) -> set[str]:
+    """The modules with a test that needs a late build."""
+    return {_module(item) for item in items if any(name in _fixtures(item) for name in LATE_FIXTURES)}
+
+
 def late_modules_last(items: list[pytest.Item]) -> list[pytest.Item]:
     """`items` with every module that has a test needing a late build after the others, each module
     kept whole (a module-scoped control plane starts once) and otherwise in collection order."""
-    late = {_module(item) for item in items if any(name in _fixtures(item) for name in LATE_FIXTURES)}
+    late = _late_modules(items)
     return sorted(items, key=lambda item: _module(item) in late)
 
 
@@ -106,7 +111,7 @@ def longest_first(
     counts as the median one. The modules that wait for a late build go where `slack` seconds of the
     others are still to come: not first, while their build may still be going (the process would wait
     on it), and not last, where one process would end the run alone on a long module."""
-    late = {_module(item) for item in items if any(name in _fixtures(item) for name in LATE_FIXTURES)}
+    late = _late_modules(items)
     unknown = statistics.median(seconds.values()) if seconds else 0.0
     groups: dict[str, list[pytest.Item]] = {}
     for item in items:
@@ -246,7 +251,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
     ran = config.stash.get(_RAN, None)
     if ran is not None:
         terminalreporter.write_line(
-            f"shared modules: this process ran {ran[0]} of {ran[1]} (the other process ran the rest)"
+            f"shared modules: this process ran {ran[0]} of {ran[1]} (the other processes ran the rest)"
         )
 
 
