@@ -55,6 +55,12 @@ impossible() {
   exit 3
 }
 sha() { sha256sum | cut -c1-64; }
+# cpu_mark: CPU_NOW = the CPU seconds this script's finished children used so far (bash's `times`,
+# read in this shell: a command substitution forks and would count from zero).
+cpu_mark() {
+  times >"$CACHE/tmp/times.$$"
+  CPU_NOW="$(awk 'NR == 2 { n = 0; for (i = 1; i <= 2; i++) { split($i, t, /[ms]/); n += t[1] * 60 + t[2] } printf "%d", n }' "$CACHE/tmp/times.$$")"
+}
 
 # --- tools ---------------------------------------------------------------------------------------
 missing=()
@@ -92,6 +98,8 @@ if [ "$force" = 1 ] || [ "$(cat "$CACHE/stamps/base.key" 2>/dev/null)" != "$base
     || ! "${PODMAN[@]}" image exists "$BASE_TAG"; then
   log "base: mmdebstrap $SUITE + $BASE_PACKAGES"
   t0=$SECONDS
+  cpu_mark
+  c0=$CPU_NOW
   tarball="$CACHE/tmp/base-$SUITE.tar"
   rm -f "$tarball"
   # minbase, no docs, man pages or locales, no apt lists: what a slim image leaves out too.
@@ -110,7 +118,8 @@ if [ "$force" = 1 ] || [ "$(cat "$CACHE/stamps/base.key" 2>/dev/null)" != "$base
   rm -f "$tarball"
   echo "$base_key" >"$CACHE/stamps/base.key"
   rm -f "$CACHE"/stamps/{operator,packer,trainer}.key
-  log "base: done in $((SECONDS - t0)) s"
+  cpu_mark
+  log "base: done in $((SECONDS - t0)) s, $((CPU_NOW - c0)) CPU-s"
 fi
 
 # --- the images ----------------------------------------------------------------------------------
@@ -171,6 +180,8 @@ for image in "${images[@]}"; do
   [ "$free_gb" -ge "$need_gb" ] || impossible "building $image needs ${need_gb} GB free on $CACHE's disk, $free_gb GB are"
   log "$image: building $tag"
   t0=$SECONDS
+  cpu_mark
+  c0=$CPU_NOW
   rm -f "$CACHE/stamps/$image.key"
   # The dependency layer's epoch is its lock's commit time: a new commit alone does not rebuild it.
   lock_epoch="$(git -C "$REPO" log -1 --format=%ct -- "images/$image/requirements.txt" 2>/dev/null || true)"
@@ -195,7 +206,8 @@ for image in "${images[@]}"; do
   echo "$deps" >"$CACHE/stamps/$image.deps"
   # The replaced image and the builder stages' layers: nothing points at them any more.
   "${PODMAN[@]}" image prune -f >>"$LOG" 2>&1 || true
-  log "$image: built in $((SECONDS - t0)) s"
+  cpu_mark
+  log "$image: built in $((SECONDS - t0)) s, $((CPU_NOW - c0)) CPU-s"
 done
 # The wheels served only the dependency layers just built (the trainer's are ~4 GB): a lock change
 # downloads its own.

@@ -189,13 +189,14 @@ if fresh kube "$KUBE_STAMP" && bins_present "${KUBE_BINS[@]}"; then
 else
   say "building kube-apiserver, kube-controller-manager, kube-scheduler, kubectl $K8S_VERSION and etcd (cold: ~12 min on 2 cores)"
   fetch_modules "$GO_SRC/kube"
-  t0=$SECONDS
+  t0=$SECONDS; cpu_mark; c0=$CPU_NOW
   (cd "$GO_SRC/kube" && run "${GO_BUILD[@]}" -ldflags "$(kube_ldflags)" -o "$BIN/" \
       k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
       k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl ./etcd) ||
     { say "Kubernetes build failed; see $LOG"; exit 1; }
   echo "$KUBE_STAMP" >"$STAMPS/kube"
-  say "kubernetes + etcd built in $((SECONDS - t0)) s"
+  cpu_mark
+  say "kubernetes + etcd built in $((SECONDS - t0)) s, $((CPU_NOW - c0)) CPU-s"
 fi
 
 # --- helm ----------------------------------------------------------------------------------------
@@ -205,13 +206,14 @@ if fresh helm "$HELM_STAMP" && [[ -x "$BIN/helm" ]]; then
 else
   say "building helm $HELM_VERSION"
   fetch_modules "$GO_SRC/helm"
-  t0=$SECONDS
+  t0=$SECONDS; cpu_mark; c0=$CPU_NOW
   (cd "$GO_SRC/helm" && run "${GO_BUILD[@]}" \
       -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean" \
       -o "$BIN/helm" helm.sh/helm/v3/cmd/helm) ||
     { say "helm build failed; see $LOG"; exit 1; }
   echo "$HELM_STAMP" >"$STAMPS/helm"
-  say "helm built in $((SECONDS - t0)) s"
+  cpu_mark
+  say "helm built in $((SECONDS - t0)) s, $((CPU_NOW - c0)) CPU-s"
 fi
 
 # --- Kubeflow training-operator (optional) -------------------------------------------------------
@@ -222,12 +224,13 @@ if [[ $WITH_TRAINING_OPERATOR == 1 ]]; then
   else
     say "building training-operator $TRAINING_OPERATOR_VERSION"
     fetch_modules "$GO_SRC/kubeflow"
-    t0=$SECONDS
+    t0=$SECONDS; cpu_mark; c0=$CPU_NOW
     (cd "$GO_SRC/kubeflow" && run "${GO_BUILD_CONTROLLER[@]}" -ldflags "-s -w" -o "$BIN/training-operator" \
         github.com/kubeflow/training-operator/cmd/training-operator.v1) ||
       { say "training-operator build failed; see $LOG"; exit 1; }
     echo "$TO_STAMP" >"$STAMPS/training-operator"
-    say "training-operator built in $((SECONDS - t0)) s"
+    cpu_mark
+    say "training-operator built in $((SECONDS - t0)) s, $((CPU_NOW - c0)) CPU-s"
   fi
 fi
 
@@ -275,11 +278,12 @@ build_tool() {
   version="$(mod_info "$wrapper" "$module" Version)"
   [[ -n "$version_var" ]] && ldflags+=" -X $version_var=$version"
   say "building $name from $module $version"
-  t0=$SECONDS
+  t0=$SECONDS; cpu_mark; c0=$CPU_NOW
   (cd "$GO_SRC/$wrapper" && run "${GO_BUILD_CONTROLLER[@]}" -ldflags "$ldflags" -o "$BIN/$name" "$pkg") ||
     { say "$name build failed; see $LOG"; exit 1; }
   echo "$st" >"$STAMPS/$name"
-  say "$name $version built in $((SECONDS - t0)) s"
+  cpu_mark
+  say "$name $version built in $((SECONDS - t0)) s, $((CPU_NOW - c0)) CPU-s"
 }
 
 # Debian's prometheus package: the candidate version apt knows (after `apt-get update` when it knows
@@ -317,7 +321,7 @@ fetch_prometheus() {
     return
   fi
   say "fetching Debian's prometheus $version"
-  t0=$SECONDS
+  t0=$SECONDS; cpu_mark; c0=$CPU_NOW
   rm -rf "$dest" && mkdir -p "$dest/deb"
   (cd "$dest/deb" && run apt-get download "prometheus=$version") ||
     { prometheus_unavailable "apt-get download prometheus=$version failed; see $LOG"; return; }
@@ -325,7 +329,8 @@ fetch_prometheus() {
   run dpkg -x "$deb" "$dest/root" || { say "dpkg -x $deb failed; see $LOG"; exit 1; }
   cp "$dest/root/usr/bin/prometheus" "$dest/root/usr/bin/promtool" "$BIN/"
   echo "$st" >"$STAMPS/prometheus"
-  say "prometheus $version fetched in $((SECONDS - t0)) s"
+  cpu_mark
+  say "prometheus $version fetched in $((SECONDS - t0)) s, $((CPU_NOW - c0)) CPU-s"
 }
 
 if [[ $WITH_ADDONS == 1 ]]; then

@@ -29,6 +29,14 @@ export GOFLAGS="${GOFLAGS:-} -mod=mod -buildvcs=false"
 # So only the add-on controllers (Kueue, JobSet, Trainer v2, the training-operator, the GitOps engine),
 # which sit mostly idle between the few events of a test, are built without inlining; the API server,
 # etcd, kubectl and helm, which the tests keep busy, are built as usual.
+# cpu_mark: CPU_NOW = the CPU seconds this script's finished children have used so far (bash's
+# `times`, read in this shell: a command substitution would fork and count from zero), so each
+# step's log line can say what it cost as well as how long it took on a machine others share.
+cpu_mark() {
+  times >"$CACHE_ROOT/.times-$$"
+  CPU_NOW="$(awk 'NR == 2 { n = 0; for (i = 1; i <= 2; i++) { split($i, t, /[ms]/); n += t[1] * 60 + t[2] } printf "%d", n }' "$CACHE_ROOT/.times-$$")"
+  rm -f "$CACHE_ROOT/.times-$$"
+}
 GO_BUILD=(go build -p 2 -trimpath "-gcflags=all=-dwarf=false")
 GO_BUILD_CONTROLLER=(go build -p 2 -trimpath "-gcflags=all=-dwarf=false -l")
 export CGO_ENABLED=0

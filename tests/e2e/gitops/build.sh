@@ -56,11 +56,12 @@ fi
 (cd "$HERE" && go mod download >>"$LOG" 2>&1) ||
   impossible "cannot download the modules of tests/e2e/gitops from the Go module proxy (GOPROXY=$(go env GOPROXY)); see $LOG"
 say "building gitops-sync (github.com/argoproj/gitops-engine; cold: about 200 CPU-seconds)"
-t0=$SECONDS
+t0=$SECONDS; cpu_mark; c0=$CPU_NOW
 rm -f "$DIR/stamp"
 (cd "$HERE" && "${GO_BUILD_CONTROLLER[@]}" -ldflags "-s -w" -o "$BIN" . >>"$LOG" 2>&1) ||
   { say "gitops-sync build failed; see $LOG"; exit 1; }
 echo "$STAMP" >"$DIR/stamp"
 rm -f "$UNAVAILABLE"
-say "gitops-sync built in $((SECONDS - t0)) s"
+cpu_mark
+say "gitops-sync built in $((SECONDS - t0)) s, $((CPU_NOW - c0)) CPU-s"
 echo "$BIN"
