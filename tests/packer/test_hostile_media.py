@@ -27,6 +27,9 @@ from packtrain.packer.sources.records import iter_records
 from packtrain.packer.stages.convert import convert
 from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample
 
+# Measures the memory of processes it starts: they run with glibc's default malloc settings.
+pytestmark = pytest.mark.measures_memory
+
 QWEN2 = MODELS / "qwen2-vl"
 
 

@@ -31,6 +31,9 @@ from packtrain.packer.long_text import PieceEncoder
 from packtrain.packer.sources.raw import RawRecord
 from packtrain.packer.tokenize import Reject, SampleTokenizer, TokenizedSample
 
+# Measures the memory of processes it starts: they run with glibc's default malloc settings.
+pytestmark = pytest.mark.measures_memory
+
 QWEN2 = MODELS / "qwen2-vl"
 QWEN35 = MODELS / "qwen3.5"
 PACKTRAIN = str(Path(sys.executable).with_name("packtrain"))

@@ -21,6 +21,9 @@ from packtrain.core.errors import ConfigError, MediaError
 from packtrain.packer.media.access import open_regular
 from packtrain.packer.sources.records import expand_paths
 
+# Measures the memory of processes it starts: they run with glibc's default malloc settings.
+pytestmark = pytest.mark.measures_memory
+
 QWEN2 = MODELS / "qwen2-vl"
 
 

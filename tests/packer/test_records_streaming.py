@@ -22,6 +22,9 @@ from packtrain.packer.sources import records
 from packtrain.packer.sources.raw import SKIPPED, RawRecord
 from packtrain.packer.sources.records import iter_records
 
+# Measures the memory of processes it starts: they run with glibc's default malloc settings.
+pytestmark = pytest.mark.measures_memory
+
 MIXED: list[Any] = [
     {"messages": [{"role": "user", "content": 'quote " bracket ] brace } comma , colon :'}]},
     7,

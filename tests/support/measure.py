@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from .malloc import glibc_default
+
 # A parent of its own: this test process's RUSAGE_CHILDREN would include every earlier child, and a
 # child forked from it would start from its peak (Linux keeps it across fork).
 _PROBE = (
@@ -21,7 +23,9 @@ _PROBE = (
 
 def run_measured(args: list[str], timeout: float = 600) -> tuple[int, str, str, float, float]:
     """(exit code, stdout, stderr, seconds, peak RSS in MiB) of one command."""
-    env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "COLUMNS": "300"}
+    # glibc's default malloc settings, as a user's process has (support/malloc.py).
+    env = glibc_default(os.environ)
+    env |= {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "COLUMNS": "300"}
     done = subprocess.run(
         [sys.executable, "-c", _PROBE, *args], capture_output=True, text=True, timeout=timeout, env=env
     )

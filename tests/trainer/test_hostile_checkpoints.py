@@ -39,6 +39,9 @@ from packtrain.trainer.distributed import DistEnv
 from packtrain.trainer.loop import train
 from packtrain.trainer.state import checkpoint
 
+# Measures the memory of processes it starts: they run with glibc's default malloc settings.
+pytestmark = pytest.mark.measures_memory
+
 PACKTRAIN = str(Path(sys.executable).parent / "packtrain")
 STEPS = 3  # the runs train to step 3; resumed ones from copies of the straight run's step 1 and 2
 

@@ -23,6 +23,9 @@ from packtrain.core.model_size import LoraShape, model_dims, planning_config, re
 from packtrain.core.pack.schema import FORMAT_VERSION
 from packtrain.trainer import cli, memory_check
 
+# Measures the memory of processes it starts: they run with glibc's default malloc settings.
+pytestmark = pytest.mark.measures_memory
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_memory_plan.py"
 SEVEN_B = released_overrides("7B")
 SEVENTY_TWO_B = released_overrides("72B")

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import os
 from pathlib import Path
 
 import av
 import numpy as np
+import pytest
 import torch
+from support import malloc
 
 from packtrain.trainer.data.media import (
     PixelSpec,
@@ -17,6 +20,9 @@ from packtrain.trainer.data.media import (
     media_pixels,
     video_pixels_from_frames,
 )
+
+# Measures the memory of processes it starts: they run with glibc's default malloc settings.
+pytestmark = pytest.mark.measures_memory
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_video_memory.py"
 
@@ -76,3 +82,8 @@ def test_a_video_bomb_costs_a_worker_little_memory(tmp_path: Path) -> None:
     # Keeping the 40 source frames costs 40 x 12 MiB twice over; one frame at a time, a few.
     assert result["growth_kib"] < 200 * 1024, result
     assert result["patches"] == [20 * 8 * 8, 1176]
+
+
+def test_this_module_s_processes_allocate_as_glibc_does_by_default() -> None:
+    """The module is marked `measures_memory`: the suite's malloc settings are not in its environment."""
+    assert not set(malloc.SETTINGS) & set(os.environ)
