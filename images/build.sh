@@ -55,12 +55,9 @@ impossible() {
   exit 3
 }
 sha() { sha256sum | cut -c1-64; }
-# cpu_mark: CPU_NOW = the CPU seconds this script's finished children used so far (bash's `times`,
-# read in this shell: a command substitution forks and would count from zero).
-cpu_mark() {
-  times >"$CACHE/tmp/times.$$"
-  CPU_NOW="$(awk 'NR == 2 { n = 0; for (i = 1; i <= 2; i++) { split($i, t, /[ms]/); n += t[1] * 60 + t[2] } printf "%d", n }' "$CACHE/tmp/times.$$")"
-}
+# cpu_mark: what a step cost in CPU seconds.
+# shellcheck source=../.ci/cpu_mark.sh
+source "$REPO/.ci/cpu_mark.sh"
 
 # --- tools ---------------------------------------------------------------------------------------
 missing=()

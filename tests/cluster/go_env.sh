@@ -33,14 +33,9 @@ export GOFLAGS="${GOFLAGS:-} -mod=mod -buildvcs=false"
 GO_BUILD=(go build -p 2 -trimpath "-gcflags=all=-dwarf=false")
 GO_BUILD_CONTROLLER=(go build -p 2 -trimpath "-gcflags=all=-dwarf=false -l")
 
-# cpu_mark: CPU_NOW = the CPU seconds this script's finished children have used so far (bash's
-# `times`, read in this shell: a command substitution would fork and count from zero), so each
-# step's log line can say what it cost as well as how long it took on a machine others share.
-cpu_mark() {
-  times >"$CACHE_ROOT/.times-$$"
-  CPU_NOW="$(awk 'NR == 2 { n = 0; for (i = 1; i <= 2; i++) { split($i, t, /[ms]/); n += t[1] * 60 + t[2] } printf "%d", n }' "$CACHE_ROOT/.times-$$")"
-  rm -f "$CACHE_ROOT/.times-$$"
-}
+# cpu_mark: what a step cost in CPU seconds.
+# shellcheck source=../../.ci/cpu_mark.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../../.ci/cpu_mark.sh"
 export CGO_ENABLED=0
 GO_VERSION="$(cd "$GO_MOD_DIR" && go env GOVERSION)" ||
   impossible "the go command cannot provide the toolchain the build needs (GOTOOLCHAIN=$GOTOOLCHAIN); see $LOG"
