@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from packtrain.core.contract import parse_summary
+from packtrain.core.report import write_line
 
 LOG_FORMATS = ("auto", "rich", "json")
 METRICS_ANY_PORT = "PACKTRAIN_METRICS_ANY_PORT"
@@ -109,7 +110,7 @@ def reporter_for(log_format: str, stream: TextIO, every: int = 1) -> Reporter:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, not {log_format!r}")
     if log_format == "rich" or (log_format == "auto" and stream.isatty()):
         return ProgressBar(Console(file=stream, force_terminal=log_format == "rich" or None))
-    return JsonLines(lambda line: print(line, file=stream, flush=True), every)
+    return JsonLines(lambda line: write_line(line, stream), every)
 
 
 def follow(lines: Iterable[str], reporter: Reporter, echo: Callable[[str], None]) -> dict[str, Any]:

@@ -9,14 +9,28 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from packtrain.core.config import DEFAULT_MAX_REJECTED_FRACTION
 from packtrain.core.contract import reject_fixes
 
 TERMINATION_LOG = "/dev/termination-log"
 LIMIT = 4096  # the kubelet keeps at most 4 KiB of a termination message
+
+
+def write_line(text: str, stream: TextIO | None = None) -> None:
+    """Write `text` and its newline in one write, then flush.
+
+    `print` writes the text and the newline separately when Python runs unbuffered
+    (PYTHONUNBUFFERED=1, common in containers and CI), so lines of processes sharing one pipe
+    (torchrun's ranks) could interleave as `{...}{...}`; one write of a line under the pipe's
+    4 KiB atomic limit cannot be split.
+    """
+    out = sys.stdout if stream is None else stream
+    out.write(text + "\n")
+    out.flush()
 
 
 def termination_log_path() -> Path | None:
@@ -51,7 +65,7 @@ def compact(summary: dict[str, Any]) -> str:
 
 def report(summary: dict[str, Any]) -> None:
     text = compact(summary)
-    print(text, flush=True)
+    write_line(text)
     path = termination_log_path()
     if path is not None:
         path.write_text(text)

@@ -29,7 +29,7 @@ from packtrain.core.errors import (
 from packtrain.core.families import FAMILY_NAMES
 from packtrain.core.model_spec import pack_family
 from packtrain.core.output_lock import claim_output
-from packtrain.core.report import report
+from packtrain.core.report import report, write_line
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
@@ -194,7 +194,7 @@ def _run(args: argparse.Namespace) -> int:
         from packtrain.packer.export_energon import export_energon
 
         layout = "samples" if args.samples else "packed"
-        print(json.dumps(export_energon(Path(args.path), Path(args.output), layout)), flush=True)
+        write_line(json.dumps(export_energon(Path(args.path), Path(args.output), layout)))
         return EXIT_OK
 
     cfg = build_config(args)
@@ -257,11 +257,11 @@ def _pack_run(cfg: PackConfig, out: Path, args: argparse.Namespace) -> int:
         )
     except PackRefused as exc:  # no manifest; the stats of what would have been packed
         tools.print_stats(exc.manifest, out)
-        print(json.dumps(tools.summary_line(exc.manifest, out) | {"timings": timings}), flush=True)
+        write_line(json.dumps(tools.summary_line(exc.manifest, out) | {"timings": timings}))
         print(f"packtrain pack run: {exc.report['error']}", file=sys.stderr)
         return EXIT_CONFIG
     tools.print_stats(manifest, out)
-    print(json.dumps(tools.summary_line(manifest, out) | {"timings": timings}), flush=True)
+    write_line(json.dumps(tools.summary_line(manifest, out) | {"timings": timings}))
     return EXIT_OK
 
 

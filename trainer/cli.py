@@ -25,6 +25,7 @@ from packtrain.core.errors import (
     ShardFormatError,
 )
 from packtrain.core.progress import LOG_FORMATS, reporter_for
+from packtrain.core.report import write_line
 from packtrain.core.sft_config import load_train_config
 
 
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             _terminate({"error": f"{type(exc).__name__}: {worker_message(exc)}"})
         raise
     if distributed.environ().is_main:
-        print(json.dumps(summary), flush=True)
+        write_line(json.dumps(summary))
         _terminate(summary)
         if summary.get("resumed_from") and not summary.get("steps_this_run"):
             print(f"packtrain train: {already_complete(cfg.training.output_dir, summary)}", file=sys.stderr)
@@ -244,7 +245,7 @@ def _plan(opts: argparse.Namespace, cfg: Any) -> int:
         return _fail(f"configuration error: {split}")
     plan = plan_memory(dims, x)
     if opts.json:
-        print(json.dumps(plan_json(dims, plan)), flush=True)
+        write_line(json.dumps(plan_json(dims, plan)))
     else:
         print_table(dims, plan)
     return EXIT_OK if plan.fits else EXIT_CONFIG

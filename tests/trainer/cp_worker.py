@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import vlm_fixtures as fx  # noqa: E402
 
+from packtrain.core.report import write_line  # noqa: E402
 from packtrain.trainer.data.batch import Batch  # noqa: E402
 from packtrain.trainer.data.packed import collate_packed  # noqa: E402
 from packtrain.trainer.model import context_parallel  # noqa: E402
@@ -184,7 +185,7 @@ def main() -> None:
                 raise SystemExit(f"unknown case {case}: give MODE:FAMILY (MODE: samples, broken or varlen)")
             backend = "varlen" if mode == "varlen" else "sdpa"
             line = samples(family, mode == "broken", backend)
-            print(json.dumps({"mode": mode, **line}), flush=True)
+            write_line(json.dumps({"mode": mode, **line}))  # both ranks share one pipe
     finally:
         dist.destroy_process_group()
 
