@@ -10,6 +10,8 @@ import argparse
 import importlib
 import re
 import shlex
+import shutil
+import subprocess
 import sys
 import unicodedata
 from collections.abc import Iterator
@@ -34,6 +36,10 @@ from packtrain.core.model_size import model_dims, read_config
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+QUICKSTART = (
+    'python3 -P -m venv .venv && .venv/bin/pip install -e ".[trainer]" && '
+    ".venv/bin/packtrain run examples/quickstart.yaml"
+)
 PAGES = [
     README,
     *sorted((REPO / "docs").glob("*.md")),
@@ -268,14 +274,41 @@ def test_a_wrong_flag_is_caught() -> None:
 
 def test_the_readme_keeps_the_two_setup_commands() -> None:
     text = README.read_text()
-    quickstart = (
-        'python3 -m venv .venv && .venv/bin/pip install -e ".[trainer]" && '
-        ".venv/bin/packtrain run examples/quickstart.yaml"
-    )
-    assert f"```bash\n{quickstart}\n```" in text
+    assert f"```bash\n{QUICKSTART}\n```" in text
     assert "```bash\nbash .ci/run\n```" in text
     assert (REPO / ".ci/run").exists()
     assert (REPO / "examples/quickstart.yaml").exists()
+
+
+def _interpreters() -> list[str]:
+    """Each Python 3.11+ this machine has as `python3`: the one on PATH and the distribution's."""
+    found = {}
+    for name in ("python3", "/usr/bin/python3"):
+        if (path := shutil.which(name)) is not None:
+            probe = [
+                path,
+                "-I",
+                "-c",
+                "import os, sys; print(os.path.realpath(sys.executable), sys.version_info >= (3, 11))",
+            ]
+            out = subprocess.run(probe, capture_output=True, text=True, check=False).stdout.split()
+            if out and out[1] == "True":
+                found.setdefault(out[0], path)
+    return sorted(found.values())
+
+
+@pytest.mark.parametrize("python", _interpreters())
+def test_the_quickstarts_venv_step_works_from_the_checkout_with_each_python(
+    python: str, tmp_path: Path
+) -> None:
+    """Run from the checkout, `python3 -m venv` imports the standard library with the current folder
+    first on its path, where `operator/` hides Python's `operator`: a distribution's Python (which
+    imports it no sooner) then fails; the README's step must work with every interpreter here."""
+    step = QUICKSTART.split("&&")[0].split()
+    assert step[0] == "python3" and step[-1] == ".venv", step
+    command = [python, *step[1:-1], "--without-pip", str(tmp_path / "venv")]
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def main(argv: list[str] | None = None) -> int:
