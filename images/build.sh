@@ -144,12 +144,13 @@ deps_key() {
 # pip's HTTP cache does not persist through every proxy, so the locked wheels are downloaded
 # here once (hash-checked; this machine's Python and glibc pick the files the image's would) and
 # handed to the build read-only; it installs them with no index.
-WHEELS="$CACHE/wheels"
+WHEELS="$(realpath -m "$CACHE/wheels")"  # absolute: fetch_wheels runs pip from /
 PY="${PYTHON:-python3}"
 fetch_wheels() {
   mkdir -p "$WHEELS"
-  "$PY" -m pip download -q --disable-pip-version-check --require-hashes --no-deps --only-binary=:all: \
-      -r "$HERE/$1/requirements.txt" -d "$WHEELS" >>"$LOG" 2>&1
+  # From /: run in the checkout, `-m` would put its operator/ before the standard library's operator.
+  (cd / && "$PY" -m pip download -q --disable-pip-version-check --require-hashes --no-deps --only-binary=:all: \
+      -r "$HERE/$1/requirements.txt" -d "$WHEELS") >>"$LOG" 2>&1
 }
 
 for image in "${images[@]}"; do
